@@ -1,0 +1,1 @@
+"""specray.cluster: serve config YAMLs, cluster manifests and resource helpers."""

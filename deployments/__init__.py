@@ -1,0 +1,1 @@
+"""specray.deployments: CLI, benchmark and (Ray Serve) deployments."""

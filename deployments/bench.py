@@ -1,0 +1,344 @@
+"""`specray bench`: speculator chains against no speculation, in one run.
+
+Every configuration runs the same prompts on the same loaded model, category
+by category, configurations interleaved so that machine drift hits them all
+alike. At temperature 0 each configuration's tokens are compared with
+`none`'s: a divergence whose first differing position had a top-2 logit
+margin (in the `none` run) below the tie bound counts as `tie_divergence`
+(llama.cpp's CPU kernels are not batch-invariant, so near-ties may flip),
+anything else as a `mismatch`. With --exact every divergence is a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from specray.engine.chain import Chain
+from specray.engine.config import ChainConfig, EngineConfig, parse_chain
+from specray.engine.speculators.registry import make_speculator
+
+from .local_engine import LocalEngine
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SPEC_BENCH_CANDIDATES = [
+    os.environ.get("SPECRAY_SPEC_BENCH", ""),
+    str(REPO_ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"),
+    str(REPO_ROOT / "shared" / "data" / "spec_bench" / "question.jsonl"),
+]
+
+
+def default_prompts_path() -> str:
+    for p in SPEC_BENCH_CANDIDATES:
+        if p and os.path.isfile(p):
+            return p
+    raise FileNotFoundError(
+        "Spec-Bench questions not found (looked in ../shared/data/spec_bench/question.jsonl); "
+        "pass --prompts FILE.jsonl or set SPECRAY_SPEC_BENCH"
+    )
+
+
+@dataclass
+class BenchPrompt:
+    category: str
+    prompt: str | None = None
+    messages: list[dict] | None = None
+
+
+def load_prompts(path: str, categories: list[str] | None, per_category: int | None) -> list[BenchPrompt]:
+    """JSONL with `prompt` (raw text) or `messages` (chat), or Spec-Bench's `turns`; optional `category`."""
+    out: list[BenchPrompt] = []
+    counts: dict[str, int] = defaultdict(int)
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
+            cat = str(obj.get("category", "default"))
+            if categories and cat not in categories:
+                continue
+            if per_category is not None and counts[cat] >= per_category:
+                continue
+            if "prompt" in obj:
+                bp = BenchPrompt(cat, prompt=str(obj["prompt"]))
+            elif "messages" in obj:
+                bp = BenchPrompt(cat, messages=list(obj["messages"]))
+            elif "turns" in obj:
+                bp = BenchPrompt(cat, messages=[{"role": "user", "content": obj["turns"][0]}])
+            else:
+                raise ValueError(f"{path}:{lineno}: needs 'prompt', 'messages' or 'turns'")
+            counts[cat] += 1
+            out.append(bp)
+    if not out:
+        raise ValueError(f"no prompts selected from {path} (categories={categories})")
+    return out
+
+
+@dataclass
+class ConfigResult:
+    name: str
+    tokens: int = 0
+    seconds: float = 0.0
+    drafts: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    mismatches: int = 0
+    tie_divergences: int = 0
+    identical: int = 0
+    compared: int = 0
+
+    def add(self, other: "ConfigResult") -> None:
+        for k in ("tokens", "seconds", "drafts", "drafted", "accepted", "mismatches", "tie_divergences",
+                  "identical", "compared"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class BenchReport:
+    model: str
+    configs: list[str]
+    categories: list[str]
+    results: dict[str, dict[str, ConfigResult]] = field(default_factory=dict)  # cat -> config -> result
+    tie_bound: float = 0.0
+    batch_variance: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        out: dict = {"model": self.model, "tie_bound": self.tie_bound, "batch_variance": self.batch_variance,
+                     "meta": self.meta, "configs": {}}
+        for cfg in self.configs:
+            cats = {}
+            total = ConfigResult(cfg)
+            for cat in self.categories:
+                r = self.results[cat][cfg]
+                base = self.results[cat].get("none")
+                total.add(r)
+                cats[cat] = self._row(r, base)
+            base_total = ConfigResult("none")
+            if "none" in self.configs:
+                for cat in self.categories:
+                    base_total.add(self.results[cat]["none"])
+            entry = {"mismatches": total.mismatches, "tie_divergences": total.tie_divergences,
+                     "identical": total.identical, "compared": total.compared, "categories": cats,
+                     "overall": self._row(total, base_total if "none" in self.configs else None)}
+            out["configs"][cfg] = entry
+        return out
+
+    @staticmethod
+    def _row(r: ConfigResult, base: ConfigResult | None) -> dict:
+        speedup = r.tokens_per_s / base.tokens_per_s if base is not None and base.tokens_per_s else None
+        return {"tokens_per_s": r.tokens_per_s, "mean_acceptance_length": r.mean_acceptance_length,
+                "acceptance_rate": r.acceptance_rate, "speedup": speedup, "tokens": r.tokens,
+                "seconds": r.seconds, "drafts": r.drafts, "drafted_tokens": r.drafted,
+                "accepted_tokens": r.accepted}
+
+    def table(self) -> str:
+        js = self.to_json()
+        lines = []
+        for cat in self.categories + ["overall"]:
+            lines.append(f"\n== {cat} ==")
+            lines.append(f"{'config':<34}{'tok/s':>8}{'speedup':>9}{'accept_len':>11}{'acc_rate':>9}"
+                         f"{'mismatch':>9}{'ties':>6}")
+            for cfg in self.configs:
+                entry = js["configs"][cfg]
+                row = entry["overall"] if cat == "overall" else entry["categories"][cat]
+                sp = row["speedup"]
+                mm = entry["mismatches"] if cat == "overall" else ""
+                ties = entry["tie_divergences"] if cat == "overall" else ""
+                lines.append(
+                    f"{cfg:<34}{row['tokens_per_s']:>8.1f}{(f'{sp:.2f}x' if sp is not None else '-'):>9}"
+                    f"{row['mean_acceptance_length']:>11.2f}{row['acceptance_rate']:>9.2f}{mm!s:>9}{ties!s:>6}"
+                )
+        return "\n".join(lines)
+
+
+def measure_batch_variance(engine: LocalEngine, prefix_tokens: np.ndarray, n: int = 8) -> float:
+    """Largest |logit| difference between n tokens decoded in one batch and one by one."""
+    ctx = engine.ctx
+    slot = engine.config.slots - 1
+    b = ctx.batch
+    p = prefix_tokens[: min(len(prefix_tokens), ctx.n_ctx // 2)]
+    nxt = (np.arange(n, dtype=np.int32) * 97 + 500) % engine.model.n_vocab
+    ctx.clear_seq(slot)
+    b.clear(); b.add_seq(slot, p, 0, 1); ctx.decode(b)  # noqa: E702
+    b.clear(); b.add_seq(slot, nxt, len(p), n); batched = ctx.decode(b).copy()  # noqa: E702
+    ctx.seq_rm(slot, len(p), -1)
+    ones = []
+    for i in range(n):
+        b.clear(); b.add_seq(slot, nxt[i : i + 1], len(p) + i, 1)  # noqa: E702
+        ones.append(ctx.decode(b)[0].copy())
+    ctx.clear_seq(slot)
+    return float(np.abs(batched - np.stack(ones)).max())
+
+
+def classify_divergence(base_tokens: list[int], tokens: list[int], base_margins: list[float],
+                        tie_bound: float) -> str:
+    """'identical', 'tie_divergence' or 'mismatch' (first differing position decides)."""
+    n = min(len(base_tokens), len(tokens))
+    for i in range(n):
+        if base_tokens[i] != tokens[i]:
+            margin = base_margins[i] if i < len(base_margins) else float("inf")
+            return "tie_divergence" if margin <= tie_bound else "mismatch"
+    if len(base_tokens) != len(tokens):
+        # one stopped early (EOS vs a different token): the stop position decides
+        margin = base_margins[n] if n < len(base_margins) else float("inf")
+        return "tie_divergence" if margin <= tie_bound else "mismatch"
+    return "identical"
+
+
+def run_bench(
+    *,
+    model: str,
+    configs: list[str],
+    prompts: list[BenchPrompt],
+    max_tokens: int,
+    slots: int,
+    exact: bool,
+    policy: str,
+    n_max: int,
+    threads: int,
+    n_ctx: int,
+    chat_template: str | None = None,
+    llama_baseline: bool = True,
+    progress=print,
+) -> BenchReport:
+    if "none" not in configs:
+        configs = ["none"] + configs
+    cfg = EngineConfig(model=model, chat_template=chat_template, slots=slots, exact=exact, threads=threads,
+                       n_ctx=n_ctx, record_margins=True, chain=ChainConfig(speculators=[], policy=policy,
+                                                                            n_max=n_max))
+    engine = LocalEngine(cfg)
+    chains = {c: Chain(ChainConfig(speculators=parse_chain(c), policy=policy, n_max=n_max), make_speculator)
+              for c in configs}
+    categories = list(dict.fromkeys(p.category for p in prompts))
+    report = BenchReport(model=model, configs=list(configs), categories=categories)
+    if llama_baseline:
+        report.configs.insert(1, "llama_cpp")
+    sample = engine.prompt_tokens(prompts[0].prompt, prompts[0].messages)
+    report.batch_variance = 0.0 if exact else measure_batch_variance(engine, np.tile(sample, 4))
+    # an argmax flips only if the top-2 margin is below the two logits' combined drift
+    report.tie_bound = 2.0 * report.batch_variance
+    report.meta = {"slots": slots, "max_tokens": max_tokens, "exact": exact, "policy": policy, "n_max": n_max,
+                   "threads": threads, "decode_cost_ms": {k: v * 1000 for k, v in engine.scheduler.cost.table().items()},
+                   "python": platform.python_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    progress(f"model {model}: batch variance {report.batch_variance:.3f}, tie bound {report.tie_bound:.3f}; "
+             f"verify cost ms by batch size {({k: round(v, 1) for k, v in report.meta['decode_cost_ms'].items()})}")
+    llama = _PlainLlama(engine, threads, n_ctx) if llama_baseline else None
+    for cat in categories:
+        cat_prompts = [p for p in prompts if p.category == cat]
+        tokens = [engine.prompt_tokens(p.prompt, p.messages) for p in cat_prompts]
+        report.results[cat] = {}
+        base_seqs = None
+        for c in report.configs:
+            if c == "llama_cpp":
+                r = llama.run(tokens, max_tokens)
+                r.name = c
+                report.results[cat][c] = r
+                progress(f"{cat:<22} {c:<34} {r.tokens_per_s:7.1f} tok/s")
+                continue
+            engine.scheduler.chain = chains[c]
+            reqs = [engine.request(max_tokens=max_tokens, chain=tuple(parse_chain(c))) for _ in tokens]
+            for req, t in zip(reqs, tokens):
+                req.prompt_tokens = t
+            t0 = time.perf_counter()
+            seqs = engine.run(reqs)
+            r = ConfigResult(c, seconds=time.perf_counter() - t0)
+            for s in seqs:
+                r.tokens += len(s.generated)
+                r.drafts += s.spec_total.drafts
+                r.drafted += s.spec_total.drafted
+                r.accepted += s.spec_total.accepted
+            if c == "none":
+                base_seqs = seqs
+            elif base_seqs is not None:
+                for b, s in zip(base_seqs, seqs):
+                    kind = classify_divergence(b.generated, s.generated, b.margins,
+                                               0.0 if exact else report.tie_bound)
+                    r.compared += 1
+                    if kind == "identical":
+                        r.identical += 1
+                    elif kind == "mismatch":
+                        r.mismatches += 1
+                    else:
+                        r.tie_divergences += 1
+            report.results[cat][c] = r
+            progress(f"{cat:<22} {c:<34} {r.tokens_per_s:7.1f} tok/s  accept_len {r.mean_acceptance_length:.2f}"
+                     f"  identical {r.identical}/{r.compared}")
+    engine.close()
+    return report
+
+
+class _PlainLlama:
+    """llama_cpp.Llama's own greedy generate, same model file and threads: the reference loop."""
+
+    def __init__(self, engine: LocalEngine, threads: int, n_ctx: int) -> None:
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=engine.model.path, n_ctx=n_ctx, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+        self.eog = engine.model.eog_ids
+
+    def run(self, prompts: list[np.ndarray], max_tokens: int) -> ConfigResult:
+        r = ConfigResult("llama_cpp")
+        t0 = time.perf_counter()
+        for toks in prompts:
+            self.llm.reset()
+            n = 0
+            for t in self.llm.generate(toks.tolist(), temp=0.0, top_k=1, reset=True):
+                if t in self.eog:
+                    break
+                n += 1
+                if n >= max_tokens:
+                    break
+            r.tokens += n
+        r.seconds = time.perf_counter() - t0
+        return r
+
+
+def write_json(report: BenchReport, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report.to_json(), f, indent=2)
+
+
+def main_bench(args) -> int:
+    prompts_path = args.prompts or default_prompts_path()
+    categories = [c for c in (args.categories or "").split(",") if c] or None
+    prompts = load_prompts(prompts_path, categories, args.per_category)
+    configs = []
+    for c in args.configs:
+        parse_chain(c)  # syntax check
+        if c not in configs:
+            configs.append(c)
+    report = run_bench(model=args.model, configs=configs, prompts=prompts, max_tokens=args.max_tokens,
+                       slots=args.slots, exact=args.exact, policy=args.policy, n_max=args.n_max,
+                       threads=args.threads, n_ctx=args.n_ctx, chat_template=args.chat_template,
+                       llama_baseline=not args.no_llama_baseline,
+                       progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(report.table())
+    if args.json:
+        write_json(report, args.json)
+        print(f"\nwrote {args.json}")
+    return 0

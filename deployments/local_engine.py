@@ -1,0 +1,115 @@
+"""The co-located engine: target context, round scheduler and speculators in one process.
+
+It backs `specray generate`, `specray bench` and the co-located deployment
+mode, and is the baseline every distributed figure is compared with.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from specray.engine.chain import Chain
+from specray.engine.config import ChainConfig, EngineConfig
+from specray.engine.cost import DecodeCostModel
+from specray.engine.request import GenerationRequest, Sequence
+from specray.engine.sampling import SamplingParams
+from specray.engine.scheduler import Scheduler
+from specray.engine.speculators.registry import make_speculator
+from specray.engine.target import TargetRunner
+from specray.native.context import Context
+from specray.native.model import Model
+
+log = logging.getLogger("specray.local")
+
+
+def open_target(config: EngineConfig, model: Model | None = None) -> tuple[Model, Context]:
+    model = model or Model(
+        config.model,
+        n_gpu_layers=config.n_gpu_layers,
+        use_extra_bufts=config.use_extra_bufts,
+        chat_template=config.chat_template,
+    )
+    ctx = Context(
+        model,
+        n_ctx=config.n_ctx,
+        n_seq_max=config.slots,
+        n_batch=config.n_batch,
+        n_threads=config.threads,
+        flash_attn=config.flash_attn and not config.exact,
+        exact=config.exact,
+    )
+    return model, ctx
+
+
+class LocalEngine:
+    """Everything in-process. Thread-safe: one lock around each round."""
+
+    def __init__(self, config: EngineConfig, model: Model | None = None) -> None:
+        self.config = config
+        self.model, self.ctx = open_target(config, model)
+        self.runner = TargetRunner(self.ctx, record_margins=config.record_margins)
+        cost = DecodeCostModel(self.runner.measure_decode_costs() if config.calibrate else None)
+        self.chain = Chain(config.chain, make_speculator)
+        self.scheduler = Scheduler(config, self.runner, self.model, self.chain, self.ctx.n_ctx, cost)
+        self.lock = threading.RLock()
+
+    # ---- request helpers -------------------------------------------------------------
+    def prompt_tokens(self, prompt: str | None = None, messages: list[dict] | None = None) -> np.ndarray:
+        if messages is not None:
+            return self.model.chat_tokens(messages)
+        if prompt is None or prompt == "":
+            raise ValueError("prompt is empty")
+        return self.model.tokenize(prompt, add_special=True, parse_special=True)
+
+    def request(
+        self,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        *,
+        max_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        stop: list[str] | None = None,
+        chain: tuple[str, ...] | None = None,
+        n_max: int | None = None,
+        ignore_eos: bool = False,
+    ) -> GenerationRequest:
+        return GenerationRequest(
+            prompt_tokens=self.prompt_tokens(prompt, messages),
+            max_tokens=max_tokens,
+            sampling=sampling or SamplingParams(),
+            stop=list(stop or []),
+            chain=chain,
+            n_max=n_max,
+            ignore_eos=ignore_eos,
+        )
+
+    def submit(self, req: GenerationRequest) -> Sequence:
+        with self.lock:
+            return self.scheduler.submit(req)
+
+    def step(self):
+        with self.lock:
+            return self.scheduler.step()
+
+    def run(self, reqs: list[GenerationRequest]) -> list[Sequence]:
+        with self.lock:
+            return self.scheduler.run(reqs)
+
+    def generate(self, prompt: str | None = None, messages: list[dict] | None = None, **kw) -> Sequence:
+        return self.run([self.request(prompt, messages, **kw)])[0]
+
+    def set_chain(self, chain: ChainConfig) -> None:
+        """Swap the chain (new speculator instances); only between requests."""
+        with self.lock:
+            if self.scheduler.has_work():
+                raise RuntimeError("cannot change the chain while requests are running")
+            self.config = self.config.model_copy(update={"chain": chain})
+            self.chain = Chain(chain, make_speculator)
+            self.scheduler.chain = self.chain
+            self.scheduler.config = self.config
+
+    def close(self) -> None:
+        self.ctx.close()

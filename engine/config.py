@@ -1,0 +1,85 @@
+"""Typed configs of the engine: the speculator chain and the engine itself."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Policy = Literal["first", "expected", "cost"]
+
+
+class ChainConfig(BaseModel):
+    """A chain of speculators and how one draft per sequence is chosen from them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    speculators: list[str] = Field(
+        default_factory=lambda: ["ngram_mod", "suffix"],
+        description="speculator names in priority order; empty = no speculation",
+    )
+    params: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per-speculator parameters, by speculator name"
+    )
+    policy: Policy = Field(
+        "cost",
+        description="first: first non-empty draft wins (llama.cpp); expected: highest acceptance rate x "
+        "draft length; cost: highest expected accepted tokens, then cut to the length that maximises "
+        "expected tokens per second given the measured verify cost (never slower than plain decoding)",
+    )
+    n_max: int = Field(16, ge=0, le=256, description="cap on draft tokens per sequence per round")
+
+    @field_validator("speculators", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return parse_chain(v)
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.speculators) and self.n_max > 0
+
+    @property
+    def label(self) -> str:
+        return ",".join(self.speculators) or "none"
+
+
+def parse_chain(text: str) -> list[str]:
+    """'ngram_mod,suffix' -> ['ngram_mod', 'suffix']; 'none' or '' -> []."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if names == ["none"]:
+        return []
+    if "none" in names:
+        raise ValueError(f"'none' cannot be combined with other speculators in chain {text!r}")
+    return names
+
+
+class EngineConfig(BaseModel):
+    """Everything the in-process engine (target context + round scheduler) needs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("smollm2-135m", description="packaged alias (smollm2-135m, gemma3-270m) or .gguf path")
+    chat_template: str | None = Field(
+        None, description="chat template name or Jinja text for models whose GGUF has none (e.g. 'gemma')"
+    )
+    n_ctx: int = Field(4096, ge=64, description="context cells shared by all slots (unified KV cache)")
+    slots: int = Field(4, ge=1, le=256, description="sequences decoded concurrently (n_seq_max)")
+    n_batch: int = Field(512, ge=16, description="max tokens in one target decode (prefill chunks + verify rows)")
+    threads: int = Field(2, ge=1, description="CPU threads for the target context")
+    n_gpu_layers: int = Field(0, ge=0, description="layers offloaded to a GPU (0 on CPU-only machines)")
+    flash_attn: bool = Field(False, description="flash attention (forced off in exact mode)")
+    exact: bool = Field(
+        False,
+        description="batch-invariant target: llamafile sgemm and flash attention off, so a token's logits "
+        "do not depend on what else shares its batch; greedy output is then token-identical to plain decoding",
+    )
+    use_extra_bufts: bool | None = Field(
+        None, description="weight repacking buffers; None = on unless the build has AMX kernels (they crash here)"
+    )
+    prefill_chunk: int = Field(256, ge=16, description="prompt tokens prefilled per round per sequence")
+    max_queue: int = Field(256, ge=0, description="requests waiting for a slot before new ones are refused")
+    chain: ChainConfig = Field(default_factory=ChainConfig, description="the speculator chain")
+    calibrate: bool = Field(True, description="measure verify cost by batch size at start (cost policy)")
+    record_margins: bool = Field(False, description="record top-2 logit margins of emitted tokens (bench)")

@@ -1,0 +1,74 @@
+"""How many draft tokens each sequence sends this round: the cost-aware cut.
+
+Every decoding sequence contributes one token to the round's target batch
+anyway. A draft token at position j of sequence s is worth P_s(j), the
+probability that it and every draft token before it are accepted. Sending
+`extra` draft tokens makes the batch cost c(base + extra). The round yields
+E = n_decoding + sum of the chosen P's tokens, in c(...) seconds, and we pick
+the set of draft tokens with the highest E / c. Since P_s(j) falls with j,
+the best set is a prefix of all candidates sorted by P; we scan every prefix
+length (the cost curve need not be convex).
+
+>>> import numpy as np
+>>> cost = lambda n: 0.010 + 0.003 * (n - 1)   # 10 ms + 3 ms per extra token
+>>> plan_draft_lengths([np.array([0.9, 0.8, 0.3])], base_tokens=1, cost=cost)
+[2]
+>>> plan_draft_lengths([np.array([0.2])], base_tokens=1, cost=cost)   # 0.2 < 3/10: not worth it
+[0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+
+def plan_draft_lengths(
+    prefix_probs: Sequence[np.ndarray],
+    base_tokens: int,
+    cost: Callable[[int], float],
+    n_decoding: int | None = None,
+    extra_seconds: Sequence[float] | None = None,
+) -> list[int]:
+    """Return how many draft tokens to keep per candidate.
+
+    prefix_probs[s][j]: probability that draft tokens 0..j of candidate s are all
+    accepted (non-increasing in j). base_tokens: tokens in the batch without any
+    draft (one per decoding sequence plus prefill rows). n_decoding: sequences
+    that emit a token this round anyway (default: len(prefix_probs)).
+    extra_seconds[s]: a fixed cost paid only if candidate s sends >= 1 token
+    (e.g. a model drafter's time); 0 for model-free speculators.
+    """
+    n = len(prefix_probs)
+    if n == 0:
+        return []
+    if n_decoding is None:
+        n_decoding = n
+    owners, probs = [], []
+    for s, p in enumerate(prefix_probs):
+        p = np.minimum.accumulate(np.asarray(p, dtype=np.float64)) if len(p) else p
+        owners.extend([s] * len(p))
+        probs.extend(p.tolist() if len(p) else [])
+    if not probs:
+        return [0] * n
+    order = np.argsort(-np.asarray(probs), kind="stable")
+    base_cost = cost(base_tokens)
+    best_rate = n_decoding / base_cost if base_cost > 0 else 0.0
+    best_k = 0
+    gain = float(n_decoding)
+    fixed = 0.0
+    started = [False] * n
+    for k, idx in enumerate(order, start=1):
+        s = owners[idx]
+        gain += probs[idx]
+        if extra_seconds is not None and not started[s]:
+            fixed += extra_seconds[s]
+            started[s] = True
+        rate = gain / (cost(base_tokens + k) + fixed)
+        if rate > best_rate * (1 + 1e-9):
+            best_rate, best_k = rate, k
+    lengths = [0] * n
+    for idx in order[:best_k]:
+        lengths[owners[idx]] += 1
+    return lengths

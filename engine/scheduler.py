@@ -1,0 +1,307 @@
+"""The round scheduler (router side): slots, queue, draft -> verify -> accept -> emit.
+
+One `step()` is one round for every active sequence: queued requests are
+admitted into free slots; each decoding sequence gets a draft from its chain
+(cut by the cost-aware planner); prompt chunks fill the rest of the batch;
+ONE call to the target (`target.step`) decodes and verifies everything;
+accepted tokens stream out and finished sequences free their slot.
+
+The target is anything with TargetRunner's `start/step/release` methods: the
+in-process runner (co-located mode) or a proxy to the target actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from .chain import Chain, Proposal, SeqDraftRequest
+from .config import EngineConfig
+from .cost import DecodeCostModel
+from .planner import plan_draft_lengths
+from .request import GenerationRequest, Sequence, SeqState
+from .target import StepItem, StepOutput
+
+log = logging.getLogger("specray.scheduler")
+
+
+class Tokenizer(Protocol):
+    def token_to_piece(self, token: int, special: bool = False) -> bytes: ...
+    def is_eog(self, token: int) -> bool: ...
+
+
+class Target(Protocol):
+    def start(self, seq_id: int, params, prompt: np.ndarray) -> None: ...
+    def step(self, items: list[StepItem]) -> StepOutput: ...
+    def release(self, seq_id: int) -> None: ...
+
+
+class QueueFullError(RuntimeError):
+    """No slot and no queue room: the caller should retry later (HTTP 429/503)."""
+
+
+@dataclass
+class Event:
+    """What one round produced for one sequence."""
+
+    seq: Sequence
+    tokens: list[int]
+    text: str
+    finished: bool
+
+
+@dataclass
+class RoundStats:
+    rounds: int = 0
+    target_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    round_seconds: float = 0.0
+    tokens_emitted: int = 0
+    speculator_failures: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        target: Target,
+        tokenizer: Tokenizer,
+        chain: Chain,
+        n_ctx: int,
+        cost: DecodeCostModel | None = None,
+    ) -> None:
+        self.config = config
+        self.target = target
+        self.tok = tokenizer
+        self.chain = chain
+        self.n_ctx = n_ctx
+        self.cost = cost or DecodeCostModel()
+        self.free_slots: list[int] = list(range(config.slots))[::-1]
+        self.active: dict[int, Sequence] = {}  # slot -> seq
+        self.queue: deque[Sequence] = deque()
+        self.reserved = 0  # KV cells reserved by active sequences
+        self.stats = RoundStats()
+        self.disabled_speculators: set[str] = set()
+        self.on_event: Callable[[Event], None] | None = None
+
+    # ---- admission ---------------------------------------------------------------
+    def validate(self, req: GenerationRequest) -> tuple[tuple[str, ...], int, int]:
+        """Check a request; return (chain, n_max, KV cells it needs). Raises ValueError."""
+        n_prompt = len(req.prompt_tokens)
+        if n_prompt == 0:
+            raise ValueError("prompt is empty")
+        if req.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {req.max_tokens}")
+        chain = tuple(self.config.chain.speculators) if req.chain is None else tuple(req.chain)
+        try:
+            self.chain.validate(chain)
+        except (ValueError, TypeError) as e:
+            raise ValueError(str(e)) from None
+        n_max = self.config.chain.n_max if req.n_max is None else req.n_max
+        if n_max < 0:
+            raise ValueError(f"n_max must be >= 0, got {n_max}")
+        n_max = min(n_max, self.config.chain.n_max) if chain else 0
+        if n_prompt >= self.n_ctx:
+            raise ValueError(f"prompt of {n_prompt} tokens does not fit the context of {self.n_ctx} tokens")
+        need = n_prompt + req.max_tokens + n_max + 1
+        if need > self.n_ctx:
+            raise ValueError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({req.max_tokens}) exceeds the context of {self.n_ctx} tokens"
+            )
+        return chain, n_max, need
+
+    def submit(self, req: GenerationRequest) -> Sequence:
+        chain, n_max, need = self.validate(req)
+        if len(self.queue) >= self.config.max_queue and not self.free_slots:
+            raise QueueFullError(f"server busy: {len(self.active)} slots busy and {len(self.queue)} queued")
+        seq = Sequence(req, chain, n_max, need)
+        self.queue.append(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop a request (client went away); its slot frees within this call."""
+        seq.cancelled = True
+        if seq.state == SeqState.QUEUED:
+            try:
+                self.queue.remove(seq)
+            except ValueError:
+                pass
+            seq.state = SeqState.FINISHED
+            seq.finish_reason = "cancelled"
+        elif not seq.finished:
+            seq.finish_reason = "cancelled"
+            self._finish(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.active or self.queue)
+
+    def _admit(self) -> None:
+        while self.queue and self.free_slots:
+            seq = self.queue[0]
+            if self.reserved + seq.reserve > self.n_ctx and self.active:
+                break  # wait for cells to free up
+            self.queue.popleft()
+            slot = self.free_slots.pop()
+            seq.slot = slot
+            seq.state = SeqState.PREFILL
+            self.active[slot] = seq
+            self.reserved += seq.reserve
+            self.target.start(slot, seq.req.sampling, seq.req.prompt_tokens)
+            try:
+                self.chain.begin(slot, seq.chain, seq.req.prompt_tokens)
+            except Exception:  # a failing speculator degrades to plain decoding
+                log.exception("speculator begin failed; sequence %s decodes without speculation", seq.id)
+                seq.chain = ()
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.state = SeqState.FINISHED
+        seq.t_finish = time.perf_counter()
+        slot = seq.slot
+        if self.active.get(slot) is seq:
+            del self.active[slot]
+            self.reserved -= seq.reserve
+            self.free_slots.append(slot)
+            self.target.release(slot)
+            try:
+                self.chain.end(slot, seq.chain)
+            except Exception:
+                log.exception("speculator end failed")
+
+    # ---- one round -------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        t_round = time.perf_counter()
+        self._admit()
+        if not self.active:
+            return []
+        budget = self.target_budget()
+        decoding = [s for s in self.active.values() if s.state == SeqState.DECODING]
+        prefilling = [s for s in self.active.values() if s.state == SeqState.PREFILL]
+
+        # prompt chunks: what the batch has room for after one row per decoding sequence
+        room = budget - len(decoding)
+        chunks: list[tuple[Sequence, int]] = []
+        for s in prefilling:
+            if room <= 0:
+                break
+            n = min(self.config.prefill_chunk, len(s.req.prompt_tokens) - s.n_prefilled, room)
+            chunks.append((s, n))
+            room -= n
+        n_prefill = sum(n for _, n in chunks)
+
+        proposals = self._draft(decoding, budget - len(decoding) - n_prefill, len(decoding) + n_prefill)
+
+        items: list[StepItem] = []
+        for s, prop in zip(decoding, proposals):
+            toks = np.empty(1 + len(prop.tokens), dtype=np.int32)
+            toks[0] = s.last_token
+            toks[1:] = prop.tokens
+            items.append(StepItem(s.slot, toks, s.n_past, len(prop.tokens), True))
+        for s, n in chunks:
+            end = s.n_prefilled + n
+            last = end == len(s.req.prompt_tokens)
+            items.append(StepItem(s.slot, s.req.prompt_tokens[s.n_prefilled : end], s.n_prefilled, 0, last))
+
+        out = self.target.step(items)
+        self.stats.target_seconds += out.decode_seconds
+        for size in out.batch_sizes:
+            # one observation per decode; split rounds attribute time evenly
+            self.cost.observe(size, out.decode_seconds / max(1, len(out.batch_sizes)))
+
+        events: list[Event] = []
+        for s, prop, res in zip(decoding, proposals, out.results[: len(decoding)]):
+            n_drafted = len(prop.tokens)
+            try:
+                self.chain.accept(prop, n_drafted, res.n_accepted)
+            except Exception:
+                log.exception("speculator accept failed")
+            s.count_spec(prop.speculator, n_drafted, res.n_accepted)
+            s.n_past += 1 + res.n_accepted
+            s.rounds += 1
+            events.append(self._emit(s, res.tokens, res.margins))
+        for (s, n), res in zip(chunks, out.results[len(decoding) :]):
+            s.n_prefilled += n
+            s.n_past += n
+            if len(res.tokens):
+                s.state = SeqState.DECODING
+                events.append(self._emit(s, res.tokens, res.margins))
+        self.stats.rounds += 1
+        self.stats.round_seconds += time.perf_counter() - t_round
+        if self.on_event:
+            for e in events:
+                self.on_event(e)
+        return events
+
+    def target_budget(self) -> int:
+        return self.config.n_batch
+
+    def _draft(self, decoding: list[Sequence], room: int, base_tokens: int) -> list[Proposal]:
+        reqs = []
+        for s in decoding:
+            chain = tuple(n for n in s.chain if n not in self.disabled_speculators)
+            n_max = max(0, min(s.n_max, s.tokens_left - 1, self.n_ctx - s.n_past - 2))
+            reqs.append(SeqDraftRequest(s.slot, chain, s.history_view(), n_max))
+        if not any(r.chain and r.n_max > 0 for r in reqs) or room <= 0:
+            return [Proposal(r.seq_id, None) for r in reqs]
+        t0 = time.perf_counter()
+        try:
+            props = self.chain.propose(reqs)
+        except Exception as e:  # degrade to plain decoding, disable the culprit
+            self.stats.speculator_failures += 1
+            log.exception("speculator draft failed; continuing without drafts this round")
+            culprit = getattr(e, "speculator", None)
+            if culprit:
+                self.disabled_speculators.add(culprit)
+            props = [Proposal(r.seq_id, None) for r in reqs]
+        self.stats.draft_seconds += time.perf_counter() - t0
+        if self.config.chain.policy == "cost":
+            lengths = plan_draft_lengths(
+                [p.prefix_probs for p in props], base_tokens, self.cost.cost, n_decoding=len(decoding)
+            )
+            for p, k in zip(props, lengths):
+                p.cut(k)
+        # the batch has room for `room` draft tokens in all
+        total = sum(len(p.tokens) for p in props)
+        if total > room:
+            scale = room / total
+            for p in props:
+                p.cut(int(len(p.tokens) * scale))
+        return props
+
+    def _emit(self, s: Sequence, toks: np.ndarray, margins: np.ndarray | None) -> Event:
+        if s.t_first_token is None and len(toks):
+            s.t_first_token = time.perf_counter()
+        kept: list[int] = []
+        text = ""
+        for i, t in enumerate(toks):
+            t = int(t)
+            if not s.req.ignore_eos and self.tok.is_eog(t):
+                s.finish_reason = "stop"
+                break
+            kept.append(t)
+            if margins is not None:
+                s.margins.append(float(margins[i]))
+            text += s.feed_text(self.tok.token_to_piece(t))
+            if s.finish_reason == "stop":  # a stop string matched
+                break
+            if len(s.generated) + len(kept) >= s.req.max_tokens:
+                s.finish_reason = "length"
+                break
+        s.append_tokens(np.asarray(kept, dtype=np.int32))
+        self.stats.tokens_emitted += len(kept)
+        if s.finish_reason is not None:
+            text += s.feed_text(b"", final=True) if s.finish_reason != "stop" else ""
+            self._finish(s)
+        return Event(s, kept, text, s.finished)
+
+    # ---- convenience -------------------------------------------------------------------
+    def run(self, reqs: list[GenerationRequest]) -> list[Sequence]:
+        seqs = [self.submit(r) for r in reqs]
+        while self.has_work():
+            self.step()
+        return seqs

@@ -1,0 +1,1 @@
+"""Model-free speculators, one module each, with a registry by name."""

@@ -1,0 +1,357 @@
+"""ngram_cache: n-gram -> next-token count tables (context, dynamic, static).
+
+Mirrors llama.cpp's common/ngram-cache.cpp (`--spec-type ngram-cache`, the
+`lookup` example):
+
+* context: counts of (n-gram of size 1..4 -> next token) over this sequence's
+  history, updated incrementally as the history grows;
+* dynamic: the same counts accumulated over finished sequences (each
+  sequence's context table is merged in at `end`, as llama-lookup does), loaded
+  from / saved to `dynamic_path`;
+* static: counts of 2-grams over a corpus, loaded from `static_path`
+  (llama-lookup-create's output), read-only.
+
+Drafting (`common_ngram_cache_draft`), one token at a time up to `n_draft`:
+try the context table with lax thresholds, then the dynamic table with strict
+ones, each from the longest n-gram (4) down to 1; a table entry qualifies when
+its total count reaches the minimum sample size and its best token's share the
+minimum percentage for that n-gram size. A candidate's count is weighted by
+100 x its static count (1 if the static table does not know it). Last resort:
+the static table alone with the 2-gram thresholds. Stop at the first step
+where nothing qualifies.
+
+File format: exactly llama.cpp's `common_ngram_cache_save` (native-endian
+int32s): per n-gram, 4 tokens padded with -1, the number of distinct next
+tokens k, then k pairs (token, count). Files written by llama-lookup-create
+load here and vice versa.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from itertools import islice
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from specray.engine.speculator import DraftRequest, Speculator
+
+from ._util import EMPTY_DRAFT, HistoryCursor, as_tokens
+
+NGRAM_MIN = 1  # LLAMA_NGRAM_MIN
+NGRAM_MAX = 4  # LLAMA_NGRAM_MAX
+NGRAM_STATIC = 2  # LLAMA_NGRAM_STATIC
+TOKEN_NULL = -1
+# thresholds by n-gram size 1..4 (llama.cpp draft_min_sample_size_* / draft_min_percent_*)
+MIN_SAMPLE_LAX = (2, 2, 1, 1)
+MIN_PERCENT_LAX = (66, 50, 50, 50)
+MIN_SAMPLE_STRICT = (4, 3, 2, 2)
+MIN_PERCENT_STRICT = (75, 66, 66, 66)
+
+_ISZ = 4  # bytes per token in keys (int32)
+
+
+class NgramCacheParams(BaseModel):
+    """Parameters of ngram_cache."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n_draft: int = Field(8, ge=1, le=256, description="at most this many draft tokens (llama.cpp: 8)")
+    static_path: str | None = Field(
+        None, description="static n-gram cache file (llama-lookup-create format), loaded at construction"
+    )
+    dynamic_path: str | None = Field(
+        None, description="dynamic n-gram cache file: loaded at construction if it exists, written by save()"
+    )
+    update_dynamic: bool = Field(True, description="merge each finished sequence's context counts into dynamic")
+    dynamic_max_ngrams: int = Field(
+        1_000_000, ge=0, description="bound on dynamic n-grams; the oldest inserted are dropped beyond it"
+    )
+
+
+class NgramCountTable:
+    """n-gram (1..4 tokens, as int32 bytes) -> next-token counts.
+
+    Each entry is ``[total, best count, best token, {token: count}]`` so the
+    best token is known without a scan.
+
+    >>> t = NgramCountTable()
+    >>> t.update(np.array([1, 2, 1, 2, 1, 3], np.int32))
+    >>> t.counts([1])           # after 1: 2 twice, 3 once
+    {2: 2, 3: 1}
+    >>> t.counts([2, 1]), t.counts([1, 2, 1, 2, 1]), len(t)
+    ({2: 1, 3: 1}, {}, 8)
+    """
+
+    __slots__ = ("table",)
+
+    def __init__(self) -> None:
+        self.table: dict[bytes, list] = {}
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def get(self, key: bytes):
+        return self.table.get(key)
+
+    def counts(self, ngram) -> dict[int, int]:
+        e = self.table.get(as_tokens(ngram).tobytes())
+        return dict(e[3]) if e else {}
+
+    def add(self, key: bytes, token: int, count: int = 1) -> None:
+        e = self.table.get(key)
+        if e is None:
+            self.table[key] = [count, count, token, {token: count}]
+            return
+        d = e[3]
+        c = d.get(token, 0) + count
+        d[token] = c
+        e[0] += count
+        if c > e[1]:
+            e[1] = c
+            e[2] = token
+
+    def update(self, tokens: np.ndarray, start: int = 0, ngram_min: int = NGRAM_MIN, ngram_max: int = NGRAM_MAX) -> None:
+        """Count (tokens[i-s:i] -> tokens[i]) for every new i >= start and s in [ngram_min, ngram_max]."""
+        tokens = as_tokens(tokens)
+        L = len(tokens)
+        lo = max(0, start - ngram_max)
+        hb = tokens[lo:].tobytes()
+        toks = tokens[lo:].tolist()
+        add = self.add
+        for i in range(max(start, ngram_min), L):
+            r = i - lo
+            tok = toks[r]
+            for s in range(ngram_min, min(ngram_max, i) + 1):
+                add(hb[(r - s) * _ISZ : r * _ISZ], tok)
+
+    def merge(self, other: "NgramCountTable") -> None:
+        """Add all of `other`'s counts (llama.cpp `common_ngram_cache_merge`)."""
+        add = self.add
+        mine = self.table
+        for key, e in other.table.items():
+            if key not in mine:
+                mine[key] = [e[0], e[1], e[2], dict(e[3])]
+                continue
+            for tok, c in e[3].items():
+                add(key, tok, c)
+
+    def trim(self, max_ngrams: int) -> int:
+        """Drop the oldest inserted n-grams beyond `max_ngrams`; returns how many were dropped."""
+        excess = len(self.table) - max_ngrams
+        if excess <= 0:
+            return 0
+        for k in list(islice(iter(self.table), excess)):
+            del self.table[k]
+        return excess
+
+    # ---- llama.cpp file format -------------------------------------------
+    def to_bytes(self) -> bytes:
+        out: list[int] = []
+        for key, e in self.table.items():
+            ng = np.frombuffer(key, dtype=np.int32).tolist()
+            out.extend(ng + [TOKEN_NULL] * (NGRAM_MAX - len(ng)))
+            d = e[3]
+            out.append(len(d))
+            for tok, c in d.items():
+                out.append(tok)
+                out.append(c)
+        return np.array(out, dtype=np.int32).tobytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "NgramCountTable":
+        if len(data) % _ISZ:
+            raise ValueError("ngram cache data is not a whole number of int32s")
+        a = np.frombuffer(data, dtype=np.int32).tolist()
+        t = cls()
+        table = t.table
+        pos, n = 0, len(a)
+        while pos < n:
+            if pos + NGRAM_MAX + 1 > n:
+                raise ValueError(f"truncated ngram cache entry at int32 offset {pos}")
+            ng = a[pos : pos + NGRAM_MAX]
+            size = NGRAM_MAX
+            while size and ng[size - 1] == TOKEN_NULL:
+                size -= 1
+            k = a[pos + NGRAM_MAX]
+            pos += NGRAM_MAX + 1
+            if size == 0 or k <= 0 or pos + 2 * k > n:
+                raise ValueError(f"bad ngram cache entry at int32 offset {pos - NGRAM_MAX - 1}")
+            key = np.array(ng[:size], dtype=np.int32).tobytes()
+            d: dict[int, int] = {}
+            tot = best_c = 0
+            best_t = TOKEN_NULL
+            for q in range(pos, pos + 2 * k, 2):
+                tok, c = a[q], a[q + 1]
+                if c <= 0:
+                    raise ValueError(f"non-positive count in ngram cache at int32 offset {q}")
+                d[tok] = d.get(tok, 0) + c
+                tot += c
+            for tok, c in d.items():
+                if c > best_c:
+                    best_c, best_t = c, tok
+            pos += 2 * k
+            if key in table:  # duplicate n-gram in a file: merge
+                for tok, c in d.items():
+                    t.add(key, tok, c)
+            else:
+                table[key] = [tot, best_c, best_t, d]
+        return t
+
+    def save(self, path: str | os.PathLike) -> None:
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(self.to_bytes())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "NgramCountTable":
+        with open(path, "rb") as f:
+            return cls.from_bytes(f.read())
+
+
+def build_static_cache(corpus: np.ndarray) -> NgramCountTable:
+    """A static table from a token corpus (2-grams only, as llama-lookup-create)."""
+    t = NgramCountTable()
+    t.update(corpus, 0, NGRAM_STATIC, NGRAM_STATIC)
+    return t
+
+
+def _best(entry, part_static) -> tuple[int, int, int]:
+    """(total, best count, best token) of an entry, weighted by the static part if any."""
+    if not part_static:
+        return entry[0], entry[1], entry[2]
+    pd = part_static[3]
+    best_p = best_s = 0
+    best_t = TOKEN_NULL
+    for tok, c in entry[3].items():
+        s = pd.get(tok)
+        s = 100 * s if s is not None else 1
+        if c * s > best_p * best_s:
+            best_t, best_p, best_s = tok, c, s
+    return entry[0], best_p, best_t
+
+
+def _try_primary(table: dict, buf: bytes, avail: int, part_static, min_sample, min_percent) -> int:
+    for size in range(min(NGRAM_MAX, avail), NGRAM_MIN - 1, -1):
+        e = table.get(buf[-size * _ISZ :])
+        if e is None:
+            continue
+        tot, best_c, best_t = _best(e, part_static)
+        if tot < min_sample[size - 1]:
+            continue
+        if 100 * best_c < min_percent[size - 1] * tot:
+            continue
+        return best_t
+    return TOKEN_NULL
+
+
+def ngram_cache_draft(
+    history: np.ndarray,
+    n_draft: int,
+    context: NgramCountTable,
+    dynamic: NgramCountTable | None = None,
+    static: NgramCountTable | None = None,
+) -> np.ndarray:
+    """Draft up to `n_draft` tokens after `history` from the three tables (no update).
+
+    >>> h = np.array([5, 1, 2, 3, 9, 1, 2, 3, 7, 1, 2], np.int32)
+    >>> ctx = NgramCountTable(); ctx.update(h)
+    >>> ngram_cache_draft(h, 4, ctx)    # [1 2] -> 3 (2/2); then [.. 2 3] -> 9 or 7 (1/2 each, 4/3-grams ok)
+    array([3, 9, 1, 2], dtype=int32)
+    >>> ngram_cache_draft(np.array([8, 8], np.int32), 4, ctx)     # nothing known after 8
+    array([], dtype=int32)
+    >>> ngram_cache_draft(h[:1], 4, ctx)                         # fewer than 2 tokens
+    array([], dtype=int32)
+    """
+    h = as_tokens(history)
+    L = len(h)
+    if L < NGRAM_STATIC or n_draft <= 0:
+        return EMPTY_DRAFT
+    ctx_t = context.table
+    dyn_t = dynamic.table if dynamic is not None and len(dynamic) else None
+    sta_t = static.table if static is not None and len(static) else None
+    buf = h[max(0, L - NGRAM_MAX) :].tobytes()
+    out: list[int] = []
+    while len(out) < n_draft:
+        avail = L + len(out)
+        part_static = sta_t.get(buf[-NGRAM_STATIC * _ISZ :]) if sta_t is not None else None
+        tok = _try_primary(ctx_t, buf, avail, part_static, MIN_SAMPLE_LAX, MIN_PERCENT_LAX)
+        if tok == TOKEN_NULL and dyn_t is not None:
+            tok = _try_primary(dyn_t, buf, avail, part_static, MIN_SAMPLE_STRICT, MIN_PERCENT_STRICT)
+        if tok == TOKEN_NULL and part_static is not None:
+            tot, best_c, best_t = part_static[0], part_static[1], part_static[2]
+            i = NGRAM_STATIC - 1
+            if tot >= MIN_SAMPLE_LAX[i] and 100 * best_c >= MIN_PERCENT_LAX[i] * tot:
+                tok = best_t
+        if tok == TOKEN_NULL:
+            break
+        out.append(tok)
+        buf = buf[-(NGRAM_MAX - 1) * _ISZ :] + int(tok).to_bytes(_ISZ, sys.byteorder, signed=True)
+    return np.array(out, dtype=np.int32) if out else EMPTY_DRAFT
+
+
+@dataclass
+class _SeqState:
+    context: NgramCountTable = field(default_factory=NgramCountTable)
+    cursor: HistoryCursor = field(default_factory=HistoryCursor)
+
+
+class NgramCacheSpeculator(Speculator):
+    """llama.cpp `ngram-cache`: context / dynamic / static n-gram count tables."""
+
+    name = "ngram_cache"
+
+    def __init__(self, params: NgramCacheParams | None = None) -> None:
+        super().__init__()
+        self.params = p = params or NgramCacheParams()
+        self.static = NgramCountTable.load(p.static_path) if p.static_path else NgramCountTable()
+        if p.dynamic_path and os.path.exists(p.dynamic_path):
+            self.dynamic = NgramCountTable.load(p.dynamic_path)
+        else:
+            self.dynamic = NgramCountTable()
+        self._seqs: dict[int, _SeqState] = {}
+
+    def _sync(self, st: _SeqState, h: np.ndarray) -> None:
+        if not st.cursor.is_extension(h):
+            st.context = NgramCountTable()
+            st.cursor.reset()
+        if len(h) > st.cursor.n:
+            st.context.update(h, st.cursor.n)
+        st.cursor.advance(h)
+
+    def _begin(self, seq_id: int, prompt: np.ndarray) -> None:
+        st = self._seqs[seq_id] = _SeqState()
+        self._sync(st, as_tokens(prompt))
+
+    def _draft_one(self, req: DraftRequest) -> np.ndarray:
+        st = self._seqs.get(req.seq_id)
+        if st is None:
+            st = self._seqs[req.seq_id] = _SeqState()
+        h = as_tokens(req.history)
+        self._sync(st, h)
+        return ngram_cache_draft(h, min(self.params.n_draft, req.n_max), st.context, self.dynamic, self.static)
+
+    def _end(self, seq_id: int) -> None:
+        st = self._seqs.pop(seq_id, None)
+        if st is None or not self.params.update_dynamic or not len(st.context):
+            return
+        self.dynamic.merge(st.context)
+        self.dynamic.trim(self.params.dynamic_max_ngrams)
+
+    def save(self, path: str | os.PathLike | None = None) -> str:
+        """Write the dynamic table (llama.cpp format) to `path` or `dynamic_path`; returns the path."""
+        target = path if path is not None else self.params.dynamic_path
+        if not target:
+            raise ValueError("ngram_cache.save(): no path given and params.dynamic_path is not set")
+        self.dynamic.save(target)
+        return os.fspath(target)
+
+    def get_state(self):
+        return {"dynamic": self.dynamic.to_bytes()}
+
+    def set_state(self, state) -> None:
+        if state and state.get("dynamic") is not None:
+            self.dynamic = NgramCountTable.from_bytes(state["dynamic"])

@@ -1,0 +1,619 @@
+"""suffix: SuffixDecoding-style drafting from suffix tries (per request + global).
+
+After SuffixDecoding (Arctic Inference, vLLM's `suffix` method) and
+ik_llama.cpp's suffix speculator. Two tries of suffixes, each at most
+`max_depth` tokens deep, with occurrence counts:
+
+* a per-request trie over the request's own tokens (prompt + generated),
+  grown by appending each new token to all still-growing suffixes;
+* a global trie shared by all requests of the speculator, holding the
+  generated tokens of finished requests (added at `end`); bounded by
+  `global_max_seqs` and `global_max_tokens`, the oldest sequence is evicted
+  first. Inserting and evicting is done in slices of
+  `global_work_per_call` tokens per `draft()` call, so a finished request
+  never stalls a round; the new sequence becomes visible when it is complete.
+
+Drafting, for every match length k >= `min_match` at which the last k tokens
+of the history occur in a trie: start at that trie node, repeatedly follow the
+most frequent child while the running product of child/parent counts stays
+>= `p_min`; each drafted token's probability is that product, a draft's score
+is their sum. Budget per match: min(request n_max, `max_draft`,
+floor(k * `max_spec_factor` + `max_spec_offset`), max_depth - k). The best
+score over both tries wins (ties: the longer match, then the per-request
+trie). The per-token probabilities of the chosen draft are kept in
+`SuffixSpeculator.last_confidence[seq_id]` (and the trie it came from in
+`last_source[seq_id]`).
+
+As in SuffixDecoding, the per-request trie also counts the occurrence at the
+very end of the history (which has no continuation yet): a context seen once
+before drafts with probability 1/2.
+
+Implementation: a trie whose single-occurrence branches stay implicit
+("leaves" = one int encoding (sequence, position), read along the sequence),
+and whose one-child nodes hold the child inline, so memory and insertion
+cost grow with the repeated part of the text only; each new token costs
+O(number of suffixes ending at it that occur more than once) <= max_depth.
+The suffixes of a request's history that occur in the global trie are
+tracked incrementally too, and recomputed from the last `max_depth` tokens
+whenever the global trie gains or loses a sequence.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from specray.engine.speculator import DraftRequest, Speculator
+
+from ._util import EMPTY_DRAFT, HistoryCursor, as_tokens
+
+_SHIFT = 32
+_POS = (1 << _SHIFT) - 1
+
+
+class SuffixParams(BaseModel):
+    """Parameters of the suffix speculator."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_match: int = Field(5, ge=1, le=1024, description="shortest matched context (tokens) that may draft")
+    max_depth: int = Field(64, ge=2, le=1024, description="trie depth: matched context + draft tokens")
+    p_min: float = Field(0.1, ge=0.0, le=1.0, description="stop drafting when the path probability drops below this")
+    max_draft: int = Field(32, ge=1, le=1024, description="at most this many draft tokens")
+    max_spec_factor: float = Field(
+        1.0, ge=0.0, description="draft at most match_length x this + max_spec_offset tokens (SuffixDecoding)"
+    )
+    max_spec_offset: float = Field(0.0, description="added to match_length x max_spec_factor")
+    global_max_seqs: int = Field(
+        1000, ge=0, description="finished sequences kept in the global trie (0 disables the global trie)"
+    )
+    global_max_tokens: int = Field(
+        100_000, ge=0, description="tokens kept in the global trie (~0.3 KB each); oldest sequences go first"
+    )
+    global_include_prompt: bool = Field(False, description="also add finished requests' prompts to the global trie")
+    global_work_per_call: int = Field(
+        256, ge=0, description="global-trie tokens inserted/evicted per draft() call; 0 = all at once in end()"
+    )
+
+
+def _leaf(sid: int, pos: int) -> int:
+    return (sid << _SHIFT) | pos
+
+
+class _Node:
+    """Explicit trie node: the number of occurrences of its string, and its children.
+
+    A child is a _Node, or a leaf: an int ``sid << 32 | pos`` meaning the
+    string continues with seqs[sid][pos] and occurs only there; below it the
+    path follows the sequence (count 1 at every depth) until max_depth or the
+    sequence end. A node with one child keeps it in `one` (token = `best`);
+    from two children on they live in the dict `kids`.
+    """
+
+    __slots__ = ("count", "best", "bestc", "one", "kids")
+
+    def __init__(self, count: int = 0) -> None:
+        self.count = count
+        self.best = -1  # token of the most frequent child (first to reach the top count)
+        self.bestc = 0  # its count
+        self.one = None  # the only child, while kids is None
+        self.kids: dict | None = None
+
+    def child(self, t: int):
+        kids = self.kids
+        if kids is None:
+            return self.one if self.best == t else None
+        return kids.get(t)
+
+    def items(self) -> list:
+        if self.kids is not None:
+            return list(self.kids.items())
+        return [] if self.one is None else [(self.best, self.one)]
+
+    def put_new(self, t: int, ch, c: int) -> None:
+        """Add child t (not a child yet) with count c."""
+        kids = self.kids
+        if kids is None:
+            if self.one is None:
+                self.one, self.best, self.bestc = ch, t, c
+                return
+            self.kids = kids = {self.best: self.one}
+            self.one = None
+        kids[t] = ch
+        if c > self.bestc:
+            self.best, self.bestc = t, c
+
+    def replace(self, t: int, ch) -> None:
+        if self.kids is None:
+            self.one = ch
+        else:
+            self.kids[t] = ch
+
+    def drop(self, t: int) -> None:
+        kids = self.kids
+        if kids is None:
+            self.one, self.best, self.bestc = None, -1, 0
+            return
+        del kids[t]
+        if len(kids) == 1:
+            ((tt, cc),) = kids.items()
+            self.kids, self.one, self.best, self.bestc = None, cc, tt, _count(cc)
+        elif self.best == t:
+            self.rescan()
+
+    def rescan(self) -> None:
+        """Recompute the best child (after counts went down)."""
+        items = self.items()  # before best is reset: a lone child is keyed by it
+        self.best, self.bestc = -1, 0
+        for t, ch in items:
+            c = _count(ch)
+            if c > self.bestc:
+                self.best, self.bestc = t, c
+
+
+def _count(obj) -> int:
+    return obj.count if type(obj) is _Node else 1
+
+
+class SuffixTrie:
+    """Depth-bounded trie of all suffixes of one or more token sequences.
+
+    >>> t = SuffixTrie(max_depth=8)
+    >>> t.extend(0, [1, 2, 3, 1, 2, 4, 1, 2])
+    >>> t.count([1, 2]), t.count([1, 2, 3]), t.count([2, 4, 1]), t.count([3, 3])
+    (3, 1, 1, 0)
+    >>> [k for k, s in t.active_states(0)]      # suffixes ending the sequence that occur twice+
+    [1, 2]
+    >>> k, s = t.active_states(0)[1]             # "1 2": followed by 3 once, 4 once, (end) once
+    >>> toks, probs = t.walk(k, s, budget=4, p_min=0.0); toks, [round(p, 3) for p in probs]
+    ([3, 1, 2, 4], [0.333, 0.333, 0.333, 0.333])
+    >>> t.walk(k, s, budget=4, p_min=0.5)        # 1/3 < p_min: nothing
+    ([], [])
+    """
+
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = int(max_depth)
+        self.root = _Node()
+        self.seqs: dict[int, list[int]] = {}
+        self._active: dict[int, list[_Node]] = {}
+        self.n_tokens = 0
+        self.version = 0  # bumped by owners when matching states must be recomputed
+
+    # ---- building ----------------------------------------------------------
+    def extend(self, sid: int, tokens) -> None:
+        """Append tokens to sequence `sid` (created if new), inserting every new suffix.
+
+        The suffixes ending at the last token that occur more than once are
+        explicit nodes and have contiguous lengths 1..K (a suffix of a repeated
+        string is repeated): they are kept as a list by length, and each new
+        token extends them shortest first (O(K) per token).
+        """
+        seq = self.seqs.setdefault(sid, [])
+        act = self._active.get(sid, [])  # act[i]: node of the suffix of length i + 1
+        D = self.max_depth
+        root = self.root
+        seqs = self.seqs
+        actives = self._active
+        Node = _Node
+        base = sid << _SHIFT
+        for t in tokens:
+            t = int(t)
+            cur = len(seq)
+            seq.append(t)
+            root.count += 1
+            new: list[_Node] = []
+            node = root
+            i = 0  # act index of the next node; `node` has depth i
+            n_act = len(act)
+            while True:
+                kids = node.kids
+                if kids is None:
+                    ch = node.one if node.best == t else None
+                else:
+                    ch = kids.get(t)
+                if ch is None:
+                    # the string is new here, hence also for every longer suffix
+                    leaf = base | cur
+                    while True:
+                        node.put_new(t, leaf, 1)
+                        if i >= n_act:
+                            break
+                        node = act[i]
+                        i += 1
+                    break
+                if type(ch) is Node:
+                    c = ch.count = ch.count + 1
+                else:  # split a leaf: its occurrence and ours
+                    q = ch & _POS
+                    sid2 = ch >> _SHIFT
+                    seq2 = seqs[sid2]
+                    m = Node(2)
+                    if q + 1 < len(seq2):
+                        if i + 2 <= D:
+                            m.one, m.best, m.bestc = ch + 1, seq2[q + 1], 1
+                    elif sid2 in actives and i + 1 < D:
+                        # the leaf was the growing end of another (unfinished) sequence:
+                        # that suffix is now explicit and must grow with its sequence
+                        act2 = actives[sid2]
+                        if len(act2) == i:
+                            act2.append(m)
+                    if kids is None:
+                        node.one = m
+                    else:
+                        kids[t] = m
+                    ch = m
+                    c = 2
+                if c > node.bestc:
+                    node.best, node.bestc = t, c
+                new.append(ch)
+                if i >= n_act:
+                    break
+                node = act[i]
+                i += 1
+            if len(new) >= D:
+                del new[D - 1 :]  # depth-D nodes cannot grow
+            act = new
+        self._active[sid] = act
+        self.n_tokens += len(tokens)
+
+    def finish(self, sid: int) -> None:
+        """No more tokens for `sid`: drop its growing-suffix list."""
+        self._active.pop(sid, None)
+
+    def remove_range(self, sid: int, start: int, stop: int) -> None:
+        """Take the suffixes of `sid` starting in [start, stop) out of the counts."""
+        seq = self.seqs[sid]
+        D = self.max_depth
+        L = len(seq)
+        root = self.root
+        for s in range(start, min(stop, L)):
+            root.count -= 1
+            node, pos = root, s
+            while True:
+                t = seq[pos]
+                ch = node.child(t)
+                if ch is None:
+                    break
+                if type(ch) is not _Node:
+                    if ch >> _SHIFT == sid:
+                        node.drop(t)
+                    break
+                ch.count -= 1
+                if ch.count <= 0:
+                    node.drop(t)
+                    break
+                if node.best == t:
+                    node.rescan()
+                node = ch
+                pos += 1
+                if pos >= L or pos - s >= D:
+                    break
+
+    def drop_seq(self, sid: int) -> None:
+        """Forget sequence `sid` (after all its suffixes were removed)."""
+        seq = self.seqs.pop(sid, None)
+        self._active.pop(sid, None)
+        if seq is not None:
+            self.n_tokens -= len(seq)
+
+    def remove(self, sid: int) -> None:
+        """Remove sequence `sid` and all its suffixes' counts."""
+        if sid in self.seqs:
+            self.remove_range(sid, 0, len(self.seqs[sid]))
+            self.drop_seq(sid)
+
+    # ---- queries -----------------------------------------------------------
+    def active_states(self, sid: int) -> list[tuple[int, _Node]]:
+        """(match length, node) of the suffixes ending at the last token of `sid` that occur >= 2 times."""
+        return [(i + 1, node) for i, node in enumerate(self._active.get(sid, ()))]
+
+    def advance(self, states: list, t: int) -> list:
+        """Matching states of a context after appending token t.
+
+        states[i] is the state of the context's suffix of length i + 1 (those
+        found in the trie have contiguous lengths): its _Node, or the leaf int
+        if the string occurs once (ending at seqs[sid][pos]).
+        """
+        ch = self.root.child(t)
+        if ch is None:
+            return []
+        out = [ch]
+        seqs = self.seqs
+        for obj in states[: self.max_depth - 1]:
+            if type(obj) is _Node:
+                ch = obj.child(t)
+                if ch is None:
+                    break
+                out.append(ch)
+            else:
+                pos = obj & _POS
+                seq = seqs[obj >> _SHIFT]
+                if pos + 1 < len(seq) and seq[pos + 1] == t:
+                    out.append(obj + 1)
+                else:
+                    break
+        return out
+
+    def match(self, context) -> list:
+        """States for the suffixes of `context` (only its last max_depth tokens matter)."""
+        states: list = []
+        for t in list(context)[-self.max_depth :]:
+            states = self.advance(states, int(t))
+        return states
+
+    def count(self, tokens) -> int:
+        """Occurrences of a string (<= max_depth tokens)."""
+        tokens = list(tokens)
+        states = self.match(tokens)
+        if not tokens or len(states) < len(tokens):
+            return 0
+        return _count(states[len(tokens) - 1])
+
+    def walk(self, k: int, obj, budget: int, p_min: float) -> tuple[list[int], list[float]]:
+        """Greedy most-frequent-child path from a state at depth k.
+
+        Returns (tokens, probabilities); probability = running product of
+        child/parent counts, the walk stops before it drops below p_min.
+        """
+        toks: list[int] = []
+        probs: list[float] = []
+        prob = 1.0
+        depth = k
+        D = self.max_depth
+        while len(toks) < budget and depth < D:
+            if type(obj) is _Node:
+                if obj.bestc <= 0:
+                    break
+                prob *= obj.bestc / obj.count
+                if prob < p_min:
+                    break
+                t = obj.best
+                toks.append(t)
+                probs.append(prob)
+                depth += 1
+                obj = obj.one if obj.kids is None else obj.kids[t]
+            else:  # single occurrence: the rest of the path is the sequence itself
+                pos = obj & _POS
+                seq = self.seqs[obj >> _SHIFT]
+                m = min(budget - len(toks), len(seq) - pos - 1, D - depth)
+                if m > 0:
+                    toks.extend(seq[pos + 1 : pos + 1 + m])
+                    probs.extend([prob] * m)
+                break
+        return toks, probs
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: list[float]
+    score: float
+    match_len: int
+    source: str  # "request" or "global"
+
+
+def suffix_draft(
+    candidates: list[tuple[SuffixTrie, str, int, object]],
+    n_max: int,
+    min_match: int = 5,
+    p_min: float = 0.1,
+    max_spec_factor: float = 1.0,
+    max_spec_offset: float = 0.0,
+) -> Draft | None:
+    """Best-scoring draft over (trie, source, match length, state) candidates.
+
+    Candidates are tried longest match first; one whose budget x first-step
+    probability cannot beat the best score so far is skipped (a path's score is
+    at most its length times its first probability).
+
+    >>> t = SuffixTrie(max_depth=16)
+    >>> t.extend(0, [9, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3])
+    >>> c = [(t, "request", k, s) for k, s in t.active_states(0)]
+    >>> d = suffix_draft(c, n_max=8, min_match=2, p_min=0.1)
+    >>> d.tokens, d.probs, d.match_len     # "1 2 3" seen before (+ at the end): p = 1/2
+    ([4, 5, 6], [0.5, 0.5, 0.5], 3)
+    >>> suffix_draft(c, n_max=8, min_match=2, p_min=0.6) is None
+    True
+    """
+    best: Draft | None = None
+    best_score = 0.0
+    # Consecutive match lengths with the same count have the same occurrences, so
+    # their walks agree up to the budget: walk only the one with the largest budget.
+    groups: dict[tuple[int, int], tuple] = {}
+    for i, (trie, source, k, state) in enumerate(candidates):
+        if k < min_match:
+            continue
+        budget = min(n_max, int(k * max_spec_factor + max_spec_offset + 1e-6), trie.max_depth - k)
+        if budget <= 0:
+            continue
+        key = (id(trie), _count(state))
+        g = groups.get(key)
+        if g is None or (budget, k) > (g[0], g[1]):
+            groups[key] = (budget, k, trie, source, i, state)
+    # longest match first (ties keep the longer match); skip what cannot beat the best
+    for budget, k, trie, source, _, state in sorted(groups.values(), key=lambda g: (-g[1], g[4])):
+        if type(state) is _Node:
+            if state.bestc <= 0 or budget * state.bestc / state.count <= best_score:
+                continue
+        elif budget <= best_score:
+            continue
+        toks, probs = trie.walk(k, state, budget, p_min)
+        if not toks:
+            continue
+        score = sum(probs)
+        if score > best_score:
+            best_score = score
+            best = Draft(toks, probs, score, k, source)
+    return best
+
+
+class _ReqState:
+    __slots__ = ("trie", "cursor", "prompt_len", "gstates", "gversion")
+
+    def __init__(self, max_depth: int) -> None:
+        self.trie = SuffixTrie(max_depth)
+        self.cursor = HistoryCursor()
+        self.prompt_len = -1  # unknown until begin / first draft
+        self.gstates: list = []  # matches of the history's suffixes in the global trie
+        self.gversion = -1
+
+
+class SuffixSpeculator(Speculator):
+    """SuffixDecoding: per-request + global suffix tries, best path by summed probability."""
+
+    name = "suffix"
+
+    def __init__(self, params: SuffixParams | None = None) -> None:
+        super().__init__()
+        self.params = p = params or SuffixParams()
+        self.global_trie = SuffixTrie(p.max_depth)
+        self._global_order: OrderedDict[int, int] = OrderedDict()  # complete sids -> length, oldest first
+        self._global_tokens = 0  # tokens of the sequences in _global_order
+        self._jobs: deque[list] = deque()  # pending global work: ["add"|"remove", sid, tokens, done]
+        self._next_gsid = 0
+        self._seqs: dict[int, _ReqState] = {}
+        self.last_confidence: dict[int, np.ndarray] = {}
+        self.last_source: dict[int, str] = {}
+
+    # ---- per-request state -------------------------------------------------
+    def _sync(self, st: _ReqState, h: np.ndarray) -> None:
+        if not st.cursor.is_extension(h):
+            st.trie = SuffixTrie(self.params.max_depth)
+            st.cursor = HistoryCursor()
+            st.gstates, st.gversion, st.prompt_len = [], -1, -1
+        n0 = st.cursor.n
+        g = self.global_trie
+        if len(h) > n0:
+            new = h[n0:].tolist()
+            st.trie.extend(0, new)
+            if st.gversion == g.version:
+                if len(new) >= g.max_depth:  # only the last max_depth tokens matter
+                    st.gstates = g.match(new)
+                else:
+                    states = st.gstates
+                    for t in new:
+                        states = g.advance(states, t)
+                    st.gstates = states
+        st.cursor.advance(h)
+        if st.gversion != g.version:
+            st.gstates = g.match(st.trie.seqs.get(0, [])[-g.max_depth :]) if g.n_tokens else []
+            st.gversion = g.version
+
+    def _begin(self, seq_id: int, prompt: np.ndarray) -> None:
+        st = self._seqs[seq_id] = _ReqState(self.params.max_depth)
+        self._sync(st, as_tokens(prompt))
+        st.prompt_len = len(prompt)
+        self.last_confidence.pop(seq_id, None)
+
+    def draft(self, requests: list[DraftRequest]) -> list[np.ndarray]:
+        if self._jobs and self.params.global_work_per_call > 0:
+            self._pump(self.params.global_work_per_call)  # timed with the drafts below
+        return super().draft(requests)
+
+    def _draft_one(self, req: DraftRequest) -> np.ndarray:
+        p = self.params
+        st = self._seqs.get(req.seq_id)
+        if st is None:
+            st = self._seqs[req.seq_id] = _ReqState(p.max_depth)
+        h = as_tokens(req.history)
+        self._sync(st, h)
+        if st.prompt_len < 0:
+            st.prompt_len = len(h) - 1
+        cands = [(st.trie, "request", k, s) for k, s in st.trie.active_states(0)]
+        cands += [(self.global_trie, "global", i + 1, s) for i, s in enumerate(st.gstates)]
+        d = suffix_draft(
+            cands, min(req.n_max, p.max_draft), p.min_match, p.p_min, p.max_spec_factor, p.max_spec_offset
+        )
+        if d is None:
+            self.last_confidence[req.seq_id] = np.zeros(0)
+            self.last_source.pop(req.seq_id, None)
+            return EMPTY_DRAFT
+        self.last_confidence[req.seq_id] = np.array(d.probs)
+        self.last_source[req.seq_id] = d.source
+        return np.array(d.tokens, dtype=np.int32)
+
+    def _end(self, seq_id: int) -> None:
+        st = self._seqs.pop(seq_id, None)
+        self.last_confidence.pop(seq_id, None)
+        self.last_source.pop(seq_id, None)
+        if st is None:
+            return
+        seq = st.trie.seqs.get(0, [])
+        self.add_global(seq if self.params.global_include_prompt else seq[max(st.prompt_len, 0) :])
+
+    # ---- global trie -------------------------------------------------------
+    def add_global(self, tokens) -> None:
+        """Queue a finished token sequence for the global trie (oldest evicted beyond the bounds)."""
+        p = self.params
+        if p.global_max_seqs <= 0 or p.global_max_tokens <= 0:
+            return
+        toks = [int(t) for t in tokens][-p.global_max_tokens :]
+        if len(toks) < 2:
+            return
+        self._jobs.append(["add", self._next_gsid, toks, 0])
+        self._next_gsid += 1
+        if p.global_work_per_call == 0:
+            self.flush_global()
+
+    def flush_global(self) -> None:
+        """Finish all pending global-trie insertions and evictions now."""
+        self._pump(None)
+
+    def _pump(self, budget: int | None) -> None:
+        g = self.global_trie
+        jobs = self._jobs
+        while jobs and (budget is None or budget > 0):
+            job = jobs[0]
+            kind, sid, toks, done = job
+            if kind == "add":
+                n = len(toks) - done if budget is None else min(budget, len(toks) - done)
+                g.extend(sid, toks[done : done + n])
+                job[3] = done = done + n
+                if done >= len(toks):
+                    jobs.popleft()
+                    g.finish(sid)
+                    g.version += 1
+                    self._global_order[sid] = len(toks)
+                    self._global_tokens += len(toks)
+                    self._evict()
+            else:
+                L = len(g.seqs[sid])
+                n = L - done if budget is None else min(budget, L - done)
+                g.remove_range(sid, done, done + n)
+                job[3] = done = done + n
+                if done >= L:
+                    jobs.popleft()
+                    g.drop_seq(sid)
+                    g.version += 1
+            if budget is not None:
+                budget -= max(n, 1)
+
+    def _evict(self) -> None:
+        p = self.params
+        while self._global_order and (
+            len(self._global_order) > p.global_max_seqs or self._global_tokens > p.global_max_tokens
+        ):
+            old, n = self._global_order.popitem(last=False)
+            self._global_tokens -= n
+            self._jobs.append(["remove", old, None, 0])
+
+    def get_state(self):
+        """The global trie's sequences, oldest first (picklable)."""
+        self.flush_global()
+        return {"global_seqs": [list(self.global_trie.seqs[sid]) for sid in self._global_order]}
+
+    def set_state(self, state) -> None:
+        if not state:
+            return
+        old = self.global_trie
+        self.global_trie = SuffixTrie(self.params.max_depth)
+        self.global_trie.version = old.version + 1  # request states must rematch
+        self._global_order.clear()
+        self._global_tokens = 0
+        self._jobs.clear()
+        for seq in state.get("global_seqs", []):
+            self.add_global(seq)
+        self.flush_global()

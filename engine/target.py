@@ -1,0 +1,198 @@
+"""The target side of a round: one batched decode, verification, KV rollback.
+
+`TargetRunner` owns a target context (duck-typed: specray.native.Context) and
+the sampling state of every sequence in it. One `step` takes every active
+sequence's rows (prompt chunks, or [last token + draft]), decodes them in as
+few llama_decode calls as n_batch allows, verifies each sequence's draft where
+the logits are (they never leave this object), removes rejected draft rows
+from the KV cache and returns only token ids. In the distributed deployment
+this object lives in the target actor; co-located, in the router's process.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .sampling import SamplingParams, make_rng
+from .verify import verify_greedy, verify_sampled
+
+
+class TargetContext(Protocol):  # what specray.native.Context provides
+    n_batch: int
+    batch: Any
+
+    def decode(self, batch: Any = None) -> np.ndarray: ...
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool: ...
+    def clear_seq(self, seq_id: int) -> None: ...
+
+
+@dataclass
+class StepItem:
+    """One sequence's rows in a round."""
+
+    seq_id: int
+    tokens: np.ndarray  # int32: n_commit context tokens, then n_draft draft tokens
+    pos0: int  # KV position of tokens[0]
+    n_draft: int = 0
+    sample: bool = True  # False for a prompt chunk that is not the prompt's last
+
+    @property
+    def n_commit(self) -> int:
+        return len(self.tokens) - self.n_draft
+
+
+@dataclass
+class StepResult:
+    seq_id: int
+    tokens: np.ndarray  # accepted draft tokens followed by the sampled token; empty if not sampled
+    n_accepted: int = 0
+    margins: np.ndarray | None = None  # top-2 logit margin of each emitted token (record_margins)
+
+
+@dataclass
+class StepOutput:
+    results: list[StepResult]
+    decode_seconds: float
+    n_tokens: int
+    n_decodes: int
+    batch_sizes: list[int] = field(default_factory=list)  # tokens per llama_decode
+    seqs_per_decode: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Session:
+    params: SamplingParams
+    rng: np.random.Generator
+    window: np.ndarray  # last tokens of the sequence (for the repetition penalty)
+
+    def push(self, tokens: np.ndarray) -> None:
+        n = self.params.repeat_last_n
+        if n <= 0 or not self.params.penalty_active or len(tokens) == 0:
+            return
+        self.window = np.concatenate([self.window, tokens])[-n:]
+
+
+def top2_margin(rows: np.ndarray) -> np.ndarray:
+    """Top-1 minus top-2 logit per row: how near a tie the argmax was."""
+    part = np.partition(rows, -2, axis=1)[:, -2:]
+    return (part[:, 1] - part[:, 0]).astype(np.float32)
+
+
+class TargetRunner:
+    def __init__(self, ctx: TargetContext, record_margins: bool = False) -> None:
+        self.ctx = ctx
+        self.record_margins = record_margins
+        self.sessions: dict[int, _Session] = {}
+        self.rounds = 0
+        self.multi_seq_decodes = 0  # decodes that held rows of >= 2 sequences
+        self.max_seqs_in_decode = 0
+
+    def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray) -> None:
+        """Register a sequence (its slot's KV cache must be empty)."""
+        self.ctx.clear_seq(seq_id)
+        sess = _Session(params, make_rng(params.seed), np.zeros(0, dtype=np.int32))
+        self.sessions[seq_id] = sess
+
+    def release(self, seq_id: int) -> None:
+        """The sequence is done (or cancelled): free its KV cells."""
+        self.sessions.pop(seq_id, None)
+        self.ctx.clear_seq(seq_id)
+
+    def step(self, items: list[StepItem]) -> StepOutput:
+        """Decode every item's rows, verify drafts, roll back rejected rows."""
+        results: dict[int, StepResult] = {}
+        groups = self._pack(items)
+        t_decode = 0.0
+        sizes, seqs = [], []
+        for group in groups:
+            batch = self.ctx.batch
+            batch.clear()
+            for it in group:
+                n_logits = it.n_draft + 1 if it.sample else 0
+                batch.add_seq(it.seq_id, it.tokens, it.pos0, n_logits)
+            t0 = time.perf_counter()
+            logits = self.ctx.decode(batch)
+            t_decode += time.perf_counter() - t0
+            sizes.append(batch.n_tokens)
+            seqs.append(len(group))
+            if len(group) > 1:
+                self.multi_seq_decodes += 1
+            self.max_seqs_in_decode = max(self.max_seqs_in_decode, len(group))
+            row = 0
+            for it in group:
+                sess = self.sessions[it.seq_id]
+                sess.push(it.tokens[: it.n_commit])
+                if not it.sample:
+                    results[it.seq_id] = StepResult(it.seq_id, np.zeros(0, dtype=np.int32))
+                    continue
+                k = it.n_draft
+                rows = logits[row : row + k + 1]
+                row += k + 1
+                draft = it.tokens[it.n_commit :]
+                if sess.params.greedy:
+                    verdict = verify_greedy(rows, draft, sess.window, sess.params)
+                else:
+                    verdict = verify_sampled(rows, draft, sess.params, sess.rng, sess.window)
+                n_acc = verdict.n_accepted
+                if n_acc < k:  # rejected draft rows leave the KV cache
+                    self.ctx.seq_rm(it.seq_id, it.pos0 + it.n_commit + n_acc, -1)
+                sess.push(draft[:n_acc])
+                out = np.empty(n_acc + 1, dtype=np.int32)
+                out[:n_acc] = draft[:n_acc]
+                out[n_acc] = verdict.next_token
+                margins = top2_margin(rows[: n_acc + 1]) if self.record_margins else None
+                results[it.seq_id] = StepResult(it.seq_id, out, n_acc, margins)
+        self.rounds += 1
+        return StepOutput(
+            [results[it.seq_id] for it in items], t_decode, sum(sizes), len(groups), sizes, seqs
+        )
+
+    def measure_decode_costs(
+        self, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), reps: int = 3, prefix: int = 64,
+        seq_id: int = 0,
+    ) -> dict[int, float]:
+        """Seconds per decode of n tokens after a short prefix (median of reps).
+
+        Uses seq_id's slot, which must be idle; it is cleared afterwards.
+        """
+        ids = (np.arange(prefix + max(sizes), dtype=np.int32) * 7 + 100) % 1000 + 10
+        batch = self.ctx.batch
+        self.ctx.clear_seq(seq_id)
+        batch.clear()
+        batch.add_seq(seq_id, ids[:prefix], 0, 1)
+        self.ctx.decode(batch)
+        out: dict[int, float] = {}
+        for n in sizes:
+            if n > self.ctx.n_batch:
+                continue
+            times = []
+            for _ in range(reps + 1):  # first run warms up buffers for this size
+                batch.clear()
+                batch.add_seq(seq_id, ids[prefix : prefix + n], prefix, n)
+                t0 = time.perf_counter()
+                self.ctx.decode(batch)
+                times.append(time.perf_counter() - t0)
+                self.ctx.seq_rm(seq_id, prefix, -1)
+            out[n] = float(np.median(times[1:]))
+        self.ctx.clear_seq(seq_id)
+        return out
+
+    def _pack(self, items: list[StepItem]) -> list[list[StepItem]]:
+        """Split items into decodes of at most n_batch tokens, keeping each item whole."""
+        cap = self.ctx.n_batch
+        groups: list[list[StepItem]] = [[]]
+        used = 0
+        for it in items:
+            n = len(it.tokens)
+            if n > cap:
+                raise ValueError(f"item of {n} tokens exceeds n_batch {cap}")
+            if used + n > cap:
+                groups.append([])
+                used = 0
+            groups[-1].append(it)
+            used += n
+        return [g for g in groups if g]

@@ -1,0 +1,1 @@
+"""specray.native: the only code that touches llama.cpp (through llama_cpp)."""

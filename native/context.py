@@ -1,0 +1,150 @@
+"""A llama_context with n_seq_max sequence slots: decode, logits views, KV ops, state."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import llama_cpp
+import numpy as np
+
+from . import lib
+from .batch import Batch
+from .model import Model
+
+
+class DecodeError(RuntimeError):
+    pass
+
+
+class Context:
+    """One llama_context. Not thread-safe: callers hold `self.lock` around use.
+
+    kv_unified=True: all slots share the n_ctx cells (a slot can use the whole
+    context; llama-server does the same for parallel slots).
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        n_ctx: int = 4096,
+        n_seq_max: int = 4,
+        n_batch: int = 512,
+        n_ubatch: int | None = None,
+        n_threads: int = 2,
+        flash_attn: bool = False,
+        kv_unified: bool = True,
+        swa_full: bool = True,
+        exact: bool = False,
+    ) -> None:
+        lib.ensure_backend()
+        self.model = model
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_ubatch or n_batch
+        params.n_seq_max = n_seq_max
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        params.kv_unified = kv_unified
+        params.no_perf = True
+        params.swa_full = swa_full
+        self.ptr = llama_cpp.llama_init_from_model(model.ptr, params)
+        if not self.ptr:
+            raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max})")
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self.ptr))
+        self.n_seq_max = n_seq_max
+        self.n_batch = n_batch
+        self.n_threads = n_threads
+        self.flash_attn = flash_attn
+        self.mem = llama_cpp.llama_get_memory(self.ptr)
+        self.batch = Batch(n_batch)
+        self.lock = threading.RLock()
+        self.n_decodes = 0
+        # exact mode = batch-invariant kernels; the llamafile switch is
+        # process-wide, so each decode asserts its context's setting
+        self.exact = exact
+        if exact:
+            ok, why = lib.exact_mode_available()
+            if not ok:
+                raise RuntimeError(f"exact mode unavailable: {why}")
+            if flash_attn:
+                raise ValueError("exact mode needs flash attention off")
+
+    # ---- decode --------------------------------------------------------------
+    def decode(self, batch: Batch | None = None) -> np.ndarray:
+        """Decode `batch` (default: self.batch). Returns the logits of the rows
+        that asked for them, in batch order: a [n_outputs, n_vocab] float32 view
+        into llama.cpp's buffer, valid until the next decode."""
+        b = batch or self.batch
+        if b.n_tokens == 0:
+            raise DecodeError("empty batch")
+        if b.n_tokens > self.n_batch:
+            raise DecodeError(f"batch of {b.n_tokens} tokens exceeds n_batch {self.n_batch}")
+        lib.set_llamafile(not self.exact)
+        rc = llama_cpp.llama_decode(self.ptr, b.as_struct())
+        self.n_decodes += 1
+        if rc != 0:
+            raise DecodeError(
+                "llama_decode failed: " + ("no KV cache slot for the batch (context full)" if rc == 1 else f"code {rc}")
+            )
+        return self.logits(b.n_outputs)
+
+    def logits(self, n_outputs: int) -> np.ndarray:
+        if n_outputs == 0:
+            return np.zeros((0, self.model.n_vocab), dtype=np.float32)
+        ptr = llama_cpp.llama_get_logits(self.ptr)
+        return np.ctypeslib.as_array(ptr, shape=(n_outputs, self.model.n_vocab))
+
+    # ---- KV cache per sequence ----------------------------------------------
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove seq_id's cells with positions in [p0, p1) (-1 = open end)."""
+        return bool(llama_cpp.llama_memory_seq_rm(self.mem, seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        llama_cpp.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        llama_cpp.llama_memory_seq_keep(self.mem, seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest position of seq_id in the cache, -1 if empty."""
+        return int(llama_cpp.llama_memory_seq_pos_max(self.mem, seq_id))
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        return int(llama_cpp.llama_memory_seq_pos_min(self.mem, seq_id))
+
+    def clear_seq(self, seq_id: int) -> None:
+        self.seq_rm(seq_id, -1, -1)
+
+    def clear_all(self) -> None:
+        llama_cpp.llama_memory_clear(self.mem, True)
+
+    # ---- state checkpoints per sequence ------------------------------------------
+    def state_seq_get(self, seq_id: int) -> bytes:
+        """A checkpoint of one sequence (its KV cells, or recurrent state)."""
+        size = int(llama_cpp.llama_state_seq_get_size(self.ptr, seq_id))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(llama_cpp.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
+        return bytes(memoryview(buf)[:n])
+
+    def state_seq_set(self, seq_id: int, data: bytes) -> None:
+        """Restore a checkpoint into seq_id (which should be empty first)."""
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if int(llama_cpp.llama_state_seq_set_data(self.ptr, buf, len(data), seq_id)) == 0:
+            raise RuntimeError(f"llama.cpp failed to restore the state of sequence {seq_id}")
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            llama_cpp.llama_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,175 @@
+"""A loaded GGUF model: weights, vocabulary, tokenizer and chat template."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import llama_cpp
+import numpy as np
+
+from . import lib
+from .models import default_template_for, resolve_model
+
+
+@dataclass(frozen=True)
+class VocabInfo:
+    """What the vocabulary-compatibility rules of llama.cpp compare."""
+
+    vocab_type: int
+    n_vocab: int
+    bos: int
+    eos: int
+    add_bos: bool
+    add_eos: bool
+
+
+class Model:
+    """llama_model + llama_vocab. Thread-safe for tokenizer calls (read-only)."""
+
+    def __init__(
+        self,
+        path_or_alias: str,
+        *,
+        n_gpu_layers: int = 0,
+        use_extra_bufts: bool | None = None,
+        chat_template: str | None = None,
+        vocab_only: bool = False,
+    ) -> None:
+        lib.ensure_backend()
+        self.name = path_or_alias
+        self.path = resolve_model(path_or_alias)
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        # AMX kernels sit behind the "extra" buffer types; on AMX builds they
+        # segfault at the first decode here, so never use them on such a build.
+        if use_extra_bufts is None:
+            use_extra_bufts = not lib.build_has_amx()
+        if lib.build_has_amx() and use_extra_bufts:
+            raise ValueError("use_extra_bufts=True on an AMX build crashes at the first decode; refusing")
+        params.use_extra_bufts = use_extra_bufts
+        self.use_extra_bufts = use_extra_bufts
+        params.vocab_only = vocab_only  # tokenizer + chat template only (router process of a deployment)
+        self.vocab_only = vocab_only
+        self.ptr = llama_cpp.llama_model_load_from_file(self.path.encode(), params)
+        if not self.ptr:
+            raise RuntimeError(f"llama.cpp could not load model {self.path}")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.ptr)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
+        self.n_embd = int(llama_cpp.llama_model_n_embd(self.ptr))
+        self.n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self.ptr))
+        self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
+        self.eos = int(llama_cpp.llama_vocab_eos(self.vocab))
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        self.add_eos = bool(llama_cpp.llama_vocab_get_add_eos(self.vocab))
+        self._eog = np.array(
+            [bool(llama_cpp.llama_vocab_is_eog(self.vocab, t)) for t in range(self.n_vocab)], dtype=bool
+        )
+        self.eog_ids = frozenset(int(t) for t in np.flatnonzero(self._eog))
+        self.chat_template = chat_template or self._gguf_template() or default_template_for(path_or_alias)
+        self._piece_cache: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+
+    # ---- facts -------------------------------------------------------------
+    @property
+    def description(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        llama_cpp.llama_model_desc(self.ptr, buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def vocab_info(self) -> VocabInfo:
+        return VocabInfo(
+            int(llama_cpp.llama_vocab_type(self.vocab)), self.n_vocab, self.bos, self.eos, self.add_bos, self.add_eos
+        )
+
+    def token_text(self, token: int) -> bytes:
+        return llama_cpp.llama_vocab_get_text(self.vocab, token) or b""
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._eog[token])
+
+    def _gguf_template(self) -> str | None:
+        raw = llama_cpp.llama_model_chat_template(self.ptr, None)
+        return raw.decode("utf-8") if raw else None
+
+    # ---- tokenizer ---------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        buf = (llama_cpp.llama_token * n_max)()
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            n_max = -n
+            buf = (llama_cpp.llama_token * n_max)()
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+        return np.ctypeslib.as_array(buf)[:n].astype(np.int32)
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        key = token if not special else -1 - token
+        piece = self._piece_cache.get(key)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+            piece = buf.raw[:n]
+            self._piece_cache[key] = piece
+        return piece
+
+    def detokenize(self, tokens, special: bool = False) -> str:
+        return b"".join(self.token_to_piece(int(t), special) for t in tokens).decode("utf-8", "replace")
+
+    # ---- chat --------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Format chat messages with the model's template (llama.cpp's built-in engine)."""
+        if not self.chat_template:
+            raise ValueError(
+                f"model {self.name} has no chat template; name one (e.g. chat_template='chatml') or send a raw prompt"
+            )
+        if not messages:
+            raise ValueError("messages must not be empty")
+        arr = (llama_cpp.llama_chat_message * len(messages))()
+        keep = []
+        for i, m in enumerate(messages):
+            role = str(m.get("role", "")).encode()
+            content = m.get("content")
+            if isinstance(content, list):  # OpenAI content parts: keep the text parts
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            content_b = str(content if content is not None else "").encode()
+            keep += [role, content_b]
+            arr[i].role = role
+            arr[i].content = content_b
+        tmpl = self.chat_template.encode()
+        size = 4096 + sum(len(k) for k in keep) * 2
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_chat_apply_template(tmpl, arr, len(messages), add_generation_prompt, buf, size)
+        if n > size:
+            buf = ctypes.create_string_buffer(n)
+            n = llama_cpp.llama_chat_apply_template(tmpl, arr, len(messages), add_generation_prompt, buf, n)
+        if n < 0:
+            raise ValueError(f"llama.cpp does not support the chat template of {self.name}")
+        return buf.raw[:n].decode("utf-8", "replace")
+
+    def chat_tokens(self, messages: list[dict]) -> np.ndarray:
+        """Template-formatted prompt tokens. The template carries its own BOS where needed."""
+        text = self.apply_chat_template(messages)
+        return self.tokenize(text, add_special=self.add_bos and not self._text_has_bos(text), parse_special=True)
+
+    def _text_has_bos(self, text: str) -> bool:
+        if self.bos < 0:
+            return False
+        bos_text = self.token_text(self.bos).decode("utf-8", "replace")
+        return bool(bos_text) and text.startswith(bos_text)
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            llama_cpp.llama_model_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass

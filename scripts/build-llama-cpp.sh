@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Builds (once per machine) and installs specray's llama-cpp-python wheel into
+# the Python given as $1 (default: python3).
+#
+# Why a custom build rather than `pip install llama-cpp-python`:
+#  - the default build is -march=native; on Xeons with AMX it segfaults in
+#    ggml_backend_amx_mul_mat at the first decode. We build with GGML_NATIVE=OFF
+#    and enable exactly the x86 features /proc/cpuinfo reports, AMX excluded.
+#  - native/patches/ adds a run-time switch for llamafile's sgemm, so one build
+#    serves both the fast path and the batch-invariant exact mode.
+# The built wheel is cached in $SPECRAY_WHEEL_CACHE (default
+# ~/.cache/specray/wheels) keyed by version + flags + patch, so only the first
+# install on a machine pays the ~7-10 minute compile.
+set -euo pipefail
+
+PY=${1:-python3}
+VERSION=0.3.36
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+PATCH="$HERE/native/patches/ggml-cpu-llamafile-switch.patch"
+CACHE=${SPECRAY_WHEEL_CACHE:-$HOME/.cache/specray/wheels}
+
+flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+has() { [[ " $flags " == *" $1 "* ]]; }
+onoff() { if has "$1"; then echo ON; else echo OFF; fi; }
+
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_LLAMAFILE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+CMAKE_ARGS+=" -DGGML_SSE42=$(onoff sse4_2) -DGGML_AVX=$(onoff avx) -DGGML_AVX2=$(onoff avx2)"
+CMAKE_ARGS+=" -DGGML_FMA=$(onoff fma) -DGGML_F16C=$(onoff f16c) -DGGML_BMI2=$(onoff bmi2)"
+CMAKE_ARGS+=" -DGGML_AVX_VNNI=$(onoff avx_vnni) -DGGML_AVX512=$(onoff avx512f)"
+CMAKE_ARGS+=" -DGGML_AVX512_VBMI=$(onoff avx512vbmi) -DGGML_AVX512_VNNI=$(onoff avx512_vnni)"
+CMAKE_ARGS+=" -DGGML_AVX512_BF16=$(onoff avx512_bf16)"
+CMAKE_ARGS+=" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
+
+key=$( (echo "$VERSION $CMAKE_ARGS"; cat "$PATCH") | sha256sum | cut -c1-16)
+wheel_dir="$CACHE/$key"
+
+if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    echo "specray: building llama-cpp-python $VERSION (one-off, ~7-10 min on 2 cores)" >&2
+    echo "specray: CMAKE_ARGS=$CMAKE_ARGS" >&2
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+    "$PY" -m pip download --quiet --no-deps --no-binary :all: \
+        "llama-cpp-python==$VERSION" -d "$work"
+    tar -xzf "$work"/llama_cpp_python-"$VERSION".tar.gz -C "$work"
+    src="$work/llama_cpp_python-$VERSION"
+    patch -s -p1 -d "$src" < "$PATCH"
+    mkdir -p "$wheel_dir.tmp"
+    CMAKE_ARGS="$CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+        "$PY" -m pip wheel --no-deps --no-cache-dir -w "$wheel_dir.tmp" "$src" >&2
+    rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
+fi
+
+"$PY" -m pip install --quiet --no-deps --force-reinstall "$wheel_dir"/llama_cpp_python-*.whl
+echo "specray: llama-cpp-python $VERSION installed from $wheel_dir" >&2

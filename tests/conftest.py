@@ -1,0 +1,46 @@
+"""Shared fixtures: one loaded model per process, engines built on it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+def spec_bench_questions() -> list[dict]:
+    path = Path(os.environ.get("SPECRAY_SPEC_BENCH", SPEC_BENCH))
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def spec_bench_prompts(n: int, per_category: int = 1) -> list[str]:
+    """n first-turn questions, spread over categories (per_category each, in file order)."""
+    seen: dict[str, int] = {}
+    out = []
+    for q in spec_bench_questions():
+        cat = q.get("category", "")
+        if seen.get(cat, 0) >= per_category:
+            continue
+        seen[cat] = seen.get(cat, 0) + 1
+        out.append(q["turns"][0])
+        if len(out) == n:
+            break
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from specray.native.model import Model
+
+    return Model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    from specray.native.model import Model
+
+    return Model("gemma3-270m")

@@ -1,0 +1,96 @@
+"""Lossless greedy speculation on real prompts, several sequences at once.
+
+Exact mode (batch-invariant target): every speculator alone and the chain of
+all of them must give token-identical output to target-only decoding.
+Fast mode (llamafile on): outputs may diverge, but only where the target-only
+run had a near-tie (top-2 margin below twice the measured batch variance).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specray.deployments.bench import classify_divergence, measure_batch_variance
+from specray.deployments.local_engine import LocalEngine
+from specray.engine.config import ChainConfig, EngineConfig
+
+from ..conftest import spec_bench_prompts
+
+pytestmark = pytest.mark.model
+
+ALL = ("ngram_simple", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "suffix")
+# aggressive parameters so that short answers still get drafts, and drafts get rejected
+PARAMS = {
+    "ngram_simple": {"size_n": 2, "size_m": 8},
+    "ngram_map_k": {"size_n": 2, "size_m": 8},
+    "ngram_map_k4v": {"size_n": 2, "size_m": 8},
+    "ngram_mod": {"n_match": 3, "n_min": 1, "n_max": 8, "pool_size": 1 << 16},
+    "ngram_cache": {"n_draft": 6},
+    "suffix": {"min_match": 1, "p_min": 0.01},
+}
+MAX_TOKENS = 64
+N_PROMPTS = 8
+
+
+def _engine(model, exact: bool, slots: int = 4) -> LocalEngine:
+    cfg = EngineConfig(model="smollm2-135m", slots=slots, n_ctx=4096, exact=exact, record_margins=True,
+                       calibrate=False, chain=ChainConfig(speculators=[], params=PARAMS, policy="first", n_max=8))
+    return LocalEngine(cfg, model=model)
+
+
+def _run(engine: LocalEngine, prompts: list[str], chain: tuple[str, ...]):
+    reqs = [engine.request(messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS, chain=chain)
+            for p in prompts]
+    return engine.run(reqs)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return spec_bench_prompts(N_PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def exact_engine(smollm2):
+    eng = _engine(smollm2, exact=True)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def exact_baseline(exact_engine, prompts):
+    return [s.generated for s in _run(exact_engine, prompts, ())]
+
+
+def test_concurrent_target_only_equals_solo_in_exact_mode(smollm2, prompts, exact_baseline):
+    solo = _engine(smollm2, exact=True, slots=1)
+    for i in (0, 5):
+        assert solo.generate(messages=[{"role": "user", "content": prompts[i]}],
+                             max_tokens=MAX_TOKENS, chain=()).generated == exact_baseline[i]
+    solo.close()
+
+
+@pytest.mark.parametrize("chain", [(name,) for name in ALL] + [ALL], ids=lambda c: ",".join(c))
+def test_exact_mode_speculation_is_token_identical(exact_engine, prompts, exact_baseline, chain):
+    before = {n: exact_engine.chain.speculator(n).stats.tokens_generated for n in chain}
+    seqs = _run(exact_engine, prompts, chain)
+    assert exact_engine.runner.max_seqs_in_decode >= 4  # sequences really shared batches
+    for i, s in enumerate(seqs):
+        assert s.generated == exact_baseline[i], f"prompt {i} diverged under {chain}"
+    drafted = sum(s.spec_total.drafted for s in seqs)
+    accepted = sum(s.spec_total.accepted for s in seqs)
+    assert drafted > 0, f"{chain} never drafted: the test would prove nothing"
+    assert sum(exact_engine.chain.speculator(n).stats.tokens_generated - before[n] for n in chain) == drafted
+    if len(chain) > 1:
+        assert 0 < accepted < drafted  # both acceptance and rollback were exercised
+
+
+def test_fast_mode_divergences_only_at_near_ties(smollm2, prompts):
+    eng = _engine(smollm2, exact=False)
+    variance = measure_batch_variance(eng, eng.prompt_tokens(messages=[{"role": "user", "content": prompts[0]}]))
+    tie_bound = 2.0 * variance
+    base = _run(eng, prompts, ())
+    spec = _run(eng, prompts, ALL)
+    kinds = [classify_divergence(b.generated, s.generated, b.margins, tie_bound) for b, s in zip(base, spec)]
+    print(f"\nfast mode: batch variance {variance:.3f}, tie bound {tie_bound:.3f}, outcomes {kinds}")
+    assert "mismatch" not in kinds
+    eng.close()

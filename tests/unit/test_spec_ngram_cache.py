@@ -1,0 +1,215 @@
+"""ngram_cache: context / dynamic / static n-gram count tables (llama.cpp ngram-cache)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _spec_helpers import arr, check_stats, draft1, run_lifecycle
+
+from specray.engine.speculators.ngram_cache import (
+    NgramCacheParams,
+    NgramCacheSpeculator,
+    NgramCountTable,
+    build_static_cache,
+    ngram_cache_draft,
+)
+
+
+def table(*seqs, lo=1, hi=4):
+    t = NgramCountTable()
+    for s in seqs:
+        t.update(arr(*s), 0, lo, hi)
+    return t
+
+
+def brute_counts(seq, ngram):
+    k = len(ngram)
+    out = {}
+    for i in range(k, len(seq)):
+        if list(seq[i - k : i]) == list(ngram):
+            out[seq[i]] = out.get(seq[i], 0) + 1
+    return out
+
+
+def test_update_counts_and_incremental():
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, 4, 80).astype(np.int32)
+    full = NgramCountTable()
+    full.update(seq)
+    inc = NgramCountTable()
+    pos = 0
+    while pos < len(seq):
+        nxt = min(len(seq), pos + int(rng.integers(1, 5)))
+        inc.update(seq[:nxt], pos)
+        pos = nxt
+    assert full.table.keys() == inc.table.keys()
+    for key in full.table:
+        ng = np.frombuffer(key, np.int32).tolist()
+        assert full.counts(ng) == inc.counts(ng) == brute_counts(seq.tolist(), ng)
+        e = full.table[key]
+        assert e[0] == sum(e[3].values()) and e[1] == max(e[3].values()) and e[3][e[2]] == e[1]
+
+
+def test_context_lax_thresholds():
+    # 1-gram [5]: -> 6 twice, -> 7 once: 3 samples, 66.7 % >= 66 %: drafts 6
+    ctx = table([5, 6, 5, 6, 5, 7, 1, 5])
+    assert ngram_cache_draft(arr(1, 5), 1, ctx).tolist() == [6]
+    # 1-gram [5]: 6 once, 7 once: 50 % < 66 %: nothing ([1 5] is new)
+    ctx = table([5, 6, 5, 7, 1, 5])
+    assert ngram_cache_draft(arr(1, 5), 1, ctx).tolist() == []
+    # a 1-gram seen once is below the minimum sample size 2
+    ctx = table([5, 6])
+    assert ngram_cache_draft(arr(1, 5), 1, ctx).tolist() == []
+    # a 3-gram seen once is enough (lax: 1 sample, 50 %)
+    ctx = table([1, 2, 5, 6])
+    assert ngram_cache_draft(arr(1, 2, 5), 1, ctx).tolist() == [6]
+
+
+def test_longest_ngram_first():
+    # [1] -> 2 x3, 4 x1 (75 %); [8 9 1] -> 4 once; [9 1] -> 4 once (too few for a 2-gram)
+    ctx = table([1, 2, 1, 2, 1, 2, 8, 9, 1, 4])
+    assert ngram_cache_draft(arr(8, 9, 1), 1, ctx).tolist() == [4]  # the 3-gram wins
+    assert ngram_cache_draft(arr(7, 9, 1), 1, ctx).tolist() == [2]  # falls back to the 1-gram
+
+
+def test_dynamic_strict_thresholds_after_context():
+    empty = NgramCountTable()
+    dyn = table([3, 4, 8, 3, 4, 8, 3, 4, 9])  # [3 4] -> 8 x2, 9 x1: 3 samples, 66.7 %
+    assert ngram_cache_draft(arr(3, 4), 1, empty, dyn).tolist() == [8]
+    dyn2 = table([3, 4, 8, 3, 4, 8])  # 2 samples < strict minimum 3 for 2-grams
+    assert ngram_cache_draft(arr(3, 4), 1, empty, dyn2).tolist() == []
+    # the lax context table wins over the dynamic one
+    ctx = table([3, 4, 5])
+    ctx.update(arr(0, 3, 4, 5), 0, 3, 3)
+    assert ngram_cache_draft(arr(0, 3, 4), 1, ctx, dyn).tolist() == [5]
+
+
+def test_static_weighting_and_fallback():
+    # [1 2] -> 8 once, 7 once: unweighted the first to reach the top count (8) wins
+    ctx = table([1, 2, 8, 1, 2, 7])
+    assert ngram_cache_draft(arr(1, 2), 1, ctx).tolist() == [8]
+    # a static table that knows [1 2] -> 7 weights 7 by 100 x its static count
+    static = build_static_cache(arr(1, 2, 7))
+    assert set(static.table) == {arr(1, 2).tobytes()}  # 2-grams only
+    assert ngram_cache_draft(arr(1, 2), 1, ctx, None, static).tolist() == [7]
+    # weighting can make an entry fail: [1 2] -> 8 x2, 7 x1 picks 7 (1 x 100 > 2 x 1),
+    # 33 % < 50 %; the 1-gram [2] fails the same way; the static table alone has 1 sample
+    ctx2 = table([1, 2, 7, 1, 2, 8, 1, 2, 8])
+    assert ngram_cache_draft(arr(1, 2), 1, ctx2).tolist() == [8]
+    assert ngram_cache_draft(arr(1, 2), 1, ctx2, None, static).tolist() == []
+    # ... while a static table with 2 samples drafts on its own as the last resort
+    static2 = build_static_cache(arr(1, 2, 7, 1, 2, 7))
+    assert ngram_cache_draft(arr(1, 2), 1, ctx2, None, static2).tolist() == [7]
+    # nothing in context or dynamic: static only (2-gram lookups, >= 2 samples, >= 50 %)
+    static3 = build_static_cache(arr(1, 2, 7, 1, 2, 7, 1, 2, 7))
+    assert ngram_cache_draft(arr(9, 1, 2), 5, NgramCountTable(), None, static3).tolist() == [7, 1, 2, 7, 1]
+
+
+def test_multi_token_draft_uses_drafted_tokens_as_context():
+    h = arr(5, 1, 2, 3, 9, 1, 2, 3, 7, 1, 2)
+    ctx = table(h.tolist())
+    assert ngram_cache_draft(h, 4, ctx).tolist() == [3, 9, 1, 2]
+    assert ngram_cache_draft(h, 2, ctx).tolist() == [3, 9]  # n_draft caps
+
+
+def test_empty_and_short():
+    ctx = NgramCountTable()
+    assert ngram_cache_draft(arr(), 4, ctx).tolist() == []
+    assert ngram_cache_draft(arr(1), 4, table([1, 2, 1, 2])).tolist() == []  # < 2 tokens
+    assert ngram_cache_draft(arr(1, 2), 0, table([1, 2, 1, 2])).tolist() == []
+
+
+def test_file_format_is_llama_cpp(tmp_path):
+    t = NgramCountTable()
+    t.add(arr(11, 12).tobytes(), 13, 3)
+    path = tmp_path / "one.bin"
+    t.save(path)
+    raw = np.fromfile(path, dtype=np.int32).tolist()
+    # common_ngram (4 tokens, -1 padded), ntokens, (token, count) pairs
+    assert raw == [11, 12, -1, -1, 1, 13, 3]
+
+
+def test_save_load_roundtrip(tmp_path):
+    rng = np.random.default_rng(1)
+    t = NgramCountTable()
+    t.update(rng.integers(0, 50, 500).astype(np.int32))
+    t.add(arr(1, 2, 3, 4).tobytes(), 2**31 - 1, 1)  # large token ids survive
+    path = tmp_path / "cache.bin"
+    t.save(path)
+    u = NgramCountTable.load(path)
+    assert len(u) == len(t)
+    for key, e in t.table.items():
+        f = u.table[key]
+        assert f[3] == e[3] and f[0] == e[0] and f[1] == e[1]
+    with pytest.raises(ValueError):
+        NgramCountTable.from_bytes(path.read_bytes()[:-4])  # truncated
+
+
+def test_dynamic_accumulates_across_sequences_and_persists(tmp_path):
+    path = tmp_path / "dyn.bin"
+    sp = NgramCacheSpeculator(NgramCacheParams(n_draft=3, dynamic_path=str(path)))
+    assert len(sp.dynamic) == 0
+    for seq_id in (0, 1, 2):  # three sequences that all say "4 5 -> 6"
+        sp.begin(seq_id, arr(4, 5, 6, 0))
+        draft1(sp, seq_id, arr(4, 5, 6, 0, 9))
+        sp.end(seq_id)
+    assert sp.dynamic.counts([4, 5]) == {6: 3}
+    # a fresh sequence whose own context knows nothing drafts from dynamic (strict: 3 samples)
+    sp.begin(3, arr(8, 8))
+    assert draft1(sp, 3, arr(8, 8, 4, 5))[:1].tolist() == [6]
+    assert sp.save() == str(path)
+    # loaded at construction
+    sp2 = NgramCacheSpeculator(NgramCacheParams(n_draft=3, dynamic_path=str(path)))
+    assert sp2.dynamic.counts([4, 5]) == {6: 3}
+    assert draft1(sp2, 0, arr(8, 8, 4, 5))[:1].tolist() == [6]
+    # save without a path
+    with pytest.raises(ValueError):
+        NgramCacheSpeculator().save()
+
+
+def test_static_path_and_dynamic_bound(tmp_path):
+    spath = tmp_path / "static.bin"
+    build_static_cache(arr(3, 1, 3, 1, 3, 1)).save(spath)
+    sp = NgramCacheSpeculator(NgramCacheParams(n_draft=4, static_path=str(spath), dynamic_max_ngrams=5))
+    assert draft1(sp, 0, arr(7, 3, 1)).tolist() == [3, 1, 3, 1]
+    sp.end(0)
+    assert len(sp.dynamic) <= 5
+    with pytest.raises(FileNotFoundError):
+        NgramCacheSpeculator(NgramCacheParams(static_path=str(tmp_path / "missing.bin")))
+
+
+def test_per_sequence_context_isolation():
+    sp = NgramCacheSpeculator(NgramCacheParams(update_dynamic=False))
+    sp.begin(0, arr(1, 2, 3, 1, 2, 3))
+    sp.begin(1, arr(9, 9))
+    assert draft1(sp, 0, arr(1, 2, 3, 1, 2, 3, 1, 2))[:1].tolist() == [3]
+    assert len(draft1(sp, 1, arr(9, 9, 1, 2))) == 0
+    sp.end(0)
+    assert len(sp.dynamic) == 0  # update_dynamic=False
+
+
+def test_rebuild_on_reused_seq_id():
+    sp = NgramCacheSpeculator()
+    assert draft1(sp, 0, arr(1, 2, 3, 1, 2, 3, 1, 2))[:1].tolist() == [3]
+    assert len(draft1(sp, 0, arr(8, 2))) == 0  # shorter: context rebuilt from [8 2]
+    assert sp._seqs[0].context.counts([1]) == {}
+
+
+def test_state_roundtrip():
+    sp = NgramCacheSpeculator()
+    sp.begin(0, arr(4, 5, 6))
+    sp.end(0)
+    sp2 = NgramCacheSpeculator()
+    sp2.set_state(sp.get_state())
+    assert sp2.dynamic.counts([4, 5]) == {6: 1}
+
+
+def test_lifecycle_and_stats():
+    rng = np.random.default_rng(6)
+    block = rng.integers(100, 200, 40).tolist()
+    prompt = rng.integers(0, 50, 20).tolist() + block + [7]
+    sp = NgramCacheSpeculator(NgramCacheParams(n_draft=6))
+    mine = run_lifecycle(sp, prompt, block + [1, 2, 3], n_max=6)
+    assert mine["tok_acc"] > 20
+    check_stats(sp, mine)
+    assert len(sp.dynamic) > 0  # merged at end
