@@ -53,7 +53,10 @@ class LocalEngine:
         self.runner = TargetRunner(self.ctx, record_margins=config.record_margins)
         cost = DecodeCostModel(self.runner.measure_decode_costs() if config.calibrate else None)
         self.chain = Chain(config.chain, make_speculator)
-        self.scheduler = Scheduler(config, self.runner, self.model, self.chain, self.ctx.n_ctx, cost)
+        self.scheduler = Scheduler(
+            config, self.runner, self.model, self.chain, self.ctx.n_ctx_seq, cost,
+            shared_cells=self.ctx.n_ctx if self.ctx.kv_unified else None,
+        )
         self.lock = threading.RLock()
 
     # ---- request helpers -------------------------------------------------------------

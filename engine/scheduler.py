@@ -75,12 +75,16 @@ class Scheduler:
         chain: Chain,
         n_ctx: int,
         cost: DecodeCostModel | None = None,
+        shared_cells: int | None = None,
     ) -> None:
+        """n_ctx: KV cells one sequence may use. shared_cells: total cells all
+        slots share (unified KV cache), or None if each slot has its own n_ctx."""
         self.config = config
         self.target = target
         self.tok = tokenizer
         self.chain = chain
         self.n_ctx = n_ctx
+        self.shared_cells = shared_cells
         self.cost = cost or DecodeCostModel()
         self.free_slots: list[int] = list(range(config.slots))[::-1]
         self.active: dict[int, Sequence] = {}  # slot -> seq
@@ -144,7 +148,7 @@ class Scheduler:
     def _admit(self) -> None:
         while self.queue and self.free_slots:
             seq = self.queue[0]
-            if self.reserved + seq.reserve > self.n_ctx and self.active:
+            if self.shared_cells is not None and self.reserved + seq.reserve > self.shared_cells and self.active:
                 break  # wait for cells to free up
             self.queue.popleft()
             slot = self.free_slots.pop()

@@ -34,7 +34,7 @@ class Context:
         n_ubatch: int | None = None,
         n_threads: int = 2,
         flash_attn: bool = False,
-        kv_unified: bool = True,
+        kv_unified: bool | None = None,
         swa_full: bool = True,
         exact: bool = False,
     ) -> None:
@@ -50,6 +50,11 @@ class Context:
         params.flash_attn_type = (
             llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
+        # Exact mode needs each sequence's KV cells at the same indices as in a
+        # solo run (attention sums over cells in index order): one KV stream per
+        # slot. The fast mode shares one stream (fewer ubatch splits).
+        if kv_unified is None:
+            kv_unified = not exact
         params.kv_unified = kv_unified
         params.no_perf = True
         params.swa_full = swa_full
@@ -57,6 +62,9 @@ class Context:
         if not self.ptr:
             raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max})")
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ptr))
+        self.kv_unified = kv_unified
+        # cells one sequence can use: all of them (unified) or its own stream's share
+        self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self.ptr))
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
         self.n_threads = n_threads

@@ -71,11 +71,12 @@ class SuffixParams(BaseModel):
         1000, ge=0, description="finished sequences kept in the global trie (0 disables the global trie)"
     )
     global_max_tokens: int = Field(
-        100_000, ge=0, description="tokens kept in the global trie (~0.3 KB each); oldest sequences go first"
+        100_000, ge=0, description="tokens kept in the global trie (~0.35 KB each); oldest sequences go first"
     )
     global_include_prompt: bool = Field(False, description="also add finished requests' prompts to the global trie")
     global_work_per_call: int = Field(
-        256, ge=0, description="global-trie tokens inserted/evicted per draft() call; 0 = all at once in end()"
+        64, ge=0,
+        description="global-trie tokens inserted/evicted per draft() call (~5-15 us each); 0 = all at once in end()",
     )
 
 
@@ -90,7 +91,9 @@ class _Node:
     string continues with seqs[sid][pos] and occurs only there; below it the
     path follows the sequence (count 1 at every depth) until max_depth or the
     sequence end. A node with one child keeps it in `one` (token = `best`);
-    from two children on they live in the dict `kids`.
+    from two children on they live in the dict `kids`. `bestc == -1` marks a
+    stale best child (after a removal): `fresh()` rescans before it is read, so
+    removals never scan wide nodes (the root has a child per vocabulary token).
     """
 
     __slots__ = ("count", "best", "bestc", "one", "kids")
@@ -123,7 +126,7 @@ class _Node:
             self.kids = kids = {self.best: self.one}
             self.one = None
         kids[t] = ch
-        if c > self.bestc:
+        if c > self.bestc >= 0:
             self.best, self.bestc = t, c
 
     def replace(self, t: int, ch) -> None:
@@ -142,7 +145,12 @@ class _Node:
             ((tt, cc),) = kids.items()
             self.kids, self.one, self.best, self.bestc = None, cc, tt, _count(cc)
         elif self.best == t:
+            self.bestc = -1  # stale (dict nodes only read best after fresh())
+
+    def fresh(self) -> "_Node":
+        if self.bestc < 0:
             self.rescan()
+        return self
 
     def rescan(self) -> None:
         """Recompute the best child (after counts went down)."""
@@ -246,8 +254,12 @@ class SuffixTrie:
                         kids[t] = m
                     ch = m
                     c = 2
-                if c > node.bestc:
-                    node.best, node.bestc = t, c
+                bc = node.bestc
+                if c > bc:
+                    if bc < 0:
+                        node.rescan()
+                    else:
+                        node.best, node.bestc = t, c
                 new.append(ch)
                 if i >= n_act:
                     break
@@ -286,7 +298,7 @@ class SuffixTrie:
                     node.drop(t)
                     break
                 if node.best == t:
-                    node.rescan()
+                    node.bestc = -1  # maybe no longer the top child: rescan when read
                 node = ch
                 pos += 1
                 if pos >= L or pos - s >= D:
@@ -366,7 +378,8 @@ class SuffixTrie:
         while len(toks) < budget and depth < D:
             if type(obj) is _Node:
                 if obj.bestc <= 0:
-                    break
+                    if obj.bestc == 0 or obj.fresh().bestc == 0:
+                        break
                 prob *= obj.bestc / obj.count
                 if prob < p_min:
                     break
@@ -436,6 +449,7 @@ def suffix_draft(
     # longest match first (ties keep the longer match); skip what cannot beat the best
     for budget, k, trie, source, _, state in sorted(groups.values(), key=lambda g: (-g[1], g[4])):
         if type(state) is _Node:
+            state.fresh()
             if state.bestc <= 0 or budget * state.bestc / state.count <= best_score:
                 continue
         elif budget <= best_score:

@@ -33,7 +33,7 @@ N_PROMPTS = 8
 
 
 def _engine(model, exact: bool, slots: int = 4) -> LocalEngine:
-    cfg = EngineConfig(model="smollm2-135m", slots=slots, n_ctx=4096, exact=exact, record_margins=True,
+    cfg = EngineConfig(model="smollm2-135m", slots=slots, n_ctx=1024 * slots, exact=exact, record_margins=True,
                        calibrate=False, chain=ChainConfig(speculators=[], params=PARAMS, policy="first", n_max=8))
     return LocalEngine(cfg, model=model)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _spec_helpers import arr, check_stats, draft1, run_lifecycle
 
 from specray.engine.speculators.ngram_cache import (
     NgramCacheParams,
@@ -13,6 +12,8 @@ from specray.engine.speculators.ngram_cache import (
     build_static_cache,
     ngram_cache_draft,
 )
+
+from ._spec_helpers import arr, check_stats, draft1, run_lifecycle
 
 
 def table(*seqs, lo=1, hi=4):

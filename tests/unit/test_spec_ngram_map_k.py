@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _spec_helpers import arr, check_stats, draft1, run_lifecycle
 
 from specray.engine.speculators.ngram_map_k import (
     NgramKeyIndex,
@@ -12,6 +11,8 @@ from specray.engine.speculators.ngram_map_k import (
     NgramMapKSpeculator,
     ngram_map_k_draft,
 )
+
+from ._spec_helpers import arr, check_stats, draft1, run_lifecycle
 
 
 def spec(n=2, m=3, min_hits=1):

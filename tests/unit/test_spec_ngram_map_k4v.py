@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _spec_helpers import arr, check_stats, draft1, run_lifecycle
 
 from specray.engine.speculators.ngram_map_k4v import (
     MAX_VALUES,
@@ -13,6 +12,8 @@ from specray.engine.speculators.ngram_map_k4v import (
     NgramValueIndex,
     ngram_map_k4v_draft,
 )
+
+from ._spec_helpers import arr, check_stats, draft1, run_lifecycle
 
 
 def spec(n=1, m=2, min_hits=1):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _spec_helpers import arr, check_stats, draft1, run_lifecycle
 
 from specray.engine.speculators.ngram_mod import (
     ADD_CHUNK,
@@ -15,6 +14,8 @@ from specray.engine.speculators.ngram_mod import (
     NgramModSpeculator,
     ngram_mod_draft,
 )
+
+from ._spec_helpers import arr, check_stats, draft1, run_lifecycle
 
 C = 6364136223846793005
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _spec_helpers import arr, check_stats, draft1, run_lifecycle
 
 from specray.engine.speculators.ngram_simple import (
     NgramSimpleParams,
     NgramSimpleSpeculator,
     ngram_simple_draft,
 )
+
+from ._spec_helpers import arr, check_stats, draft1, run_lifecycle
 
 
 def reference(history, n, m):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _spec_helpers import arr, check_stats, draft1, run_lifecycle
 
 from specray.engine.speculators.suffix import (
     SuffixParams,
@@ -13,6 +12,8 @@ from specray.engine.speculators.suffix import (
     _Node,
     suffix_draft,
 )
+
+from ._spec_helpers import arr, check_stats, draft1, run_lifecycle
 
 
 def brute_count(seqs, s):
@@ -29,10 +30,10 @@ def check_trie(trie: SuffixTrie, seqs: list[list[int]], rng, n_probe=300):
         s = rng.integers(0, 4, int(rng.integers(1, D + 1))).tolist()
         assert trie.count(s) == brute_count(seqs, s)
     assert trie.root.count == sum(len(q) for q in seqs)
-    # cached best child is a true maximum at every explicit node
+    # cached best child is a true maximum at every explicit node (once refreshed)
     stack = [trie.root]
     while stack:
-        node = stack.pop()
+        node = stack.pop().fresh()
         items = node.items()
         counts = {t: (c.count if type(c) is _Node else 1) for t, c in items}
         assert len(counts) == len(items)

@@ -1,0 +1,59 @@
+"""App builders: ServeConfig -> Serve application (ingress -> engine replica).
+
+`build_app(args)` is the import path for Ray's own CLI:
+
+    serve run cluster/serve-local.yaml        # applications[].import_path: specray.deployments.app:build_app
+    serve run specray.deployments.app:build_app mode=distributed
+
+`args` holds ServeConfig fields (nested dicts for `engine`), optionally
+`config_file: PATH` to start from a YAML file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from specray.cluster.placement import STRATEGY, replica_bundles
+
+from .ingress import Ingress
+from .replica import EngineReplica
+from .serve_config import ServeConfig, load_serve_config
+
+
+def replica_options(cfg: ServeConfig) -> dict[str, Any]:
+    """Serve options of the engine replica deployment for this config."""
+    opts: dict[str, Any] = {"max_ongoing_requests": cfg.max_ongoing_requests}
+    if cfg.autoscaling:
+        opts["autoscaling_config"] = cfg.autoscaling
+    else:
+        opts["num_replicas"] = cfg.num_replicas
+    if cfg.mode == "distributed":
+        # one placement group per replica: [replica, target actor, companion actor], same node
+        opts["ray_actor_options"] = {"num_cpus": cfg.replica_cpus}
+        opts["placement_group_bundles"] = replica_bundles(
+            cfg.replica_cpus, cfg.target_cpus, cfg.companion_cpus, cfg.target_gpus, cfg.companion_gpus
+        )
+        opts["placement_group_strategy"] = STRATEGY
+    else:
+        actor: dict[str, Any] = {"num_cpus": cfg.replica_cpus}
+        if cfg.colocated_gpus:
+            actor["num_gpus"] = cfg.colocated_gpus
+        opts["ray_actor_options"] = actor
+    return opts
+
+
+def build_app_from_config(cfg: ServeConfig) -> Application:
+    conf = cfg.model_dump(mode="json")
+    engine = EngineReplica.options(**replica_options(cfg)).bind(conf)
+    return Ingress.options(
+        num_replicas=cfg.ingress_replicas,
+        max_ongoing_requests=cfg.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": cfg.ingress_cpus},
+    ).bind(engine, conf)
+
+
+def build_app(args: dict | None = None) -> Application:
+    """Serve app builder (`serve run ...:build_app`, `serve deploy`): args -> ServeConfig -> app."""
+    return build_app_from_config(load_serve_config(args or {}))

@@ -1,0 +1,249 @@
+"""OpenAI-compatible request bodies, response builders and error bodies.
+
+Unknown OpenAI fields are ignored (clients send many); fields specray cannot
+honour with a non-default value (n > 1, logprobs, echo, presence/frequency
+penalties, tools) are refused with a 400 naming the field. Extensions:
+`speculative` ({"chain", "n_max", "enabled"}), `top_k`, `min_p`,
+`repeat_penalty` (alias `repetition_penalty`), `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+from specray.engine.config import parse_chain
+
+DEFAULT_MAX_TOKENS = 256
+
+
+class OpenAIError(Exception):
+    """Answered as {"error": {...}} with `status`."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 type_: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type_ or error_type(status)
+
+
+def error_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_error"  # what OpenAI's clients map 429 to
+    if status == 404:
+        return "not_found_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(message: str, status: int = 400, param: str | None = None, code: str | None = None,
+               type_: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_ or error_type(status), "param": param, "code": code}}
+
+
+class SpeculativeOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="false: plain decoding for this request")
+    chain: str | list[str] | None = Field(None, description="speculators in priority order ('ngram_mod,suffix')")
+    n_max: int | None = Field(None, ge=0, le=256, description="draft tokens per round at most (<= the server's)")
+
+    def chain_names(self) -> list[str] | None:
+        if not self.enabled:
+            return []
+        if self.chain is None:
+            return None
+        if isinstance(self.chain, str):
+            return parse_chain(self.chain)
+        names = [str(n).strip() for n in self.chain if str(n).strip()]
+        return [] if names == ["none"] else names
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, description=f"default {DEFAULT_MAX_TOKENS}")
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(1.0, gt=0.0, validation_alias=AliasChoices("repeat_penalty", "repetition_penalty"))
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = 1
+    user: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    speculative: SpeculativeOptions | None = None
+    ignore_eos: bool = False
+    # OpenAI fields accepted only at their neutral value
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logprobs: Any = None
+    logit_bias: dict | None = None
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise OpenAIError("only n=1 is supported", param="n")
+        if self.presence_penalty not in (None, 0, 0.0):
+            raise OpenAIError("presence_penalty is not supported (use repeat_penalty)", param="presence_penalty")
+        if self.frequency_penalty not in (None, 0, 0.0):
+            raise OpenAIError("frequency_penalty is not supported (use repeat_penalty)", param="frequency_penalty")
+        if self.logprobs not in (None, False, 0):
+            raise OpenAIError("logprobs are not supported", param="logprobs")
+        if self.logit_bias:
+            raise OpenAIError("logit_bias is not supported", param="logit_bias")
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [s for s in stops if s]
+
+    def engine_fields(self, max_tokens: int | None) -> dict:
+        """The replica's request dict, minus the prompt."""
+        self.check_supported()
+        spec = self.speculative
+        try:
+            chain = spec.chain_names() if spec else None
+        except ValueError as e:
+            raise OpenAIError(str(e), param="speculative.chain") from None
+        temperature = 1.0 if self.temperature is None else self.temperature
+        return {
+            "max_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            "sampling": {
+                "temperature": temperature,
+                "top_p": 1.0 if self.top_p is None else self.top_p,
+                "top_k": self.top_k,
+                "min_p": self.min_p,
+                "repeat_penalty": self.repeat_penalty,
+                "seed": self.seed,
+            },
+            "stop": self.stops(),
+            "chain": chain,
+            "n_max": spec.n_max if spec else None,
+            "ignore_eos": self.ignore_eos,
+        }
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def to_engine(self) -> dict:
+        if self.echo:
+            raise OpenAIError("echo is not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise OpenAIError("best_of is not supported", param="best_of")
+        if self.suffix:
+            raise OpenAIError("suffix is not supported", param="suffix")
+        d = self.engine_fields(self.max_tokens)
+        p = self.prompt
+        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+            d["prompt_tokens"] = list(p)
+        elif isinstance(p, list):
+            if len(p) != 1:
+                raise OpenAIError("send exactly one prompt per request (a list of one string)", param="prompt")
+            d["prompt"] = p[0]
+        else:
+            d["prompt"] = p
+        if not d.get("prompt") and not d.get("prompt_tokens"):
+            raise OpenAIError("prompt is empty", param="prompt")
+        return d
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str = "text"
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for p in self.content:
+            if p.type != "text":
+                raise OpenAIError(f"content parts of type {p.type!r} are not supported (text only)",
+                                  param="messages")
+            parts.append(p.text or "")
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def to_engine(self) -> dict:
+        if self.tools:
+            raise OpenAIError("tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise OpenAIError("response_format other than text is not supported", param="response_format")
+        if not self.messages:
+            raise OpenAIError("messages must not be empty", param="messages")
+        mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        d = self.engine_fields(mt)
+        d["messages"] = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                         for m in self.messages]
+        return d
+
+
+# ---- responses -----------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def completion_response(rid: str, model: str, result: dict) -> dict:
+    return {
+        "id": rid, "object": "text_completion", "created": now(), "model": model,
+        "choices": [{"index": 0, "text": result["text"], "finish_reason": result["finish_reason"],
+                     "logprobs": None}],
+        "usage": result["usage"], "speculative": result["speculative"],
+    }
+
+
+def chat_response(rid: str, model: str, result: dict) -> dict:
+    return {
+        "id": rid, "object": "chat.completion", "created": now(), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result["text"]},
+                     "finish_reason": result["finish_reason"], "logprobs": None}],
+        "usage": result["usage"], "speculative": result["speculative"],
+    }
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}

@@ -1,0 +1,105 @@
+"""`specray serve`: local Ray + the app on --host/--port, until Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from specray.engine.config import parse_chain
+
+from .serve_config import ServeConfig, deep_merge, load_serve_config
+
+# argparse flag -> ServeConfig path
+_FLAG_FIELDS = {
+    "host": ("host",),
+    "port": ("port",),
+    "mode": ("mode",),
+    "slots": ("engine", "slots"),
+    "model": ("engine", "model"),
+    "chat_template": ("engine", "chat_template"),
+    "threads": ("engine", "threads"),
+    "n_ctx": ("engine", "n_ctx"),
+    "exact": ("engine", "exact"),
+}
+
+
+def _parser_defaults() -> dict:
+    from .cli import build_parser
+
+    return vars(build_parser().parse_args(["serve"]))
+
+
+def config_from_args(args) -> ServeConfig:
+    """--config FILE first, then every flag the user set (a flag left at its argparse default
+    does not override the file; without --config the defaults are ServeConfig's own)."""
+    defaults = _parser_defaults()
+    over: dict = {}
+    for flag, path in _FLAG_FIELDS.items():
+        if not hasattr(args, flag):
+            continue
+        v = getattr(args, flag)
+        if v is None or (v == defaults.get(flag) and getattr(args, "config", None)):
+            continue
+        if flag == "exact" and not v:
+            continue
+        node = over
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = v
+    if getattr(args, "spec", None) is not None:
+        over = deep_merge(over, {"engine": {"chain": {"speculators": parse_chain(args.spec)}}})
+    base = {"config_file": args.config} if getattr(args, "config", None) else {}
+    return load_serve_config(deep_merge(base, over))
+
+
+def url_of(cfg: ServeConfig) -> str:
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    prefix = cfg.route_prefix.rstrip("/")
+    return f"http://{host}:{cfg.port}{prefix}"
+
+
+def main_serve(args) -> int:
+    cfg = config_from_args(args)
+    from specray.native.models import resolve_model
+
+    resolve_model(cfg.engine.model)  # fail fast (exit 2) on a bad model before starting Ray
+
+    import ray
+    from ray import serve
+
+    from .app import build_app_from_config
+
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()
+        else:
+            ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    t0 = time.perf_counter()
+    serve.run(build_app_from_config(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
+    url = url_of(cfg)
+    print(f"specray: serving {cfg.model_id} ({cfg.mode}, chain {cfg.engine.chain.label}, "
+          f"{cfg.engine.slots} slots) at {url}/v1  [ready in {time.perf_counter() - t0:.1f}s]", flush=True)
+    print(f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+          "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'", flush=True)
+    print("  Ctrl-C to stop.", flush=True)
+
+    stop = {"now": False}
+
+    def _on_term(signum, frame):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, _on_term)
+    try:
+        while not stop["now"]:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    print("specray: shutting down", file=sys.stderr, flush=True)
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+    return 0

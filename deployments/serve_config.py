@@ -1,0 +1,117 @@
+"""The deployment's one config: engine, deployment mode, resources, HTTP.
+
+A YAML file holds the same fields as `ServeConfig` (unknown keys are errors):
+
+    mode: distributed
+    engine:
+      model: smollm2-135m
+      slots: 8
+      chain: {speculators: [ngram_mod, suffix], n_max: 16}
+    target_cpus: 0.5
+
+`load_serve_config(dict)` also understands `config_file: PATH` (the file is
+loaded first, the other keys override it, nested dicts merged key by key);
+that is how `serve run cluster/serve-local.yaml` passes its `args:`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from specray.engine.config import EngineConfig
+
+Mode = Literal["colocated", "distributed"]
+
+#: the CLI's default: on a small CPU box the actor hop is pure overhead (see the report in
+#: tests/serve and `GET /v1/stats` -> hop); `distributed` is the cluster / GPU shape.
+DEFAULT_MODE: Mode = "colocated"
+
+
+class ServeConfig(BaseModel):
+    """Everything `specray serve` / `build_app` need to deploy the app."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="the engine (target, slots, chain)")
+    mode: Mode = Field(
+        DEFAULT_MODE,
+        description="colocated: target context in the router replica's process; distributed: target (and "
+        "companion) in their own Ray actors, in the replica's placement group",
+    )
+    app_name: str = Field("specray", description="Serve application name")
+    route_prefix: str = Field("/", description="HTTP route prefix of the app")
+    host: str = Field("127.0.0.1", description="HTTP bind address (specray serve; serve run uses http_options)")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (specray serve)")
+    served_model_name: str | None = Field(None, description="model id in /v1/models and responses (default: engine.model)")
+
+    num_replicas: int = Field(1, ge=1, description="engine replicas (ignored when autoscaling is set)")
+    autoscaling: dict[str, Any] | None = Field(
+        None, description="passed as is to Serve's autoscaling_config of the engine replica deployment"
+    )
+    max_ongoing_requests: int = Field(64, ge=1, description="requests in flight per engine replica (streams count)")
+    ingress_max_ongoing_requests: int = Field(256, ge=1, description="requests in flight per ingress replica")
+    ingress_replicas: int = Field(1, ge=1)
+
+    ingress_cpus: float = Field(0.1, ge=0, description="Ray CPUs of an ingress replica")
+    replica_cpus: float = Field(0.25, ge=0, description="Ray CPUs of an engine replica (router)")
+    target_cpus: float = Field(0.5, ge=0, description="Ray CPUs of the target actor (distributed)")
+    target_gpus: float = Field(0, ge=0, description="Ray GPUs of the target actor (distributed, GPU clusters)")
+    companion_cpus: float = Field(0.1, ge=0, description="Ray CPUs of the companion actor (distributed)")
+    companion_gpus: float = Field(0, ge=0)
+    colocated_gpus: float = Field(0, ge=0, description="Ray GPUs of the engine replica in colocated mode")
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeConfig:
+        if not self.route_prefix.startswith("/"):
+            raise ValueError(f"route_prefix must start with '/', got {self.route_prefix!r}")
+        return self
+
+    @property
+    def model_id(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        m = self.engine.model
+        return Path(m).stem if m.endswith(".gguf") else m
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> ServeConfig:
+        return load_serve_config({"config_file": str(path)})
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """A copy of base with override's keys on top (nested dicts merged, the rest replaced)."""
+    out = dict(base)
+    for k, v in override.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of ServeConfig fields, got {type(data).__name__}")
+    return data
+
+
+def load_serve_config(args: dict | ServeConfig | None = None) -> ServeConfig:
+    """ServeConfig from a dict (Serve app args) that may name a `config_file` to start from."""
+    if isinstance(args, ServeConfig):
+        return args
+    args = dict(args or {})
+    path = args.pop("config_file", None)
+    base: dict = {}
+    if path:
+        base = read_yaml(path)
+        nested = base.pop("config_file", None)
+        if nested:
+            raise ValueError(f"{path}: config_file cannot be nested")
+    return ServeConfig.model_validate(deep_merge(base, args))

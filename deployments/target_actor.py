@@ -1,0 +1,161 @@
+"""The target actor and the router-side proxy that talks to it.
+
+`TargetService` holds the target model + context + `TargetRunner` (logits
+never leave it). `TargetActor` is the same class as a Ray actor. One round =
+ONE call: `step(items, starts, releases)` first frees the slots the router
+released since the last round, registers the sequences it admitted this round,
+then decodes and verifies every slot's rows in one batch and returns token
+ids only.
+
+`RemoteTarget` is what the router's Scheduler sees in distributed mode: it has
+TargetRunner's `start/step/release` interface, buffers start/release calls
+and piggybacks them on the next `step`, so a round costs one actor hop.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+
+from specray.engine.config import EngineConfig
+from specray.engine.sampling import SamplingParams
+from specray.engine.target import StepItem, StepOutput, TargetRunner
+
+
+class TargetService:
+    """Model + Context + TargetRunner, callable locally or as a Ray actor."""
+
+    def __init__(self, engine_config: dict | EngineConfig) -> None:
+        from .local_engine import open_target  # llama.cpp import stays out of module import
+
+        self.config = EngineConfig.model_validate(engine_config)
+        self.model, self.ctx = open_target(self.config)
+        self.runner = TargetRunner(self.ctx, record_margins=self.config.record_margins)
+        self._lock = threading.Lock()  # the context is not thread-safe; ping/counters don't need it
+        self.calls = 0
+
+    def info(self) -> dict:
+        return {
+            "n_ctx": self.ctx.n_ctx,
+            "n_batch": self.ctx.n_batch,
+            "n_seq_max": self.ctx.n_seq_max,
+            "n_vocab": self.model.n_vocab,
+            "model": self.config.model,
+            "model_description": self.model.description,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
+            "placement_group_id": ray.get_runtime_context().get_placement_group_id() if ray.is_initialized() else None,
+        }
+
+    def ping(self) -> str:
+        return "ok"
+
+    def measure_decode_costs(self) -> dict[int, float]:
+        with self._lock:
+            return self.runner.measure_decode_costs()
+
+    def start_many(self, starts: list[tuple[int, SamplingParams, np.ndarray]]) -> None:
+        with self._lock:
+            for seq_id, params, prompt in starts:
+                self.runner.start(seq_id, params, prompt)
+
+    def release(self, seq_ids: list[int]) -> None:
+        with self._lock:
+            for s in seq_ids:
+                self.runner.release(s)
+
+    def step(
+        self,
+        items: list[StepItem],
+        starts: list[tuple[int, SamplingParams, np.ndarray]] = (),
+        releases: list[int] = (),
+    ) -> tuple[StepOutput, float]:
+        """Releases, then starts, then one round. Returns (output, seconds spent in here)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            for s in releases:
+                self.runner.release(s)
+            for seq_id, params, prompt in starts:
+                self.runner.start(seq_id, params, prompt)
+            out = self.runner.step(items) if items else StepOutput([], 0.0, 0, 0)
+            self.calls += 1
+        return out, time.perf_counter() - t0
+
+    def counters(self) -> dict:
+        r = self.runner
+        return {
+            "rounds": r.rounds,
+            "multi_seq_decodes": r.multi_seq_decodes,
+            "max_seqs_in_decode": r.max_seqs_in_decode,
+            "decodes": self.ctx.n_decodes,
+            "calls": self.calls,
+        }
+
+
+#: the actor; options (resources, placement, max_concurrency) are set by the router
+TargetActor = ray.remote(TargetService)
+
+
+@dataclass
+class HopStats:
+    """Router-side wall time of a step call minus the time the actor spent in it."""
+
+    calls: int = 0
+    total_seconds: float = 0.0
+    min_seconds: float = float("inf")
+
+    def __post_init__(self) -> None:
+        self.recent: collections.deque[float] = collections.deque(maxlen=512)
+
+    def add(self, seconds: float) -> None:
+        self.calls += 1
+        self.total_seconds += seconds
+        self.min_seconds = min(self.min_seconds, seconds)
+        self.recent.append(seconds)
+
+    def to_dict(self) -> dict:
+        rec = sorted(self.recent)
+        return {
+            "calls": self.calls,
+            "mean_ms": 1000 * self.total_seconds / self.calls if self.calls else 0.0,
+            "p50_ms_recent": 1000 * rec[len(rec) // 2] if rec else 0.0,
+            "min_ms": 1000 * self.min_seconds if self.calls else 0.0,
+        }
+
+
+class RemoteTarget:
+    """TargetRunner's interface over the target actor: one actor call per round."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+        self._starts: list[tuple[int, SamplingParams, np.ndarray]] = []
+        self._releases: list[int] = []
+        self.hop = HopStats()
+
+    def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray) -> None:
+        self._starts.append((seq_id, params, np.asarray(prompt, dtype=np.int32)))
+
+    def release(self, seq_id: int) -> None:
+        # a slot released and started again before the next step: the release must come first,
+        # which step() guarantees (releases are applied before starts)
+        self._starts = [s for s in self._starts if s[0] != seq_id]
+        self._releases.append(seq_id)
+
+    def step(self, items: list[StepItem]) -> StepOutput:
+        starts, self._starts = self._starts, []
+        releases, self._releases = self._releases, []
+        t0 = time.perf_counter()
+        out, inside = ray.get(self.actor.step.remote(items, starts, releases))
+        self.hop.add(max(0.0, time.perf_counter() - t0 - inside))
+        return out
+
+    def flush(self) -> None:
+        """Apply buffered releases now (e.g. when the router goes idle)."""
+        if self._releases or self._starts:
+            self.step([])

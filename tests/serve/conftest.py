@@ -1,0 +1,117 @@
+"""Serve tests: ONE Ray session + Serve instance per pytest run, one app per deployment mode.
+
+The reference outputs come from the in-process engine (LocalEngine) with the
+same engine config; exact=True on both sides makes the target batch-invariant,
+so greedy text must be identical, solo or with 8 concurrent streams.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+from ..conftest import spec_bench_prompts
+
+# aggressive parameters: short answers still get drafts, and some get rejected
+SPEC_PARAMS = {
+    "ngram_mod": {"n_match": 3, "n_min": 1, "n_max": 8, "pool_size": 1 << 16},
+    "suffix": {"min_match": 1, "p_min": 0.01},
+}
+ENGINE = {
+    "model": "smollm2-135m",
+    "n_ctx": 2048,
+    "slots": 4,
+    "threads": 2,
+    "exact": True,
+    "calibrate": False,
+    "chain": {"speculators": ["ngram_mod", "suffix"], "params": SPEC_PARAMS, "policy": "first", "n_max": 8},
+}
+MAX_TOKENS = 32
+CONCURRENT_MAX_TOKENS = 32
+N_CONCURRENT = 8
+
+COMPLETION_PROMPTS = [
+    "The capital of France is",
+    "Copy this list exactly: apple, banana, cherry, apple, banana, cherry, apple, banana, cherry,",
+]
+CHAT_PROMPTS = [
+    "Write a Python function that adds two numbers.",
+    "Name three primary colors.",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def concurrent_prompts() -> list[str]:
+    return spec_bench_prompts(N_CONCURRENT)
+
+
+@pytest.fixture(scope="session")
+def ray_serve():
+    """One local Ray + Serve for the whole run; yields the HTTP base URL (no route prefix)."""
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+             namespace="specray-tests")
+    port = int(os.environ.get("SPECRAY_TEST_PORT", 0)) or _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """Solo greedy outputs of the in-process engine for every prompt the tests send."""
+    from specray.deployments.local_engine import LocalEngine
+    from specray.engine.config import EngineConfig
+
+    eng = LocalEngine(EngineConfig.model_validate(ENGINE))
+    ref: dict[tuple, tuple[str, int]] = {}
+
+    def run(key, **kw):
+        seq = eng.generate(**kw)
+        ref[key] = (seq.text, len(seq.generated), seq.finish_reason)
+
+    t0 = time.perf_counter()
+    for p in COMPLETION_PROMPTS:
+        run(("completion", p, MAX_TOKENS), prompt=p, max_tokens=MAX_TOKENS)
+    for p in CHAT_PROMPTS:
+        run(("chat", p, MAX_TOKENS), messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS)
+    for p in concurrent_prompts():
+        run(("chat", p, CONCURRENT_MAX_TOKENS), messages=[{"role": "user", "content": p}],
+            max_tokens=CONCURRENT_MAX_TOKENS)
+    print(f"\nreference outputs: {len(ref)} prompts in {time.perf_counter() - t0:.1f}s")
+    eng.close()
+    return ref
+
+
+@pytest.fixture(scope="module", params=["colocated", "distributed"])
+def server(request, ray_serve):
+    """One app per deployment mode (one alive at a time); yields (mode, base URL with route prefix)."""
+    from ray import serve
+
+    from specray.deployments.app import build_app
+
+    mode = request.param
+    args = {"mode": mode, "engine": ENGINE, "replica_cpus": 0.2, "target_cpus": 0.4, "companion_cpus": 0.1,
+            "ingress_cpus": 0.1, "app_name": f"specray-{mode}", "route_prefix": f"/{mode}"}
+    if mode == "distributed":
+        args["engine"] = ENGINE | {"calibrate": True}  # exercises the actor's measure_decode_costs
+    t0 = time.perf_counter()
+    serve.run(build_app(args), name=f"specray-{mode}", route_prefix=f"/{mode}")
+    print(f"\n{mode}: deployed in {time.perf_counter() - t0:.1f}s")
+    try:
+        yield mode, f"{ray_serve}/{mode}"
+    finally:
+        serve.delete(f"specray-{mode}")

@@ -1,0 +1,226 @@
+"""The app over real HTTP, in both deployment modes, with the official openai client."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from .conftest import (
+    CHAT_PROMPTS,
+    COMPLETION_PROMPTS,
+    CONCURRENT_MAX_TOKENS,
+    ENGINE,
+    MAX_TOKENS,
+    N_CONCURRENT,
+    concurrent_prompts,
+)
+
+pytestmark = [pytest.mark.serve, pytest.mark.model]
+
+SPEC_KEYS = {"drafts", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length",
+             "by_speculator"}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    _, base = server
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=300, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    _, base = server
+    with httpx.Client(base_url=base, timeout=300) as c:
+        yield c
+
+
+def test_health_models_stats(http, server):
+    mode, _ = server
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "smollm2-135m"
+    st = http.get("/v1/stats").json()
+    assert st["mode"] == mode and st["slots"] == ENGINE["slots"] and st["n_ctx"] == ENGINE["n_ctx"]
+    if mode == "distributed":
+        # the target and companion actors live in the replica's own (STRICT_PACK) placement group
+        pl = st["placement"]
+        assert pl["strategy"] == "STRICT_PACK"
+        pg = pl["replica"]["placement_group_id"]
+        assert pg and pl["target"]["placement_group_id"] == pg == pl["companion"]["placement_group_id"]
+        assert st["target"]["where"] == "actor"
+        assert st["companion"]["calls"] == 0  # model-free chain: the companion is not called per round
+
+
+@pytest.mark.parametrize("prompt", COMPLETION_PROMPTS)
+def test_completion_matches_engine(client, reference, prompt):
+    text, n, finish = reference[("completion", prompt, MAX_TOKENS)]
+    r = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == text
+    assert r.choices[0].finish_reason == finish
+    assert r.usage.completion_tokens == n
+    assert r.usage.total_tokens == r.usage.prompt_tokens + n
+    spec = r.model_extra["speculative"]
+    assert SPEC_KEYS <= set(spec)
+
+    chunks = list(client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=MAX_TOKENS,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].choices[0].finish_reason == finish
+    assert chunks[-1].usage.completion_tokens == n
+
+
+@pytest.mark.parametrize("prompt", CHAT_PROMPTS)
+def test_chat_matches_engine(client, reference, prompt):
+    text, n, finish = reference[("chat", prompt, MAX_TOKENS)]
+    msgs = [{"role": "user", "content": prompt}]
+    r = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == text
+    assert r.choices[0].finish_reason == finish
+    assert r.usage.completion_tokens == n
+
+    stream = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=MAX_TOKENS,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n  # OpenAI's include_usage shape
+    assert SPEC_KEYS <= set(chunks[-1].model_extra["speculative"])
+
+
+def test_speculation_drafts_and_per_request_control(client, reference):
+    prompt = COMPLETION_PROMPTS[1]  # repetitive: the n-gram speculators draft and get accepted
+    text, n, _ = reference[("completion", prompt, MAX_TOKENS)]
+    r = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    spec = r.model_extra["speculative"]
+    assert r.choices[0].text == text
+    assert spec["drafts"] > 0 and spec["accepted_tokens"] > 0 and spec["mean_acceptance_length"] > 1.0
+    assert set(spec["by_speculator"]) <= {"ngram_mod", "suffix"}
+
+    off = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                    extra_body={"speculative": {"enabled": False}})
+    assert off.choices[0].text == text and off.model_extra["speculative"]["drafts"] == 0
+
+    other = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"speculative": {"chain": "ngram_simple", "n_max": 4}})
+    assert other.choices[0].text == text
+    assert set(other.model_extra["speculative"]["by_speculator"]) <= {"ngram_simple"}
+
+
+def test_stop_and_seeded_sampling(client):
+    r = client.completions.create(model="smollm2-135m", prompt=COMPLETION_PROMPTS[1], max_tokens=MAX_TOKENS,
+                                  temperature=0, stop=["banana"])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == " apple, "
+    kw = dict(model="smollm2-135m", prompt="Once upon a time", max_tokens=16, temperature=0.9, top_p=0.95, seed=7)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text and a.usage.completion_tokens > 0
+
+
+def _stream_chat(base: str, prompt: str, out: dict, key: int) -> None:
+    try:
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=300, max_retries=0)
+        parts, finish = [], None
+        for ch in c.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=CONCURRENT_MAX_TOKENS, temperature=0, stream=True):
+            if ch.choices:
+                parts.append(ch.choices[0].delta.content or "")
+                finish = ch.choices[0].finish_reason or finish
+        out[key] = ("".join(parts), finish)
+    except Exception as e:  # reported by the assertion below
+        out[key] = e
+
+
+def test_concurrent_streams_match_solo_and_share_decodes(server, http, reference):
+    _, base = server
+    before = http.get("/v1/stats").json()["target"]
+    prompts = concurrent_prompts()
+    assert len(prompts) == N_CONCURRENT
+    out: dict = {}
+    threads = [threading.Thread(target=_stream_chat, args=(base, p, out, i)) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    dt = time.perf_counter() - t0
+    for i, p in enumerate(prompts):
+        res = out.get(i)
+        assert not isinstance(res, Exception) and res is not None, res
+        text, _, finish = reference[("chat", p, CONCURRENT_MAX_TOKENS)]
+        assert res == (text, finish), f"stream {i} differs from its solo output"
+    after = http.get("/v1/stats").json()
+    tgt = after["target"]
+    # the target's batches held several sequences at once (counted in the target actor / runner)
+    assert tgt["multi_seq_decodes"] > before["multi_seq_decodes"]
+    assert tgt["max_seqs_in_decode"] >= 2
+    print(f"\n{after['mode']}: {N_CONCURRENT} streams in {dt:.1f}s; target {tgt}; hop {after.get('hop')}")
+
+
+BAD = [
+    # (path, raw body, expected status, words the message must contain)
+    ("/v1/completions", "{not json", 400, "malformed json"),
+    ("/v1/chat/completions", '{"messages": [', 400, "malformed json"),
+    ("/v1/chat/completions", json.dumps({"model": "x", "max_tokens": 5}), 400, "messages"),
+    ("/v1/chat/completions", json.dumps({"messages": []}), 400, "messages"),
+    ("/v1/completions", json.dumps({"max_tokens": 5}), 400, "prompt"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 0}), 400, "max_tokens"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}), 400,
+     "max_tokens"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "speculative": {"chain": "ngram_mod,warp_drive"}}), 400,
+     "unknown speculator"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "speculative": {"chain": ["nope"]}, "stream": True}), 400,
+     "unknown speculator"),
+    ("/v1/completions", json.dumps({"prompt": "hello " * 2100, "max_tokens": 8}), 400, "context"),
+    ("/v1/completions", json.dumps({"prompt": "hello " * 1000, "max_tokens": 1500}), 400, "context"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "n": 2}), 400, "n=1"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "temperature": "hot"}), 400, "temperature"),
+    ("/v1/completions", json.dumps({"prompt": ["a", "b"]}), 400, "one prompt"),
+    ("/v1/completions", json.dumps({"prompt": ""}), 400, "empty"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), 400, "role"),
+    ("/v1/nope", "{}", 404, "not found"),
+]
+
+
+def test_bad_requests_get_openai_errors_and_server_keeps_serving(http, client, reference):
+    for path, body, status, words in BAD:
+        r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == status, (path, body[:80], r.status_code, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert words in err["message"].lower(), (body[:80], err)
+        assert err["type"] == ("invalid_request_error" if status == 400 else "not_found_error")
+    # the official client maps them to its exceptions, message included
+    with pytest.raises(openai.BadRequestError, match="unknown speculator"):
+        client.completions.create(model="smollm2-135m", prompt="hi", max_tokens=4,
+                                  extra_body={"speculative": {"chain": "nope"}})
+    # still serving, and still exact
+    prompt = COMPLETION_PROMPTS[0]
+    text, _, _ = reference[("completion", prompt, MAX_TOKENS)]
+    r = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == text
+    assert http.get("/health").status_code == 200
+
+
+def test_client_disconnect_frees_the_slot(server, http):
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 400,
+            "temperature": 0, "stream": True, "speculative": {"enabled": False}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 3:
+                break  # hang up mid-stream
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        st = http.get("/v1/stats").json()
+        if st["active"] == 0 and st["queued"] == 0:
+            break
+        time.sleep(0.5)
+    assert st["active"] == 0 and st["queued"] == 0, st

@@ -1,0 +1,94 @@
+"""Chain selection policies and the request's stop-string handling (no model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specray.engine.chain import Chain, SeqDraftRequest
+from specray.engine.config import ChainConfig, EngineConfig, parse_chain
+from specray.engine.request import GenerationRequest, Sequence
+from specray.engine.speculator import DraftRequest, Speculator
+
+
+class Fixed(Speculator):
+    """A speculator that always proposes the same tokens (a hand-made stand-in)."""
+
+    def __init__(self, name: str, tokens: list[int]):
+        super().__init__()
+        self.name = name
+        self.tokens = np.array(tokens, dtype=np.int32)
+
+    def _draft_one(self, req: DraftRequest) -> np.ndarray:
+        return self.tokens
+
+
+def make_chain(policy: str, specs: dict[str, list[int]]) -> Chain:
+    cfg = ChainConfig(speculators=list(specs), policy=policy)
+    return Chain(cfg, lambda name, params: Fixed(name, specs[name]))
+
+
+def req(chain) -> SeqDraftRequest:
+    return SeqDraftRequest(0, tuple(chain), np.array([1, 2, 3], dtype=np.int32), 8)
+
+
+def test_first_policy_takes_the_first_non_empty_and_skips_the_rest():
+    ch = make_chain("first", {"a": [], "b": [5, 6], "c": [7, 8, 9]})
+    (p,) = ch.propose([req("abc")])
+    assert p.speculator == "b" and p.tokens.tolist() == [5, 6]
+    assert p.asked == ("a", "b")  # c was never asked
+    assert ch.instances["c"].stats.calls == 0
+
+
+def test_expected_policy_prefers_the_longer_draft_at_equal_rates_and_learns():
+    ch = make_chain("expected", {"a": [5], "b": [7, 8, 9]})
+    (p,) = ch.propose([req("ab")])
+    assert p.speculator == "b"
+    for _ in range(30):  # b's drafts keep failing, a's keep passing
+        ch.accept(p, 3, 0)
+        (pa,) = ch.propose([req("a")])
+        ch.accept(pa, 1, 1)
+    (p2,) = ch.propose([req("ab")])
+    assert p2.speculator == "a"
+    assert ch.instances["b"].stats.tokens_accepted == 0
+    assert ch.instances["a"].stats.tokens_accepted >= 30
+
+
+def test_cut_and_losers_are_told():
+    ch = make_chain("cost", {"a": [5, 6, 7], "b": [9]})
+    (p,) = ch.propose([req("ab")])
+    p.cut(1)
+    ch.accept(p, 1, 1)
+    winner = ch.instances[p.speculator]
+    loser = ch.instances["b" if p.speculator == "a" else "a"]
+    assert winner.stats.drafts_chosen == 1 and winner.stats.tokens_accepted == 1
+    assert loser.stats.drafts_chosen == 0 and loser.stats.calls == 1
+
+
+def test_parse_chain_and_config_errors():
+    assert parse_chain("ngram_mod, suffix") == ["ngram_mod", "suffix"]
+    assert parse_chain("none") == []
+    with pytest.raises(ValueError, match="cannot be combined"):
+        parse_chain("none,suffix")
+    with pytest.raises(ValueError):
+        ChainConfig(n_max=-1)
+    with pytest.raises(ValueError):
+        EngineConfig(slots=0)
+    assert ChainConfig(speculators="ngram_mod,suffix").speculators == ["ngram_mod", "suffix"]
+
+
+def test_stop_string_split_across_tokens_is_held_back_then_cut():
+    seq = Sequence(GenerationRequest(np.array([1], np.int32), stop=["END"]), (), 0, 10)
+    out = seq.feed_text(b"hello E")
+    assert out == "hello "  # "E" might start "END": held back
+    out = seq.feed_text(b"N")
+    assert out == "" and seq.finish_reason is None
+    out = seq.feed_text(b"D and more")
+    assert out == "" and seq.finish_reason == "stop" and seq.text == "hello "
+
+
+def test_utf8_split_across_tokens_is_decoded_whole():
+    seq = Sequence(GenerationRequest(np.array([1], np.int32)), (), 0, 10)
+    euro = "€".encode()
+    assert seq.feed_text(euro[:1]) == ""
+    assert seq.feed_text(euro[1:]) == "€"

@@ -1,0 +1,74 @@
+"""The cost model, the acceptance estimates and the cost-aware draft planner."""
+
+from __future__ import annotations
+
+import doctest
+
+import numpy as np
+import pytest
+
+from specray.engine import acceptance, cost, planner
+from specray.engine.acceptance import AcceptanceTracker
+from specray.engine.cost import DecodeCostModel
+from specray.engine.planner import plan_draft_lengths
+
+
+@pytest.mark.parametrize("module", [acceptance, cost, planner])
+def test_docstring_examples(module):
+    failed, attempted = doctest.testmod(module)
+    assert attempted > 0 and failed == 0
+
+
+def linear(n: int) -> float:
+    return 0.010 + 0.003 * (n - 1)
+
+
+def test_planner_keeps_tokens_only_while_they_pay():
+    # marginal token costs 3 ms on a 10 ms step: worth it while P(accepted) > ~0.3 of the rate
+    assert plan_draft_lengths([np.array([0.95, 0.9, 0.85, 0.2, 0.1])], 1, linear) == [3]
+    assert plan_draft_lengths([np.array([0.1, 0.05])], 1, linear) == [0]
+    assert plan_draft_lengths([np.zeros(0)], 1, linear) == [0]
+
+
+def test_planner_shrinks_drafts_as_slots_fill():
+    probs = [np.array([0.6, 0.36, 0.2])]
+    alone = plan_draft_lengths(probs, 1, linear)[0]
+    # 16 sequences decoding: the batch already costs 55 ms, a draft token adds 3 ms for 0.6 tokens
+    crowded = plan_draft_lengths(probs * 16, 16, linear, n_decoding=16)
+    assert alone >= 1
+    assert sum(crowded) < alone * 16
+
+
+def test_planner_with_a_flat_then_steep_cost_curve():
+    # extra rows are free up to 4 tokens, then expensive: take exactly the free ones
+    step = lambda n: 0.010 if n <= 4 else 0.050  # noqa: E731
+    assert plan_draft_lengths([np.array([0.5, 0.25, 0.12, 0.06, 0.03])], 1, step) == [3]
+
+
+def test_planner_prefers_the_most_probable_tokens_across_sequences():
+    lengths = plan_draft_lengths([np.array([0.9, 0.8]), np.array([0.3, 0.1])], 2, linear, n_decoding=2)
+    assert lengths[0] == 2 and lengths[1] <= 1
+
+
+def test_cost_model_interpolates_extrapolates_and_learns():
+    m = DecodeCostModel({1: 0.010, 4: 0.016})
+    assert m.cost(2) == pytest.approx(0.012)
+    assert m.cost(8) == pytest.approx(0.024)
+    for _ in range(200):
+        m.observe(4, 0.030)
+    assert m.cost(4) == pytest.approx(0.030, rel=0.01)
+    m.observe(2, 0.001)  # noise may never make a larger batch cheaper than a smaller one
+    table = m.table()
+    assert all(a <= b for a, b in zip(list(table.values()), list(table.values())[1:]))
+
+
+def test_acceptance_tracker_learns_per_sequence_and_globally():
+    t = AcceptanceTracker(prior=0.5)
+    for _ in range(20):
+        t.update(0, 4, 4)  # seq 0: everything accepted
+        t.update(1, 4, 0)  # seq 1: first token always rejected
+    assert t.rate(0) > 0.8 > 0.3 > t.rate(1)
+    pp = t.prefix_probs(0, 5)
+    assert np.all(np.diff(pp) < 0) and pp[0] == pytest.approx(t.rate(0))
+    t.end(0)
+    assert t.rate(0) == pytest.approx(t.rate(99))  # forgotten: back to the global rate
