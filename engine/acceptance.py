@@ -19,7 +19,7 @@ import numpy as np
 
 
 class AcceptanceTracker:
-    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, seq_weight: float = 4.0,
+    def __init__(self, prior: float = 0.6, prior_weight: float = 2.0, seq_weight: float = 4.0,
                  recent_decay: float = 0.9) -> None:
         self.prior = prior
         self.prior_weight = prior_weight

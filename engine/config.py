@@ -28,6 +28,11 @@ class ChainConfig(BaseModel):
         "expected tokens per second given the measured verify cost (never slower than plain decoding)",
     )
     n_max: int = Field(16, ge=0, le=256, description="cap on draft tokens per sequence per round")
+    explore: float = Field(
+        0.03, ge=0.0, le=1.0,
+        description="cost policy: share of rounds in which a draft the planner would drop is still sent "
+        "with one token, so acceptance estimates keep learning (worst-case cost ~explore x one verify row)",
+    )
 
     @field_validator("speculators", mode="before")
     @classmethod

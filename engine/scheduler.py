@@ -93,6 +93,7 @@ class Scheduler:
         self.stats = RoundStats()
         self.disabled_speculators: set[str] = set()
         self.on_event: Callable[[Event], None] | None = None
+        self._explore_rng = np.random.default_rng(0)  # deterministic: runs stay reproducible
 
     # ---- admission ---------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> tuple[tuple[str, ...], int, int]:
@@ -184,8 +185,11 @@ class Scheduler:
         if not self.active:
             return []
         budget = self.target_budget()
-        decoding = [s for s in self.active.values() if s.state == SeqState.DECODING]
-        prefilling = [s for s in self.active.values() if s.state == SeqState.PREFILL]
+        # slot order: llama.cpp packs consecutive sequence ids into one ubatch when
+        # each slot has its own KV stream (exact mode)
+        by_slot = [self.active[k] for k in sorted(self.active)]
+        decoding = [s for s in by_slot if s.state == SeqState.DECODING]
+        prefilling = [s for s in by_slot if s.state == SeqState.PREFILL]
 
         # prompt chunks: what the batch has room for after one row per decoding sequence
         room = budget - len(decoding)
@@ -267,7 +271,10 @@ class Scheduler:
             lengths = plan_draft_lengths(
                 [p.prefix_probs for p in props], base_tokens, self.cost.cost, n_decoding=len(decoding)
             )
+            explore = self.config.chain.explore
             for p, k in zip(props, lengths):
+                if k == 0 and len(p.tokens) and explore and self._explore_rng.random() < explore:
+                    k = 1
                 p.cut(k)
         # the batch has room for `room` draft tokens in all
         total = sum(len(p.tokens) for p in props)
