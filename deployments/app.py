@@ -29,15 +29,16 @@ def replica_options(cfg: ServeConfig) -> dict[str, Any]:
         opts["autoscaling_config"] = cfg.autoscaling
     else:
         opts["num_replicas"] = cfg.num_replicas
+    env = {"runtime_env": {"env_vars": dict(cfg.worker_env)}} if cfg.worker_env else {}
     if cfg.mode == "distributed":
         # one placement group per replica: [replica, target actor, companion actor], same node
-        opts["ray_actor_options"] = {"num_cpus": cfg.replica_cpus}
+        opts["ray_actor_options"] = {"num_cpus": cfg.replica_cpus} | env
         opts["placement_group_bundles"] = replica_bundles(
             cfg.replica_cpus, cfg.target_cpus, cfg.companion_cpus, cfg.target_gpus, cfg.companion_gpus
         )
         opts["placement_group_strategy"] = STRATEGY
     else:
-        actor: dict[str, Any] = {"num_cpus": cfg.replica_cpus}
+        actor: dict[str, Any] = {"num_cpus": cfg.replica_cpus} | env
         if cfg.colocated_gpus:
             actor["num_gpus"] = cfg.colocated_gpus
         opts["ray_actor_options"] = actor

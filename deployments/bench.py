@@ -24,6 +24,7 @@ import numpy as np
 
 from specray.engine.chain import Chain
 from specray.engine.config import ChainConfig, EngineConfig, parse_chain
+from specray.engine.request import GenerationRequest
 from specray.engine.speculators.registry import make_speculator
 
 from .local_engine import LocalEngine
@@ -260,9 +261,8 @@ def run_bench(
                 progress(f"{cat:<22} {c:<34} {r.tokens_per_s:7.1f} tok/s")
                 continue
             engine.scheduler.chain = chains[c]
-            reqs = [engine.request(max_tokens=max_tokens, chain=tuple(parse_chain(c))) for _ in tokens]
-            for req, t in zip(reqs, tokens):
-                req.prompt_tokens = t
+            reqs = [GenerationRequest(prompt_tokens=t, max_tokens=max_tokens, chain=tuple(parse_chain(c)))
+                    for t in tokens]
             t0 = time.perf_counter()
             seqs = engine.run(reqs)
             r = ConfigResult(c, seconds=time.perf_counter() - t0)

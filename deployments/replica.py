@@ -41,7 +41,6 @@ def error_chunk(e: Exception) -> dict:
 @serve.deployment(name="EngineReplica")
 class EngineReplica:
     def __init__(self, config: dict) -> None:
-        logging.basicConfig(level=logging.INFO)
         self.cfg = ServeConfig.model_validate(config)
         self.core = RouterCore(self.cfg)
 
@@ -91,7 +90,7 @@ class EngineReplica:
 
     def info(self) -> dict:
         return {"model": self.cfg.model_id, "mode": self.cfg.mode, "n_ctx": self.core.n_ctx,
-                "slots": self.cfg.engine.slots, "chain": self.cfg.engine.chain.label}
+                "n_ctx_seq": self.core.n_ctx_seq, "slots": self.cfg.engine.slots, "chain": self.cfg.engine.chain.label}
 
     async def health(self) -> dict:
         await self.check_health()

@@ -104,7 +104,9 @@ class RouterCore:
             self.model, self.ctx = open_target(ecfg)
             self.runner = TargetRunner(self.ctx, record_margins=ecfg.record_margins)
             target = self.runner
-            n_ctx = self.ctx.n_ctx
+            n_ctx_total = self.ctx.n_ctx
+            n_ctx_seq = getattr(self.ctx, "n_ctx_seq", n_ctx_total)
+            kv_unified = getattr(self.ctx, "kv_unified", True)
             if ecfg.calibrate:
                 table = self.runner.measure_decode_costs()
         else:
@@ -117,6 +119,8 @@ class RouterCore:
             from .target_actor import RemoteTarget, TargetActor
 
             opts: dict[str, Any] = {"num_cpus": cfg.target_cpus, "max_concurrency": 2}
+            if cfg.worker_env:
+                opts["runtime_env"] = {"env_vars": dict(cfg.worker_env)}
             if cfg.target_gpus:
                 opts["num_gpus"] = cfg.target_gpus
             strategy = actor_strategy(TARGET_BUNDLE)
@@ -124,6 +128,8 @@ class RouterCore:
                 opts["scheduling_strategy"] = strategy
             self.target_actor = TargetActor.options(**opts).remote(ecfg.model_dump())
             copts: dict[str, Any] = {"num_cpus": cfg.companion_cpus}
+            if cfg.worker_env:
+                copts["runtime_env"] = {"env_vars": dict(cfg.worker_env)}
             if cfg.companion_gpus:
                 copts["num_gpus"] = cfg.companion_gpus
             cstrategy = actor_strategy(COMPANION_BUNDLE)
@@ -138,17 +144,22 @@ class RouterCore:
             self.placement = {
                 "strategy": "STRICT_PACK" if strategy is not None else None,
                 "replica": {"placement_group_id": rc.get_placement_group_id(), "node_id": rc.get_node_id()},
-                "target": {k: self.target_info[k] for k in ("placement_group_id", "node_id", "pid")},
+                "target": {k: self.target_info[k] for k in ("placement_group_id", "node_id", "pid", "env")},
                 "companion": {k: self.companion_info[k] for k in ("placement_group_id", "node_id", "pid")},
             }
             self.remote = RemoteTarget(self.target_actor)
             target = self.remote
-            n_ctx = self.target_info["n_ctx"]
+            n_ctx_total = self.target_info["n_ctx"]
+            n_ctx_seq = self.target_info["n_ctx_seq"]
+            kv_unified = self.target_info["kv_unified"]
             if ecfg.calibrate:
                 table = {int(k): v for k, v in ray.get(self.target_actor.measure_decode_costs.remote()).items()}
-        self.n_ctx = n_ctx
+        # as LocalEngine: a sequence may use n_ctx_seq cells; with a unified KV cache all slots share n_ctx
+        self.n_ctx = n_ctx_total
+        self.n_ctx_seq = n_ctx_seq
         self.chain = Chain(ecfg.chain, make_speculator)
-        self.scheduler = Scheduler(ecfg, target, self.model, self.chain, n_ctx, DecodeCostModel(table))
+        self.scheduler = Scheduler(ecfg, target, self.model, self.chain, n_ctx_seq, DecodeCostModel(table),
+                                   shared_cells=n_ctx_total if kv_unified else None)
         self.streams: dict[str, _Stream] = {}
         self.lock = threading.Lock()  # guards every scheduler call (held by the round thread)
         self._cv = threading.Condition()
@@ -342,6 +353,7 @@ class RouterCore:
                 "mode": self.mode,
                 "slots": self.cfg.engine.slots,
                 "n_ctx": self.n_ctx,
+                "n_ctx_seq": self.n_ctx_seq,
                 "active": len(s.active),
                 "queued": len(s.queue),
                 "reserved_cells": s.reserved,

@@ -32,6 +32,10 @@ Mode = Literal["colocated", "distributed"]
 DEFAULT_MODE: Mode = "colocated"
 
 
+#: llama.cpp's CPU backend uses OpenMP; spinning waiters are a disaster on a busy box (see worker_env)
+DEFAULT_WORKER_ENV = {"OMP_WAIT_POLICY": "passive"}
+
+
 class ServeConfig(BaseModel):
     """Everything `specray serve` / `build_app` need to deploy the app."""
 
@@ -64,6 +68,12 @@ class ServeConfig(BaseModel):
     companion_cpus: float = Field(0.1, ge=0, description="Ray CPUs of the companion actor (distributed)")
     companion_gpus: float = Field(0, ge=0)
     colocated_gpus: float = Field(0, ge=0, description="Ray GPUs of the engine replica in colocated mode")
+    worker_env: dict[str, str] = Field(
+        default_factory=lambda: dict(DEFAULT_WORKER_ENV),
+        description="environment of the engine replica and actor processes (set before llama.cpp loads). "
+        "OMP_WAIT_POLICY=passive: llama.cpp's OpenMP threads sleep at barriers instead of spinning; on a shared "
+        "or oversubscribed CPU box spinning threads slow decoding several-fold; {} keeps the process defaults",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
@@ -94,11 +104,32 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
+APP_IMPORT_PATH = "specray.deployments.app:build_app"
+
+
 def read_yaml(path: str | os.PathLike) -> dict:
+    """ServeConfig fields from a YAML file: a plain mapping of them, or a Serve config file
+    (`serve run` / `serve deploy` format), whose specray application's `args` and
+    `http_options` host/port are taken."""
     with open(path) as f:
         data = yaml.safe_load(f) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of ServeConfig fields, got {type(data).__name__}")
+    if "applications" in data:
+        apps = [a for a in data["applications"] or [] if a.get("import_path") == APP_IMPORT_PATH]
+        if not apps:
+            raise ValueError(f"{path}: a Serve config without an application of {APP_IMPORT_PATH}")
+        app = apps[0]
+        out = dict(app.get("args") or {})
+        http = data.get("http_options") or {}
+        for key in ("host", "port"):
+            if key in http:
+                out.setdefault(key, http[key])
+        if app.get("name"):
+            out.setdefault("app_name", app["name"])
+        if app.get("route_prefix"):
+            out.setdefault("route_prefix", app["route_prefix"])
+        return out
     return data
 
 

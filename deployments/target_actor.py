@@ -43,12 +43,15 @@ class TargetService:
     def info(self) -> dict:
         return {
             "n_ctx": self.ctx.n_ctx,
+            "n_ctx_seq": getattr(self.ctx, "n_ctx_seq", self.ctx.n_ctx),
+            "kv_unified": getattr(self.ctx, "kv_unified", True),
             "n_batch": self.ctx.n_batch,
             "n_seq_max": self.ctx.n_seq_max,
             "n_vocab": self.model.n_vocab,
             "model": self.config.model,
             "model_description": self.model.description,
             "pid": os.getpid(),
+            "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")},
             "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
             "placement_group_id": ray.get_runtime_context().get_placement_group_id() if ray.is_initialized() else None,
         }

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .sampling import SamplingParams, make_rng
-from .verify import verify_greedy, verify_sampled
+from .sampling import SamplingParams
+from .verify import verify_greedy, verify_sampled_coupled
 
 
 class TargetContext(Protocol):  # what specray.native.Context provides
@@ -66,8 +66,13 @@ class StepOutput:
 @dataclass
 class _Session:
     params: SamplingParams
-    rng: np.random.Generator
+    seed: int  # the request's seed, or a random one
     window: np.ndarray  # last tokens of the sequence (for the repetition penalty)
+
+    def position_rngs(self, pos0: int, n: int) -> list[np.random.Generator]:
+        """One generator per sequence position: a sampled token depends only on
+        (seed, position, logits), never on what was drafted around it."""
+        return [np.random.default_rng((self.seed, p)) for p in range(pos0, pos0 + n)]
 
     def push(self, tokens: np.ndarray) -> None:
         n = self.params.repeat_last_n
@@ -94,7 +99,8 @@ class TargetRunner:
     def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray) -> None:
         """Register a sequence (its slot's KV cache must be empty)."""
         self.ctx.clear_seq(seq_id)
-        sess = _Session(params, make_rng(params.seed), np.zeros(0, dtype=np.int32))
+        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
+        sess = _Session(params, seed, np.zeros(0, dtype=np.int32))
         self.sessions[seq_id] = sess
 
     def release(self, seq_id: int) -> None:
@@ -136,7 +142,9 @@ class TargetRunner:
                 if sess.params.greedy:
                     verdict = verify_greedy(rows, draft, sess.window, sess.params)
                 else:
-                    verdict = verify_sampled(rows, draft, sess.params, sess.rng, sess.window)
+                    # row i predicts the token at position pos0 + n_commit + i
+                    rngs = sess.position_rngs(it.pos0 + it.n_commit, k + 1)
+                    verdict = verify_sampled_coupled(rows, draft, sess.params, rngs, sess.window)
                 n_acc = verdict.n_accepted
                 if n_acc < k:  # rejected draft rows leave the KV cache
                     self.ctx.seq_rm(it.seq_id, it.pos0 + it.n_commit + n_acc, -1)

@@ -180,3 +180,37 @@ def verify_sampled(
 
     p = target_probs(logits[k], params, window(k))
     return Verdict(k, sample_token(p, rng))
+
+
+def verify_sampled_coupled(
+    logits: np.ndarray,
+    draft: np.ndarray,
+    params: SamplingParams,
+    rngs: "list[np.random.Generator]",
+    recent_tokens: np.ndarray | None = None,
+) -> Verdict:
+    """Rejection sampling for deterministic (one-hot q) drafters, coupled to the position.
+
+    Row ``i`` draws the target's token ``x_i ~ p_i`` with its own generator
+    ``rngs[i]`` (one per sequence position, derived from the request seed);
+    the draft token is accepted iff ``x_i == draft[i]``, else ``x_i`` is the
+    correction. For one-hot q this is exactly the min(1, p/q) rule:
+    P(accept d) = p(d), and a rejected row yields p restricted to tokens != d,
+    renormalised, i.e. normalise(max(p - q, 0)). Because each position's
+    draw depends only on (seed, position, logits), a seeded request gives the
+    same tokens whatever the speculators propose, with or without speculation
+    (in exact mode bit for bit). This is also what llama.cpp's verify does.
+    """
+    if params.greedy:
+        return verify_greedy(logits, draft, recent_tokens, params)
+    logits, draft, k, _ = _check_inputs(logits, draft)
+    if len(rngs) < k + 1:
+        raise ValueError(f"need {k + 1} generators, got {len(rngs)}")
+    hist, n_recent = _history(recent_tokens, draft)
+    last_n = params.repeat_last_n if params.penalty_active else 0
+    for i in range(k + 1):
+        p = target_probs(logits[i], params, _window(hist, n_recent + i, last_n))
+        x = sample_token(p, rngs[i])
+        if i == k or x != int(draft[i]):
+            return Verdict(i, x)
+    raise AssertionError("unreachable")  # pragma: no cover

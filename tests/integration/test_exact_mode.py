@@ -40,3 +40,14 @@ def test_exact_mode_survives_switching_back_and_forth(smollm2):
     # the llamafile switch is process-wide; each context re-asserts its own mode per decode
     assert _batched_vs_one_by_one(smollm2, exact=False, prefix_len=40) > 0.0
     assert _batched_vs_one_by_one(smollm2, exact=True, prefix_len=40) == 0.0
+
+
+@pytest.mark.parametrize("prefix_len", [20, 300])
+def test_gemma3_exact_mode_is_bitwise_batch_invariant(gemma3, prefix_len):
+    # Gemma's Q4_K/Q6_K matmuls switch to a tiled kernel at >= 8 batch rows, which rounds
+    # differently; specray's patch skips that kernel in exact mode too
+    assert _batched_vs_one_by_one(gemma3, exact=True, prefix_len=prefix_len) == 0.0
+
+
+def test_gemma3_fast_mode_is_not_batch_invariant(gemma3):
+    assert _batched_vs_one_by_one(gemma3, exact=False, prefix_len=300) > 0.0

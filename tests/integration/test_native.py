@@ -85,7 +85,8 @@ def test_seq_rm_rolls_back_and_state_checkpoint_restores(smollm2):
 
 
 def test_seq_cp_shares_a_prefix(smollm2):
-    ctx = Context(smollm2, n_ctx=512, n_seq_max=2, n_batch=128, exact=True)
+    # one unified KV stream: a copied prefix shares cells (per-slot streams copy them)
+    ctx = Context(smollm2, n_ctx=512, n_seq_max=2, n_batch=128, exact=True, kv_unified=True)
     p = smollm2.tokenize("The quick brown fox")
     b = ctx.batch
     b.clear(); b.add_seq(0, p, 0, 0); ctx.decode()  # noqa: E702

@@ -27,6 +27,9 @@ def test_serve_local_yaml_is_a_valid_serve_config_with_our_app_args():
     cfg = load_serve_config(app.args)
     assert cfg.engine.model == "smollm2-135m" and cfg.mode in ("colocated", "distributed")
     build_app(app.args)  # the builder accepts them (Serve calls it the same way)
+    # `specray serve --config cluster/serve-local.yaml` reads the same file
+    same = ServeConfig.from_yaml(LOCAL_YAML)
+    assert same.engine == cfg.engine and same.port == doc["http_options"]["port"]
 
 
 def test_yaml_file_plus_overrides(tmp_path):
@@ -51,7 +54,8 @@ def test_distributed_replica_gets_a_strict_pack_group_of_three_bundles():
     opts = replica_options(cfg)
     assert opts["placement_group_strategy"] == "STRICT_PACK"
     assert opts["placement_group_bundles"] == [{"CPU": 0.2}, {"CPU": 0.5}, {"CPU": 0.1}]
-    assert opts["ray_actor_options"] == {"num_cpus": 0.2}  # a subset of bundle 0
+    assert opts["ray_actor_options"]["num_cpus"] == 0.2  # a subset of bundle 0
+    assert opts["ray_actor_options"]["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "passive"}}
     colo = replica_options(load_serve_config({"mode": "colocated"}))
     assert "placement_group_bundles" not in colo
     auto = replica_options(load_serve_config({"autoscaling": {"min_replicas": 1, "max_replicas": 3}}))

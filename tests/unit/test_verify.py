@@ -356,3 +356,32 @@ def test_same_seed_reproducible_different_seed_differs(use_q):
     c = _sequence(8, use_q)
     assert a == b
     assert a != c
+
+
+# ---- coupled verification (one generator per position) -------------------------------
+
+def test_coupled_verification_follows_the_target_distribution_and_ignores_drafts():
+    from scipy.stats import chisquare
+
+    from specray.engine.verify import verify_sampled_coupled
+
+    V = 5
+    logits = np.log(np.array([[0.5, 0.2, 0.15, 0.1, 0.05]] * 2, dtype=np.float32))
+    params = SamplingParams(temperature=1.0)
+    p = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
+    n = 20000
+    first = np.zeros(V)
+    same_as_undrafted = 0
+    draft_rng = np.random.default_rng(5)
+    for t in range(n):
+        d = np.array([draft_rng.integers(V)], dtype=np.int32)  # drafts from a very different q
+        rngs = [np.random.default_rng((t, 0)), np.random.default_rng((t, 1))]
+        n_acc, tok = verify_sampled_coupled(logits, d, params, rngs)
+        emitted = int(d[0]) if n_acc == 1 else tok
+        first[emitted] += 1
+        # the same seed and position without any draft gives the same first token
+        alone = verify_sampled_coupled(logits[:1], np.zeros(0, np.int32), params,
+                                       [np.random.default_rng((t, 0))])
+        same_as_undrafted += alone.next_token == emitted
+    assert chisquare(first, p * n).pvalue > 0.001
+    assert same_as_undrafted == n
