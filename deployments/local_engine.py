@@ -25,11 +25,20 @@ from specray.native.model import Model
 log = logging.getLogger("specray.local")
 
 
+def exact_bufts(config: EngineConfig) -> bool | None:
+    """Weight repacking: off in exact mode (repacked K-quant kernels switch paths by batch size)."""
+    if config.exact:
+        if config.use_extra_bufts:
+            raise ValueError("exact mode needs use_extra_bufts off (repacked kernels are not batch-invariant)")
+        return False
+    return config.use_extra_bufts
+
+
 def open_target(config: EngineConfig, model: Model | None = None) -> tuple[Model, Context]:
     model = model or Model(
         config.model,
         n_gpu_layers=config.n_gpu_layers,
-        use_extra_bufts=config.use_extra_bufts,
+        use_extra_bufts=exact_bufts(config),
         chat_template=config.chat_template,
     )
     ctx = Context(

@@ -77,11 +77,13 @@ class EngineConfig(BaseModel):
     flash_attn: bool = Field(False, description="flash attention (forced off in exact mode)")
     exact: bool = Field(
         False,
-        description="batch-invariant target: llamafile sgemm and flash attention off, so a token's logits "
+        description="batch-invariant target: llamafile sgemm, tiled K-quant matmuls, weight repacking and "
+        "flash attention off, one KV stream per slot, so a token's logits "
         "do not depend on what else shares its batch; greedy output is then token-identical to plain decoding",
     )
     use_extra_bufts: bool | None = Field(
-        None, description="weight repacking buffers; None = on unless the build has AMX kernels (they crash here)"
+        None, description="weight repacking buffers; None = on unless the build has AMX kernels (they crash "
+        "here) or exact mode is on (repacked K-quant kernels are not batch-invariant)"
     )
     prefill_chunk: int = Field(256, ge=16, description="prompt tokens prefilled per round per sequence")
     max_queue: int = Field(256, ge=0, description="requests waiting for a slot before new ones are refused")

@@ -82,6 +82,11 @@ class Context:
                 raise RuntimeError(f"exact mode unavailable: {why}")
             if flash_attn:
                 raise ValueError("exact mode needs flash attention off")
+            if model.use_extra_bufts:
+                raise ValueError(
+                    "exact mode needs the model loaded with use_extra_bufts=False "
+                    "(repacked K-quant kernels switch paths by batch size)"
+                )
 
     # ---- decode --------------------------------------------------------------
     def decode(self, batch: Batch | None = None) -> np.ndarray:

@@ -36,11 +36,11 @@ def spec_bench_prompts(n: int, per_category: int = 1) -> list[str]:
 def smollm2():
     from specray.native.model import Model
 
-    return Model("smollm2-135m")
+    return Model("smollm2-135m", use_extra_bufts=False)  # exact-mode capable
 
 
 @pytest.fixture(scope="session")
 def gemma3():
     from specray.native.model import Model
 
-    return Model("gemma3-270m")
+    return Model("gemma3-270m", use_extra_bufts=False)  # exact-mode capable
