@@ -18,8 +18,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=2, help="CPU threads for the target (default: %(default)s)")
     g.add_argument("--n-ctx", type=int, default=4096, help="context cells shared by all slots (default: %(default)s)")
     g.add_argument("--exact", action="store_true",
-                   help="batch-invariant target (llamafile sgemm and flash attention off): greedy output "
-                        "token-identical to plain decoding, ~10%% slower")
+                   help="batch-invariant target (llamafile sgemm, tiled K-quant kernels, weight repacking and "
+                        "flash attention off; one KV stream per slot): greedy output token-identical to plain "
+                        "decoding, at some speed cost")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
