@@ -105,8 +105,8 @@ class RouterCore:
             self.runner = TargetRunner(self.ctx, record_margins=ecfg.record_margins)
             target = self.runner
             n_ctx_total = self.ctx.n_ctx
-            n_ctx_seq = getattr(self.ctx, "n_ctx_seq", n_ctx_total)
-            kv_unified = getattr(self.ctx, "kv_unified", True)
+            n_ctx_seq = self.ctx.n_ctx_seq
+            kv_unified = self.ctx.kv_unified
             if ecfg.calibrate:
                 table = self.runner.measure_decode_costs()
         else:
@@ -118,23 +118,21 @@ class RouterCore:
             from .companion_actor import CompanionActor
             from .target_actor import RemoteTarget, TargetActor
 
-            opts: dict[str, Any] = {"num_cpus": cfg.target_cpus, "max_concurrency": 2}
-            if cfg.worker_env:
-                opts["runtime_env"] = {"env_vars": dict(cfg.worker_env)}
-            if cfg.target_gpus:
-                opts["num_gpus"] = cfg.target_gpus
-            strategy = actor_strategy(TARGET_BUNDLE)
-            if strategy is not None:
-                opts["scheduling_strategy"] = strategy
+            def actor_options(cpus: float, gpus: float, bundle: int, **extra: Any) -> dict[str, Any]:
+                opts: dict[str, Any] = {"num_cpus": cpus, **extra}
+                if cfg.worker_env:
+                    opts["runtime_env"] = {"env_vars": dict(cfg.worker_env)}
+                if gpus:
+                    opts["num_gpus"] = gpus
+                strategy = actor_strategy(bundle)
+                if strategy is not None:
+                    opts["scheduling_strategy"] = strategy
+                return opts
+
+            opts = actor_options(cfg.target_cpus, cfg.target_gpus, TARGET_BUNDLE, max_concurrency=2)
+            strategy = opts.get("scheduling_strategy")
             self.target_actor = TargetActor.options(**opts).remote(ecfg.model_dump())
-            copts: dict[str, Any] = {"num_cpus": cfg.companion_cpus}
-            if cfg.worker_env:
-                copts["runtime_env"] = {"env_vars": dict(cfg.worker_env)}
-            if cfg.companion_gpus:
-                copts["num_gpus"] = cfg.companion_gpus
-            cstrategy = actor_strategy(COMPANION_BUNDLE)
-            if cstrategy is not None:
-                copts["scheduling_strategy"] = cstrategy
+            copts = actor_options(cfg.companion_cpus, cfg.companion_gpus, COMPANION_BUNDLE)
             self.companion = CompanionActor.options(**copts).remote(ecfg.model_dump())
             # the router only tokenizes and detokenizes: vocabulary without weights
             self.model = Model(ecfg.model, chat_template=ecfg.chat_template, vocab_only=True)
