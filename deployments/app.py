@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray.serve import Application
+from ray.serve.config import BackpressureConfig
 
 from specray.cluster.placement import STRATEGY, replica_bundles
 
@@ -24,7 +25,9 @@ from .serve_config import ServeConfig, load_serve_config
 
 def replica_options(cfg: ServeConfig) -> dict[str, Any]:
     """Serve options of the engine replica deployment for this config."""
-    opts: dict[str, Any] = {"max_ongoing_requests": cfg.max_ongoing_requests}
+    # beyond max_ongoing_requests Serve queues at the caller's handle: bounded, so overload is a 503, not a pile-up
+    opts: dict[str, Any] = {"max_ongoing_requests": cfg.max_ongoing_requests,
+                            "max_queued_requests": cfg.max_queued_requests}
     if cfg.autoscaling:
         opts["autoscaling_config"] = cfg.autoscaling
     else:
@@ -51,6 +54,9 @@ def build_app_from_config(cfg: ServeConfig) -> Application:
     return Ingress.options(
         num_replicas=cfg.ingress_replicas,
         max_ongoing_requests=cfg.ingress_max_ongoing_requests,
+        # the HTTP proxy's queue in front of the ingress: bounded too (Serve answers 503 + Retry-After itself)
+        max_queued_requests=cfg.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.retry_after_s or None),
         ray_actor_options={"num_cpus": cfg.ingress_cpus},
     ).bind(engine, conf)
 

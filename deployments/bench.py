@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from specray.engine.chain import Chain
-from specray.engine.config import ChainConfig, EngineConfig, parse_chain
+from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig, parse_chain
 from specray.engine.request import GenerationRequest
-from specray.engine.speculators.registry import make_speculator
+from specray.native.lib import build_has_amx
 
 from .local_engine import LocalEngine
 
@@ -90,7 +90,11 @@ def load_prompts(path: str, categories: list[str] | None, per_category: int | No
 class ConfigResult:
     name: str
     tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time, prompt processing included
+    prefill_seconds: float = 0.0  # the part of `seconds` spent on prompt rows
+    sequences: int = 0  # each sequence's first token comes out of its prompt's last batch
+    loaded_seconds: float = 0.0  # rounds with every slot generating (see RoundStats)
+    loaded_tokens: int = 0
     drafts: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -100,12 +104,24 @@ class ConfigResult:
     compared: int = 0
 
     def add(self, other: "ConfigResult") -> None:
-        for k in ("tokens", "seconds", "drafts", "drafted", "accepted", "mismatches", "tie_divergences",
+        for k in ("tokens", "seconds", "prefill_seconds", "sequences", "loaded_seconds", "loaded_tokens", "drafts", "drafted", "accepted", "mismatches", "tie_divergences",
                   "identical", "compared"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
     @property
     def tokens_per_s(self) -> float:
+        """Generation speed under full load: tokens emitted in rounds where every slot was generating,
+        over those rounds' time. With one slot that is llama.cpp's "predicted per second" (the issue's
+        anchors are in this unit); with N slots, the aggregate throughput of N busy slots, without the
+        tail of a closed batch where the last sequences run alone (a loaded server refills its slots)."""
+        if self.loaded_seconds > 0:
+            return self.loaded_tokens / self.loaded_seconds
+        t = self.seconds - self.prefill_seconds
+        return max(0, self.tokens - self.sequences) / t if t > 0 else 0.0
+
+    @property
+    def e2e_tokens_per_s(self) -> float:
+        """All generated tokens over wall time, prompt processing included."""
         return self.tokens / self.seconds if self.seconds else 0.0
 
     @property
@@ -151,9 +167,11 @@ class BenchReport:
     @staticmethod
     def _row(r: ConfigResult, base: ConfigResult | None) -> dict:
         speedup = r.tokens_per_s / base.tokens_per_s if base is not None and base.tokens_per_s else None
+        e2e = r.e2e_tokens_per_s / base.e2e_tokens_per_s if base is not None and base.e2e_tokens_per_s else None
         return {"tokens_per_s": r.tokens_per_s, "mean_acceptance_length": r.mean_acceptance_length,
-                "acceptance_rate": r.acceptance_rate, "speedup": speedup, "tokens": r.tokens,
-                "seconds": r.seconds, "drafts": r.drafts, "drafted_tokens": r.drafted,
+                "acceptance_rate": r.acceptance_rate, "speedup": speedup, "e2e_tokens_per_s": r.e2e_tokens_per_s,
+                "e2e_speedup": e2e, "tokens": r.tokens, "seconds": r.seconds, "prefill_seconds": r.prefill_seconds,
+                "drafts": r.drafts, "drafted_tokens": r.drafted,
                 "accepted_tokens": r.accepted}
 
     def table(self) -> str:
@@ -161,23 +179,27 @@ class BenchReport:
         lines = []
         for cat in self.categories + ["overall"]:
             lines.append(f"\n== {cat} ==")
-            lines.append(f"{'config':<34}{'tok/s':>8}{'speedup':>9}{'accept_len':>11}{'acc_rate':>9}"
+            lines.append(f"{'config':<34}{'tok/s':>8}{'speedup':>9}{'e2e':>7}{'accept_len':>11}{'acc_rate':>9}"
                          f"{'mismatch':>9}{'ties':>6}")
             for cfg in self.configs:
                 entry = js["configs"][cfg]
                 row = entry["overall"] if cat == "overall" else entry["categories"][cat]
-                sp = row["speedup"]
+                sp, e2e = row["speedup"], row["e2e_speedup"]
                 mm = entry["mismatches"] if cat == "overall" else ""
                 ties = entry["tie_divergences"] if cat == "overall" else ""
                 lines.append(
                     f"{cfg:<34}{row['tokens_per_s']:>8.1f}{(f'{sp:.2f}x' if sp is not None else '-'):>9}"
+                    f"{(f'{e2e:.2f}x' if e2e is not None else '-'):>7}"
                     f"{row['mean_acceptance_length']:>11.2f}{row['acceptance_rate']:>9.2f}{mm!s:>9}{ties!s:>6}"
                 )
         return "\n".join(lines)
 
 
-def measure_batch_variance(engine: LocalEngine, prefix_tokens: np.ndarray, n: int = 8) -> float:
-    """Largest |logit| difference between n tokens decoded in one batch and one by one."""
+def measure_batch_variance(engine: LocalEngine, prefix_tokens: np.ndarray, n: int | tuple[int, ...] = 8) -> float:
+    """Largest |logit| difference between n tokens decoded in one batch and one by one
+    (the largest over several batch sizes if n is a tuple: kernels switch with the row count)."""
+    if not isinstance(n, int):
+        return max(measure_batch_variance(engine, prefix_tokens, k) for k in n)
     ctx = engine.ctx
     slot = engine.config.slots - 1
     b = ctx.batch
@@ -225,25 +247,35 @@ def run_bench(
     chat_template: str | None = None,
     llama_baseline: bool = True,
     progress=print,
+    draft_model: str | None = None,
+    cross_vocab: bool = False,
 ) -> BenchReport:
     if "none" not in configs:
         configs = ["none"] + configs
     cfg = EngineConfig(model=model, chat_template=chat_template, slots=slots, exact=exact, threads=threads,
                        n_ctx=n_ctx, record_margins=True, chain=ChainConfig(speculators=[], policy=policy,
-                                                                            n_max=n_max))
+                                                                            n_max=n_max),
+                       draft=DraftModelConfig(model=draft_model, cross_vocab=cross_vocab))
     engine = LocalEngine(cfg)
-    chains = {c: Chain(ChainConfig(speculators=parse_chain(c), policy=policy, n_max=n_max), make_speculator)
+    chains = {c: Chain(ChainConfig(speculators=parse_chain(c), policy=policy, n_max=n_max), engine.speculator_factory)
               for c in configs}
     categories = list(dict.fromkeys(p.category for p in prompts))
     report = BenchReport(model=model, configs=list(configs), categories=categories)
+    if llama_baseline and build_has_amx():
+        # llama_cpp.Llama cannot turn weight repacking off, and repacking crashes on AMX builds
+        progress("no llama_cpp reference row: this llama.cpp build has AMX kernels")
+        llama_baseline = False
     if llama_baseline:
         report.configs.insert(1, "llama_cpp")
     sample = engine.prompt_tokens(prompts[0].prompt, prompts[0].messages)
-    report.batch_variance = 0.0 if exact else measure_batch_variance(engine, np.tile(sample, 4))
+    # the largest verify batch a round can hold: every slot's last token + a full draft
+    sizes = tuple(sorted({8, min(64, n_max + 1), min(64, slots * (n_max + 1))}))
+    report.batch_variance = 0.0 if exact else measure_batch_variance(engine, np.tile(sample, 4), sizes)
     # an argmax flips only if the top-2 margin is below the two logits' combined drift
     report.tie_bound = 2.0 * report.batch_variance
     report.meta = {"slots": slots, "max_tokens": max_tokens, "exact": exact, "policy": policy, "n_max": n_max,
                    "threads": threads, "decode_cost_ms": {k: v * 1000 for k, v in engine.scheduler.cost.table().items()},
+                   "attention_us_per_1k_token_cells": engine.scheduler.cost.attn_seconds * 1e9,
                    "python": platform.python_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     progress(f"model {model}: batch variance {report.batch_variance:.3f}, tie bound {report.tie_bound:.3f}; "
              f"verify cost ms by batch size {({k: round(v, 1) for k, v in report.meta['decode_cost_ms'].items()})}")
@@ -251,44 +283,57 @@ def run_bench(
     for cat in categories:
         cat_prompts = [p for p in prompts if p.category == cat]
         tokens = [engine.prompt_tokens(p.prompt, p.messages) for p in cat_prompts]
-        report.results[cat] = {}
-        base_seqs = None
+        report.results[cat] = {c: ConfigResult(c) for c in report.configs}
+        # configurations interleaved per group of `slots` prompts: a load change on the machine
+        # then hits every configuration alike instead of whichever ran at that moment
+        for g in range(0, len(tokens), slots):
+            group = tokens[g : g + slots]
+            base_seqs = None
+            for c in report.configs:
+                if c == "llama_cpp":
+                    report.results[cat][c].add(llama.run(group, max_tokens))
+                    continue
+                r, seqs = _run_config(engine, chains[c], c, group, max_tokens)
+                if c == "none":
+                    base_seqs = seqs
+                elif base_seqs is not None:
+                    for b, s in zip(base_seqs, seqs):
+                        kind = classify_divergence(b.generated, s.generated, b.margins,
+                                                   0.0 if exact else report.tie_bound)
+                        r.compared += 1
+                        if kind == "identical":
+                            r.identical += 1
+                        elif kind == "mismatch":
+                            r.mismatches += 1
+                        else:
+                            r.tie_divergences += 1
+                report.results[cat][c].add(r)
         for c in report.configs:
-            if c == "llama_cpp":
-                r = llama.run(tokens, max_tokens)
-                r.name = c
-                report.results[cat][c] = r
-                progress(f"{cat:<22} {c:<34} {r.tokens_per_s:7.1f} tok/s")
-                continue
-            engine.scheduler.chain = chains[c]
-            reqs = [GenerationRequest(prompt_tokens=t, max_tokens=max_tokens, chain=tuple(parse_chain(c)))
-                    for t in tokens]
-            t0 = time.perf_counter()
-            seqs = engine.run(reqs)
-            r = ConfigResult(c, seconds=time.perf_counter() - t0)
-            for s in seqs:
-                r.tokens += len(s.generated)
-                r.drafts += s.spec_total.drafts
-                r.drafted += s.spec_total.drafted
-                r.accepted += s.spec_total.accepted
-            if c == "none":
-                base_seqs = seqs
-            elif base_seqs is not None:
-                for b, s in zip(base_seqs, seqs):
-                    kind = classify_divergence(b.generated, s.generated, b.margins,
-                                               0.0 if exact else report.tie_bound)
-                    r.compared += 1
-                    if kind == "identical":
-                        r.identical += 1
-                    elif kind == "mismatch":
-                        r.mismatches += 1
-                    else:
-                        r.tie_divergences += 1
-            report.results[cat][c] = r
+            r = report.results[cat][c]
             progress(f"{cat:<22} {c:<34} {r.tokens_per_s:7.1f} tok/s  accept_len {r.mean_acceptance_length:.2f}"
                      f"  identical {r.identical}/{r.compared}")
     engine.close()
     return report
+
+
+def _run_config(engine: LocalEngine, chain: Chain, name: str, prompts: list[np.ndarray],
+                max_tokens: int) -> tuple[ConfigResult, list]:
+    engine.scheduler.chain = chain
+    reqs = [GenerationRequest(prompt_tokens=t, max_tokens=max_tokens, chain=tuple(parse_chain(name)))
+            for t in prompts]
+    st = engine.scheduler.stats
+    before = (st.prefill_seconds, st.loaded_seconds, st.loaded_tokens)
+    t0 = time.perf_counter()
+    seqs = engine.run(reqs)
+    r = ConfigResult(name, seconds=time.perf_counter() - t0, prefill_seconds=st.prefill_seconds - before[0],
+                     loaded_seconds=st.loaded_seconds - before[1], loaded_tokens=st.loaded_tokens - before[2])
+    for s in seqs:
+        r.sequences += 1 if s.generated else 0
+        r.tokens += len(s.generated)
+        r.drafts += s.spec_total.drafts
+        r.drafted += s.spec_total.drafted
+        r.accepted += s.spec_total.accepted
+    return r, seqs
 
 
 class _PlainLlama:
@@ -307,13 +352,17 @@ class _PlainLlama:
         for toks in prompts:
             self.llm.reset()
             n = 0
+            t_start = time.perf_counter()
             for t in self.llm.generate(toks.tolist(), temp=0.0, top_k=1, reset=True):
+                if n == 0:  # prompt processing ends with the first token
+                    r.prefill_seconds += time.perf_counter() - t_start
                 if t in self.eog:
                     break
                 n += 1
                 if n >= max_tokens:
                     break
             r.tokens += n
+            r.sequences += 1 if n else 0
         r.seconds = time.perf_counter() - t0
         return r
 
@@ -336,7 +385,8 @@ def main_bench(args) -> int:
                        slots=args.slots, exact=args.exact, policy=args.policy, n_max=args.n_max,
                        threads=args.threads, n_ctx=args.n_ctx, chat_template=args.chat_template,
                        llama_baseline=not args.no_llama_baseline,
-                       progress=lambda s: print(s, file=sys.stderr, flush=True))
+                       progress=lambda s: print(s, file=sys.stderr, flush=True),
+                       draft_model=args.draft_model, cross_vocab=args.cross_vocab)
     print(report.table())
     if args.json:
         write_json(report, args.json)

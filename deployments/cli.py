@@ -30,6 +30,18 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n-max", type=int, default=16, help="max draft tokens per sequence per round (default: %(default)s)")
 
 
+def _add_draft_args(p: argparse.ArgumentParser, default=None) -> None:
+    """--draft-model / --cross-vocab (`default=argparse.SUPPRESS` for serve: absent unless given)."""
+    g = p.add_argument_group("draft model (the `draft` speculator)")
+    g.add_argument("--draft-model", default=default, metavar="PATH_OR_ALIAS",
+                   help="draft model for the `draft` speculator: packaged alias (smollm2-135m, gemma3-270m) or a "
+                        ".gguf path; name `draft` in the chain to use it")
+    g.add_argument("--cross-vocab", default=default if default is not None else False,
+                   action="store_true",
+                   help="allow a draft model whose vocabulary differs from the target's (drafts go through "
+                        "text); without it such a pair is refused, naming the mismatch")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specray",
@@ -53,48 +65,128 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     _add_model_args(gen)
     _add_spec_args(gen)
+    _add_draft_args(gen)
 
     bench = sub.add_parser(
-        "bench", help="compare speculator chains against no speculation in one run",
-        description="Runs every configuration on the same prompts in one process (configurations interleaved "
-                    "per category), prints tokens/s, mean acceptance length, acceptance rate and speedup vs "
-                    "'none' per category, and checks greedy losslessness against 'none'.")
+        "bench", help="compare speculator chains in-process, or servers over HTTP, in one run",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "In-process (default): runs every configuration (--configs) on the same prompts in one\n"
+            "process (configurations interleaved per category), prints tokens/s, mean acceptance\n"
+            "length, acceptance rate and speedup vs 'none' per category, and checks greedy\n"
+            "losslessness against 'none'.\n\n"
+            "Over HTTP (--url or --http): streams the prompts to specray servers with each --streams\n"
+            "count of concurrent clients (default 1 and 8), and runs the in-process engine on the same\n"
+            "prompts in the same run. One table, mode x streams: aggregate tokens/s (completion tokens\n"
+            "/ wall time), ratio vs co-located and vs in-process, actor hop ms p50/p95 per round\n"
+            "(distributed), rounds, mean sequences per target decode. --json writes it.\n"
+            "  specray bench --http --num-prompts 8 --max-tokens 64         # local Ray, both modes\n"
+            "  specray bench --url http://127.0.0.1:8000 --url http://10.0.0.2:8000"))
     bench.add_argument("--prompts", default=None,
                        help="JSONL: one object per line with 'prompt' (raw text) or 'messages' (chat), optional "
                             "'category' (default: Spec-Bench questions from ../shared/data/spec_bench)")
     bench.add_argument("--categories", default=None, help="comma-separated categories to run (default: all)")
     bench.add_argument("--per-category", type=int, default=3, help="prompts per category (default: %(default)s)")
-    bench.add_argument("--configs", nargs="+", default=DEFAULT_BENCH_CONFIGS,
-                       help="chains to compare, e.g. none ngram_mod ngram_mod,suffix ('none' is always included)")
+    bench.add_argument("--configs", nargs="+", default=None,
+                       help="in-process: chains to compare, e.g. none ngram_mod ngram_mod,suffix ('none' is always "
+                            f"included; default: {' '.join(DEFAULT_BENCH_CONFIGS)}); not with --url/--http "
+                            "(use --spec)")
     bench.add_argument("--max-tokens", type=int, default=192, help="tokens per prompt (default: %(default)s)")
-    bench.add_argument("--slots", type=int, default=1, help="concurrent sequences (default: %(default)s)")
+    bench.add_argument("--slots", type=int, default=None,
+                       help="concurrent sequences (default: 1 in-process; with --http the largest --streams; with "
+                            "--url the first server's slots, for the in-process row)")
     bench.add_argument("--json", default=None, help="write the results as JSON to this path")
     bench.add_argument("--no-llama-baseline", action="store_true",
-                       help="skip the plain llama_cpp.Llama generate reference row")
+                       help="skip the plain llama_cpp.Llama generate reference row (in-process bench)")
     _add_model_args(bench)
     _add_spec_args(bench)
+    _add_draft_args(bench)
+    h = bench.add_argument_group("over HTTP (Ray Serve)")
+    h.add_argument("--url", action="append", default=None, metavar="URL",
+                   help="base URL of a running specray server, without /v1 (repeatable; each row is labelled by "
+                        "the mode its /v1/stats reports). Nothing else should load it during the run: its "
+                        "/v1/stats counters are diffed")
+    h.add_argument("--http", action="store_true",
+                   help="start a local Ray + Serve, deploy one app per --serve-modes with the model/chain flags "
+                        "(routes /bench-colocated, /bench-distributed), bench them, shut everything down")
+    h.add_argument("--serve-modes", default=None,
+                   help="with --http: comma-separated deployment modes (default: colocated,distributed)")
+    h.add_argument("--port", type=int, default=None, help="with --http: HTTP port (default: a free one)")
+    h.add_argument("--streams", type=int, nargs="+", default=None,
+                   help="concurrent client streams, one table row per mode each (default: 1 8)")
+    h.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts per row, taken round-robin over the categories (default: 16)")
+    h.add_argument("--spec", default=None,
+                   help="chain: with --http the apps' and in-process engine's chain (default: ngram_mod,suffix); "
+                        "with --url sent per request as speculative.chain (default: the server's own chain)")
+    h.add_argument("--no-in-process", action="store_true",
+                   help="skip the in-process engine row (it loads the model in this process)")
+    h.add_argument("--api-key", default=None,
+                   help="bearer token for servers that require one (default: $SPECRAY_API_KEY)")
+    h.add_argument("--timeout", type=float, default=600, help="seconds per HTTP request (default: %(default)s)")
 
-    serve = sub.add_parser("serve", help="start the OpenAI-compatible server on Ray Serve",
-                           description="Start local Ray and the specray app (OpenAI-compatible HTTP).")
-    serve.add_argument("--config", default=None, help="YAML config file (flags override it)")
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
-    serve.add_argument("--spec", default=None, help="default speculator chain (default: ngram_mod,suffix)")
-    serve.add_argument("--slots", type=int, default=None, help="concurrent sequences per replica")
-    serve.add_argument("--mode", choices=["colocated", "distributed"], default=None,
-                       help="target in the router process, or in its own actor")
-    _add_model_args(serve)
+    serve = sub.add_parser(
+        "serve", help="start the OpenAI-compatible server on Ray Serve",
+        description="Start local Ray and the specray app (OpenAI-compatible HTTP). Settings come from "
+                    "ServeConfig's defaults, then --config FILE, then every flag given on the command line "
+                    "(a flag always wins over the file, even when it repeats the default; a flag not given "
+                    "never overrides the file).")
+    _add_serve_args(serve)
+    _add_draft_args(serve, argparse.SUPPRESS)
     return parser
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    """`specray serve` flags: default SUPPRESS (absent unless given), so config_from_args can tell
+    a flag from the file; the help shows ServeConfig's real defaults."""
+    from specray.deployments.serve_config import ServeConfig
+    from specray.engine.config import ChainConfig, EngineConfig
+
+    S = argparse.SUPPRESS
+
+    def d(model, name: str) -> str:
+        f = model.model_fields[name]
+        v = f.default_factory() if f.default_factory is not None else f.default
+        return f"(default: {v})"
+
+    p.add_argument("--config", default=None, help="YAML file of ServeConfig fields (flags override it)")
+    p.add_argument("--host", default=S, help=f"bind address {d(ServeConfig, 'host')}")
+    p.add_argument("--port", type=int, default=S, help=f"HTTP port {d(ServeConfig, 'port')}")
+    p.add_argument("--mode", choices=["colocated", "distributed"], default=S,
+                   help=f"target in the router process, or in its own actor {d(ServeConfig, 'mode')}")
+    p.add_argument("--slots", type=int, default=S, help=f"concurrent sequences per replica {d(EngineConfig, 'slots')}")
+    p.add_argument("--api-key", default=S,
+                   help="require `Authorization: Bearer KEY` on every endpoint but /health (default: the file's "
+                        "api_key, else $SPECRAY_API_KEY, else none)")
+    g = p.add_argument_group("model and context")
+    g.add_argument("--model", default=S,
+                   help=f"packaged alias (smollm2-135m, gemma3-270m) or a .gguf path {d(EngineConfig, 'model')}")
+    g.add_argument("--chat-template", default=S,
+                   help="chat template name (e.g. gemma, chatml) for models whose GGUF has none")
+    g.add_argument("--threads", type=int, default=S, help=f"CPU threads for the target {d(EngineConfig, 'threads')}")
+    g.add_argument("--n-ctx", type=int, default=S, help=f"context cells shared by all slots {d(EngineConfig, 'n_ctx')}")
+    g.add_argument("--exact", action=argparse.BooleanOptionalAction, default=S,
+                   help="batch-invariant target (greedy output token-identical to plain decoding, at some speed "
+                        f"cost); --no-exact turns off a file's exact: true {d(EngineConfig, 'exact')}")
+    g = p.add_argument_group("speculation")
+    g.add_argument("--spec", default=S,
+                   help=f"default speculator chain, names joined by commas, or 'none' "
+                        f"(default: {ChainConfig().label}); a file's per-speculator params are kept")
+    g.add_argument("--policy", choices=["first", "expected", "cost"], default=S,
+                   help=f"how a chain picks one draft per sequence {d(ChainConfig, 'policy')}")
+    g.add_argument("--n-max", type=int, default=S,
+                   help=f"max draft tokens per sequence per round {d(ChainConfig, 'n_max')}")
 
 
 def _cmd_generate(args) -> int:
     from specray.deployments.local_engine import LocalEngine
-    from specray.engine.config import ChainConfig, EngineConfig, parse_chain
+    from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig, parse_chain
     from specray.engine.sampling import SamplingParams
 
     chain = ChainConfig(speculators=parse_chain(args.spec), policy=args.policy, n_max=args.n_max)
     cfg = EngineConfig(model=args.model, chat_template=args.chat_template, slots=1, threads=args.threads,
-                       n_ctx=args.n_ctx, exact=args.exact, chain=chain)
+                       n_ctx=args.n_ctx, exact=args.exact, chain=chain,
+                       draft=DraftModelConfig(model=args.draft_model, cross_vocab=args.cross_vocab))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty, seed=args.seed)
     engine = LocalEngine(cfg)
@@ -121,8 +213,22 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if args.url or args.http:
+        if args.url and args.http:
+            raise ValueError("--url benches running servers, --http starts its own: give one of them")
+        if args.configs is not None:
+            raise ValueError("--configs compares chains in-process; the HTTP bench runs one chain: use --spec")
+        from specray.deployments.http_bench_compare import main_http_bench
+
+        return main_http_bench(args)
+    http_only = [f for f in ("serve_modes", "port", "streams", "num_prompts", "spec", "api_key")
+                 if getattr(args, f) is not None] + [f for f in ("no_in_process",) if getattr(args, f)]
+    if http_only:
+        raise ValueError(f"--{http_only[0].replace('_', '-')} needs --url or --http")
     from specray.deployments.bench import main_bench
 
+    args.configs = args.configs or list(DEFAULT_BENCH_CONFIGS)
+    args.slots = args.slots or 1
     return main_bench(args)
 
 
@@ -138,10 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    for flag in ("max_tokens", "threads", "n_ctx", "per_category", "slots"):
+    for flag in ("max_tokens", "threads", "n_ctx", "per_category", "slots", "num_prompts"):
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if any(c < 1 for c in getattr(args, "streams", None) or ()):
+        parser.error(f"--streams must all be >= 1, got {args.streams}")
     if getattr(args, "n_max", None) is not None and args.n_max < 0:
         parser.error(f"--n-max must be >= 0, got {args.n_max}")
     if getattr(args, "temperature", None) is not None and args.temperature < 0:

@@ -1,50 +1,158 @@
-"""The companion actor: home of the model-based speculators (draft model, MTP, EAGLE-3).
+"""The companion actor: home of the model-based speculators (the draft model; MTP, EAGLE-3 later).
 
-None exist yet (issue 4); the actor is real and placed in the replica's
-placement group, so the plumbing (placement, health, the per-round draft
-call) is in place. The router calls `draft` once per round for every slot
-only when the sequence's chain names a model-based speculator; model-free
-chains never pay the hop.
+Distributed mode. The companion owns the draft model and its context (one
+sequence per slot, mirroring the target's KV cache, engine/speculators/draft.py).
+The router talks to it through `CompanionDraftProxy`, the `draft` speculator
+of the router's chain: the proxy buffers what the scheduler tells it
+(sequences begun and ended, the tokens the target committed per sequence via
+`process()`) and sends all of it together with the round's draft requests in
+ONE call, `CompanionService.round`, which returns every slot's draft (one
+batched draft decode per draft step, all slots at once). Rounds in which the
+chain's cost policy asks the draft model for nothing make no call at all, and
+the buffer simply waits for the next one.
+
+Calls go through the router's `CompanionClient` (deployments/companion_client.py):
+a companion that is down or fails a call gives no drafts that round and is
+recreated; its `epoch` changes, and a sequence begun on an older companion
+drafts nothing from then on (the new companion has no mirror of it), new
+sequences draft again.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import numpy as np
 import ray
 
 from specray.engine.config import EngineConfig
+from specray.engine.cost import DecodeCostModel
+from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE, DraftRequest
+from specray.engine.speculators.draft_base import DraftParams, ModelSpeculator
+from specray.engine.speculators.registry import Factory, speculator_factory
 
-#: speculator names that run in the companion (none is implemented yet)
+#: speculator names that run in the companion
 MODEL_SPECULATORS = frozenset({"draft", "mtp", "eagle3", "dflash"})
+#: ... of which these exist
+IMPLEMENTED = frozenset({"draft"})
 
-EMPTY = np.zeros(0, dtype=np.int32)
+EMPTY = EMPTY_DRAFT
 
 
 class CompanionService:
+    """The draft model + context; callable locally or as a Ray actor (`CompanionActor`)."""
+
     def __init__(self, engine_config: dict | EngineConfig) -> None:
         self.config = EngineConfig.model_validate(engine_config)
+        self.draft_model = None
+        self.target_vocab = None
+        cfg = self.config
+        if cfg.draft.model:
+            from specray.native.draft_backend import DraftModel
+            from specray.native.model import Model
+
+            # the target's vocabulary only: the compatibility check, and text for cross-vocab drafting
+            self.target_vocab = Model(cfg.model, chat_template=cfg.chat_template, vocab_only=True)
+            self.draft_model = DraftModel(cfg.draft, self.target_vocab, slots=cfg.slots, target_n_ctx=cfg.n_ctx,
+                                          n_batch=cfg.n_batch, threads=cfg.draft.threads or cfg.threads,
+                                          calibrate=cfg.calibrate)
+        self.speculators: dict[str, object] = {}  # DraftSpeculator per parameter set (a chain's params)
+        self._lock = threading.Lock()  # the draft context is not thread-safe
         self.calls = 0
+        self.rounds = 0
+        self.inside_seconds = 0.0
+        self.unsynced = 0
 
     def ping(self) -> str:
         return "ok"
 
     def info(self) -> dict:
-        ctx = ray.get_runtime_context()
-        return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "placement_group_id": ctx.get_placement_group_id(),
-                "speculators": [], "model_speculators_known": sorted(MODEL_SPECULATORS)}
+        ctx = ray.get_runtime_context() if ray.is_initialized() else None
+        d = {"pid": os.getpid(), "node_id": ctx.get_node_id() if ctx else None,
+             "placement_group_id": ctx.get_placement_group_id() if ctx else None,
+             "speculators": sorted(IMPLEMENTED) if self.draft_model is not None else [],
+             "model_speculators_known": sorted(MODEL_SPECULATORS), "draft": None}
+        if self.draft_model is not None:
+            d["draft"] = self.draft_model.info()
+            d["draft_decode_costs"] = self.draft_model.backend.decode_costs()
+        return d
 
-    def draft(self, requests: list) -> list[np.ndarray]:
-        """One draft per request (SeqDraftRequest-like); empty until model speculators exist."""
-        self.calls += 1
-        return [EMPTY for _ in requests]
+    def _speculator(self, params: dict):
+        key = repr(sorted(params.items()))
+        spec = self.speculators.get(key)
+        if spec is None:
+            if self.draft_model is None:
+                raise ValueError("the companion has no draft model (engine.draft.model)")
+            spec = self.speculators[key] = self.draft_model.speculator(DraftParams.model_validate(params))
+        return spec
+
+    def round(self, payload: dict) -> dict:
+        """One router round: sequences ended and begun, tokens committed since the last call, then drafts.
+
+        payload: params (DraftParams dict), ends [seq], begins [seq], commits [(seq, pos, tokens)],
+        requests [(seq, last_token, history_len, n_max)]. A request whose history length does not match
+        what this companion mirrored gets no draft (listed in `unsynced`).
+        """
+        t0 = time.perf_counter()
+        with self._lock:
+            self.calls += 1
+            spec = self._speculator(payload.get("params") or {})
+            for seq in payload.get("ends", ()):
+                spec.end(seq)
+            for seq in payload.get("begins", ()):
+                spec.begin(seq, EMPTY)
+            for seq, pos, toks in payload.get("commits", ()):
+                spec.process(seq, np.asarray(toks, dtype=TOKEN_DTYPE), pos)
+            reqs, where, unsynced = [], [], []
+            for i, (seq, last, n_hist, n_max) in enumerate(payload.get("requests", ())):
+                committed = spec.committed(seq)
+                if len(committed) != n_hist - 1:
+                    unsynced.append(seq)
+                    continue
+                reqs.append(DraftRequest(seq, np.append(committed, np.int32(last)).astype(TOKEN_DTYPE), n_max))
+                where.append(i)
+            drafts = [EMPTY] * len(payload.get("requests", ()))
+            if reqs:
+                self.rounds += 1
+                for i, d in zip(where, spec.draft(reqs)):
+                    drafts[i] = d
+            self.unsynced += len(unsynced)
+            costs = spec.step_cost.table()
+        inside = time.perf_counter() - t0
+        self.inside_seconds += inside
+        return {"drafts": drafts, "unsynced": unsynced, "inside_s": inside, "step_costs": costs}
+
+    def positions(self, seq_ids: list[int], sync: bool = False) -> dict:
+        """Per sequence: the draft KV cache's largest position (-1 if empty), its tokens, the committed
+        target tokens it mirrors. sync=True first decodes what was mirrored but not decoded yet."""
+        with self._lock:
+            out = {}
+            for spec in self.speculators.values():
+                if sync:
+                    spec.sync(seq_ids)
+                for s in seq_ids:
+                    if s in spec.seqs:
+                        out[s] = {"pos_max": self.draft_model.backend.pos_max(s),
+                                  "kv_tokens": spec.kv_tokens(s).tolist(), "committed": spec.committed(s).tolist()}
+            return out
 
     def accept(self, updates: list) -> None:
-        """Accepted tokens (+ hidden-row refs later) per sequence; nothing to do yet."""
+        """Verdicts are not needed here: the next round's commits say what the target kept."""
+
+    def draft(self, requests: list) -> list[np.ndarray]:
+        """The old per-round entry point: drafts need the mirrored state `round` carries."""
+        return [EMPTY for _ in requests]
 
     def counters(self) -> dict:
-        return {"calls": self.calls}
+        d = {"calls": self.calls, "rounds": self.rounds, "inside_seconds": self.inside_seconds,
+             "unsynced": self.unsynced}
+        for spec in self.speculators.values():
+            c = spec.counters
+            for k in ("steps", "decode_seconds", "catchup_tokens", "drafted_tokens", "rolled_back", "failures"):
+                d[f"draft_{k}"] = d.get(f"draft_{k}", 0) + getattr(c, k)
+        return d
 
 
 CompanionActor = ray.remote(CompanionService)
@@ -52,3 +160,115 @@ CompanionActor = ray.remote(CompanionService)
 
 def needs_companion(chain: tuple[str, ...] | list[str]) -> bool:
     return any(n in MODEL_SPECULATORS for n in chain)
+
+
+class CompanionDraftProxy(ModelSpeculator):
+    """The router's `draft` speculator: buffers begin/process/end, one companion call per round that drafts.
+
+    `client` is a CompanionClient (call(method, payload, default=...) and `epoch`)."""
+
+    name = "draft"
+
+    def __init__(self, params: DraftParams | None, client, cost_table: dict[int, float] | None = None) -> None:
+        super().__init__()
+        self.params = params or DraftParams()
+        self.max_steps = self.params.n_max
+        self.client = client
+        self.step_cost = DecodeCostModel(cost_table or None, ema=0.1)
+        self.hop_seconds = 0.0  # EMA of the call's time outside the companion
+        self.calls = 0
+        self.failed_calls = 0
+        self.unsynced = 0
+        self._epoch: dict[int, int] = {}  # companion generation each sequence began on
+        self._drafted_len: dict[int, int] = {}  # history length at each sequence's last draft request
+        self._ends: list[int] = []
+        self._begins: list[int] = []
+        self._commits: list[tuple[int, int, np.ndarray]] = []
+
+    def draft_seconds(self, n_seqs: int, n_steps: int) -> float:
+        n = max(1, n_seqs)
+        return self.hop_seconds + self.step_cost.cost(2 * n) + max(0, n_steps - 1) * self.step_cost.cost(n)
+
+    def catchup_seconds(self, seq_id: int, history: np.ndarray) -> float:
+        rows = len(history) - self._drafted_len.get(seq_id, 0) + 1
+        return max(0.0, self.step_cost.cost(rows) - self.step_cost.cost(2)) if rows > 2 else 0.0
+
+    def _begin(self, seq_id: int, prompt: np.ndarray) -> None:
+        self._drop(seq_id)
+        self._drafted_len.pop(seq_id, None)
+        self._begins.append(seq_id)
+        self._epoch[seq_id] = self.client.epoch
+
+    def process(self, seq_id: int, tokens: np.ndarray, pos: int) -> None:
+        if self._epoch.get(seq_id) == self.client.epoch:
+            self._commits.append((seq_id, int(pos), np.asarray(tokens, dtype=TOKEN_DTYPE).copy()))
+
+    def _end(self, seq_id: int) -> None:
+        self._drop(seq_id)
+        self._epoch.pop(seq_id, None)
+        self._drafted_len.pop(seq_id, None)
+        if seq_id not in self._ends:
+            self._ends.append(seq_id)
+
+    def _drop(self, seq_id: int) -> None:
+        """Forget what is buffered for a slot's previous sequence."""
+        self._commits = [c for c in self._commits if c[0] != seq_id]
+        self._begins = [s for s in self._begins if s != seq_id]
+
+    def _draft_one(self, req: DraftRequest) -> np.ndarray:  # pragma: no cover - draft() is batched
+        return self.draft([req])[0]
+
+    def draft(self, requests: list[DraftRequest]) -> list[np.ndarray]:
+        t0 = time.perf_counter()
+        epoch = self.client.epoch
+        out = [EMPTY] * len(requests)
+        sent, idx = [], []
+        for i, r in enumerate(requests):
+            self.stats.calls += 1
+            if r.n_max > 0 and len(r.history) and self._epoch.get(r.seq_id) == epoch:
+                sent.append((r.seq_id, int(r.history[-1]), len(r.history), int(r.n_max)))
+                idx.append(i)
+                self._drafted_len[r.seq_id] = len(r.history)
+        if sent:
+            payload = {"params": self.params.model_dump(), "ends": self._ends, "begins": self._begins,
+                       "commits": self._commits, "requests": sent}
+            self._ends, self._begins, self._commits = [], [], []
+            self.calls += 1
+            res = self.client.call("round", payload, default=None)
+            if res is None:  # down or failed: the companion is being replaced (new epoch)
+                self.failed_calls += 1
+            else:
+                wall = time.perf_counter() - t0
+                self.hop_seconds += 0.2 * (max(0.0, wall - res["inside_s"]) - self.hop_seconds)
+                self.step_cost = DecodeCostModel({int(k): v for k, v in res["step_costs"].items()}, ema=0.1)
+                self.unsynced += len(res["unsynced"])
+                for i, d in zip(idx, res["drafts"]):
+                    d = np.asarray(d, dtype=TOKEN_DTYPE)[: requests[i].n_max]
+                    if len(d):
+                        self.stats.drafts_generated += 1
+                        out[i] = d
+        self.stats.time_draft_s += time.perf_counter() - t0
+        return out
+
+    def flush(self) -> bool:
+        """Send what is buffered (begun/ended sequences, commits) without asking for drafts, e.g. before
+        inspecting the companion's mirror. False if the companion could not take it."""
+        if not (self._ends or self._begins or self._commits):
+            return True
+        payload = {"params": self.params.model_dump(), "ends": self._ends, "begins": self._begins,
+                   "commits": self._commits, "requests": []}
+        self._ends, self._begins, self._commits = [], [], []
+        return self.client.call("round", payload, default=None) is not None
+
+    def counters(self) -> dict:
+        return {"calls": self.calls, "failed_calls": self.failed_calls, "unsynced": self.unsynced,
+                "hop_ms": 1000 * self.hop_seconds, "buffered_commits": len(self._commits)}
+
+
+def companion_speculator_factory(client, config: EngineConfig) -> Factory:
+    """Chain factory of the router in distributed mode: `draft` runs in the companion (if a draft model is
+    configured), model-free speculators in the router."""
+    if not config.draft.model:
+        return speculator_factory()
+    costs = client.sup.info.get("draft_decode_costs")
+    return speculator_factory({"draft": lambda p: CompanionDraftProxy(p, client, costs)})

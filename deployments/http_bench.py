@@ -1,51 +1,186 @@
-"""Throughput of a running specray server over HTTP (streamed chat completions).
+"""Throughput of one running specray server over HTTP (streamed completions).
 
-    python -m specray.deployments.http_bench --url http://127.0.0.1:8000 --concurrency 1 8
-
-`c` client threads pull prompts from a shared list and stream each answer;
-aggregate tokens/s = completion tokens of all requests / wall time. The
-server's /v1/stats is read before and after, so the report carries the
-rounds, the target's multi-sequence decodes and the mean actor hop (ms) of
-the run (distributed mode). Meant to be called by `specray bench --url`.
+`run(url, prompts, c, ...)`: `c` client threads pull prompts from a shared
+list and stream each answer (chat prompts to /v1/chat/completions, raw ones to
+/v1/completions); aggregate tokens/s = completion tokens of all requests /
+wall time. The server's /v1/stats is read before and after, and
+`window_figures` turns the two snapshots into the run's own rounds, mean
+sequences per target decode and actor hop percentiles (distributed mode).
+The in-process engine produces the same snapshot shape (http_bench_local), so
+every mode's row is computed the same way. Driven by `specray bench --url` /
+`--http` (http_bench_compare); plain `http.client`, so no extra dependency.
 """
 
 from __future__ import annotations
 
-import argparse
+import http.client
 import json
 import queue
 import threading
 import time
+from urllib.parse import urlsplit
 
-import httpx
+import numpy as np
+
+#: a prompt as the bench sends it: {"prompt": str} (raw, /v1/completions) or {"messages": [...]} (chat)
+Prompt = dict
 
 
-def _one(client: httpx.Client, messages: list[dict], max_tokens: int, extra: dict) -> dict:
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True} | extra
+class Server:
+    """One keep-alive HTTP connection to a specray server (one per client thread)."""
+
+    def __init__(self, url: str, timeout: float = 600, api_key: str | None = None) -> None:
+        parts = urlsplit(url.rstrip("/"))
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self.conn = cls(parts.hostname, parts.port, timeout=timeout)
+        self.prefix = parts.path.rstrip("/")
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+
+    def get_json(self, path: str) -> dict:
+        self.conn.request("GET", self.prefix + path, headers=self.headers)
+        r = self.conn.getresponse()
+        data = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"GET {path}: HTTP {r.status}: {data[:300]!r}")
+        return json.loads(data)
+
+    def stream(self, path: str, body: dict):
+        """POST with stream=true; yields each SSE `data:` object until [DONE]."""
+        self.conn.request("POST", self.prefix + path, body=json.dumps(body), headers=self.headers)
+        r = self.conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
+        try:
+            while True:
+                line = r.readline()
+                if not line:
+                    return
+                line = line.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                if line == b"data: [DONE]":
+                    return
+                yield json.loads(line[6:])
+        finally:
+            r.read()  # drain, so the connection can carry the next request
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def get_json(url: str, path: str, api_key: str | None = None, timeout: float = 60) -> dict:
+    s = Server(url, timeout, api_key)
+    try:
+        return s.get_json(path)
+    finally:
+        s.close()
+
+
+def describe(url: str, api_key: str | None = None) -> dict:
+    """What the server says about itself: mode, model, chain, slots (labels the bench rows)."""
+    st = get_json(url, "/v1/stats", api_key)
+    models = get_json(url, "/v1/models", api_key).get("data") or [{}]
+    return {"url": url.rstrip("/"), "mode": st.get("mode"), "model": models[0].get("id"), "chain": st.get("chain"),
+            "slots": st.get("slots"), "n_ctx": st.get("n_ctx")}
+
+
+def request_body(prompt: Prompt, max_tokens: int, extra: dict) -> tuple[str, dict]:
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True} | extra
+    if prompt.get("messages") is not None:
+        return "/v1/chat/completions", body | {"messages": prompt["messages"]}
+    return "/v1/completions", body | {"prompt": prompt["prompt"]}
+
+
+def one_request(server: Server, prompt: Prompt, max_tokens: int, extra: dict) -> dict:
+    path, body = request_body(prompt, max_tokens, extra)
     t0 = time.perf_counter()
     ttft = None
     usage = spec = None
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            if "error" in obj:
-                raise RuntimeError(obj["error"]["message"])
-            if ttft is None:
+    for obj in server.stream(path, body):
+        if "error" in obj:
+            raise RuntimeError(obj["error"].get("message"))
+        for ch in obj.get("choices") or ():
+            text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+            if text and ttft is None:
                 ttft = time.perf_counter() - t0
-            if obj.get("usage"):
-                usage, spec = obj["usage"], obj.get("speculative")
-    return {"seconds": time.perf_counter() - t0, "ttft": ttft, "tokens": (usage or {}).get("completion_tokens", 0),
-            "speculative": spec}
+        if obj.get("usage"):
+            usage, spec = obj["usage"], obj.get("speculative")
+    if usage is None:
+        raise RuntimeError("the stream ended without usage")
+    return {"seconds": time.perf_counter() - t0, "ttft": ttft, "tokens": usage["completion_tokens"],
+            "speculative": spec or {}}
 
 
-def run(url: str, prompts: list[str], concurrency: int, max_tokens: int = 128, extra: dict | None = None,
-        timeout: float = 600) -> dict:
-    """Stream every prompt (as a chat user message) with `concurrency` clients; aggregate figures."""
+def _percentile(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 3) if values else None
+
+
+def window_figures(before: dict, after: dict) -> dict:
+    """The run's own figures from two /v1/stats-shaped snapshots (counters are cumulative)."""
+    sb, sa = before["scheduler"], after["scheduler"]
+    rounds = sa["rounds"] - sb["rounds"]
+    per_round = max(1, rounds)
+    out: dict = {
+        "rounds": rounds,
+        "round_ms": round(1000 * (sa["round_seconds"] - sb["round_seconds"]) / per_round, 3),
+        "target_ms_per_round": round(1000 * (sa["target_seconds"] - sb["target_seconds"]) / per_round, 3),
+        "draft_ms_per_round": round(1000 * (sa["draft_seconds"] - sb["draft_seconds"]) / per_round, 3),
+    }
+    tb, ta = before.get("target") or {}, after.get("target") or {}
+    decodes = ta.get("step_decodes", 0) - tb.get("step_decodes", 0)
+    out["target_decodes"] = decodes
+    out["mean_seqs_per_decode"] = (round((ta["step_decode_seqs"] - tb["step_decode_seqs"]) / decodes, 3)
+                                   if decodes else None)
+    out["multi_seq_decodes"] = ta.get("multi_seq_decodes", 0) - tb.get("multi_seq_decodes", 0)
+    hb, ha = before.get("hop"), after.get("hop")
+    if ha is not None and hb is not None:
+        calls = ha["calls"] - hb["calls"]
+        total_ms = ha["mean_ms"] * ha["calls"] - hb["mean_ms"] * hb["calls"]
+        recent = ha.get("recent_ms") or []
+        window = recent[-calls:] if calls else []
+        out["hop"] = {
+            "calls": calls,  # one per round, plus a flush when the router goes idle with releases pending
+            "mean_ms": round(total_ms / calls, 3) if calls else None,
+            "per_round_ms": round(total_ms / rounds, 3) if rounds else None,
+            "p50_ms": _percentile(window, 50),
+            "p95_ms": _percentile(window, 95),
+            # the server keeps the last len(recent_ms) hops; a longer run has percentiles of its tail only
+            "percentiles_of_last": len(window),
+        }
+    return out
+
+
+def aggregate(results: list[dict], errors: list[str], wall: float, concurrency: int) -> dict:
+    """Client-side figures of one run (requests' tokens, latency, speculation)."""
+    tokens = sum(r["tokens"] for r in results)
+    ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
+    drafts = sum(r["speculative"].get("drafts", 0) for r in results)
+    drafted = sum(r["speculative"].get("drafted_tokens", 0) for r in results)
+    accepted = sum(r["speculative"].get("accepted_tokens", 0) for r in results)
+    return {
+        "streams": concurrency,
+        "requests": len(results),
+        "errors": errors[:10],
+        "n_errors": len(errors),
+        "completion_tokens": tokens,
+        "seconds": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 2) if wall > 0 else None,
+        "mean_latency_s": round(sum(r["seconds"] for r in results) / len(results), 3) if results else None,
+        "mean_ttft_ms": round(1000 * sum(ttfts) / len(ttfts), 1) if ttfts else None,
+        "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+    }
+
+
+def run(url: str, prompts: list[Prompt], concurrency: int, max_tokens: int = 128, extra: dict | None = None,
+        timeout: float = 600, api_key: str | None = None) -> dict:
+    """Stream every prompt with `concurrency` client threads; aggregate + server-window figures."""
     url = url.rstrip("/")
     work: queue.Queue = queue.Queue()
     for p in prompts:
@@ -55,73 +190,32 @@ def run(url: str, prompts: list[str], concurrency: int, max_tokens: int = 128, e
     lock = threading.Lock()
 
     def worker() -> None:
-        with httpx.Client(base_url=url, timeout=timeout) as c:
+        server = Server(url, timeout, api_key)
+        try:
             while True:
                 try:
                     p = work.get_nowait()
                 except queue.Empty:
                     return
                 try:
-                    res = _one(c, [{"role": "user", "content": p}], max_tokens, extra or {})
+                    res = one_request(server, p, max_tokens, extra or {})
                     with lock:
                         results.append(res)
                 except Exception as e:
+                    server.close()  # a broken stream leaves the connection unusable; reconnect lazily
                     with lock:
-                        errors.append(str(e))
+                        errors.append(f"{type(e).__name__}: {e}")
+        finally:
+            server.close()
 
-    with httpx.Client(base_url=url, timeout=60) as c:
-        before = c.get("/v1/stats").json()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    before = get_json(url, "/v1/stats", api_key)
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    with httpx.Client(base_url=url, timeout=60) as c:
-        after = c.get("/v1/stats").json()
-    tokens = sum(r["tokens"] for r in results)
-    rounds = after["scheduler"]["rounds"] - before["scheduler"]["rounds"]
-    out = {
-        "url": url, "mode": after.get("mode"), "concurrency": concurrency, "requests": len(results),
-        "errors": errors, "completion_tokens": tokens, "seconds": round(wall, 3),
-        "tokens_per_s": round(tokens / wall, 2) if wall else None,
-        "mean_ttft_s": round(sum(r["ttft"] or 0 for r in results) / max(1, len(results)), 3),
-        "rounds": rounds,
-        "round_ms": round(1000 * (after["scheduler"]["round_seconds"] - before["scheduler"]["round_seconds"])
-                          / max(1, rounds), 2),
-        "target_ms_per_round": round(1000 * (after["scheduler"]["target_seconds"]
-                                             - before["scheduler"]["target_seconds"]) / max(1, rounds), 2),
-        "multi_seq_decodes": after["target"]["multi_seq_decodes"] - before["target"]["multi_seq_decodes"],
-    }
-    if "hop" in after:
-        h0, h1 = before["hop"], after["hop"]
-        calls = h1["calls"] - h0["calls"]
-        total = h1["mean_ms"] * h1["calls"] - h0["mean_ms"] * h0["calls"]
-        out["hop_ms_per_round"] = round(total / calls, 3) if calls else None
-        out["hop_p50_ms_recent"] = round(h1["p50_ms_recent"], 3)
-    drafted = sum((r["speculative"] or {}).get("drafted_tokens", 0) for r in results)
-    accepted = sum((r["speculative"] or {}).get("accepted_tokens", 0) for r in results)
-    out["acceptance_rate"] = round(accepted / drafted, 3) if drafted else 0.0
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", required=True, help="server base URL (without /v1)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--prompts", default=None, help="JSONL (prompt/messages/turns), default: Spec-Bench questions")
-    ap.add_argument("--n", type=int, default=16, help="prompts per concurrency level")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    args = ap.parse_args(argv)
-    from .bench import default_prompts_path, load_prompts
-
-    bps = load_prompts(args.prompts or default_prompts_path(), None, 2)  # spread over categories
-    prompts = [bp.prompt or bp.messages[-1]["content"] for bp in bps][: args.n]
-    for c in args.concurrency:
-        print(json.dumps(run(args.url, prompts, c, args.max_tokens)), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    after = get_json(url, "/v1/stats", api_key)
+    return {"url": url, "mode": after.get("mode")} | aggregate(results, errors, wall, concurrency) | \
+        window_figures(before, after)

@@ -17,7 +17,7 @@ from specray.engine.cost import DecodeCostModel
 from specray.engine.request import GenerationRequest, Sequence
 from specray.engine.sampling import SamplingParams
 from specray.engine.scheduler import Scheduler
-from specray.engine.speculators.registry import make_speculator
+from specray.engine.speculators.registry import Factory, speculator_factory
 from specray.engine.target import TargetRunner
 from specray.native.context import Context
 from specray.native.model import Model
@@ -53,6 +53,22 @@ def open_target(config: EngineConfig, model: Model | None = None) -> tuple[Model
     return model, ctx
 
 
+def open_draft(config: EngineConfig, target: Model, target_ctx: Context):
+    """The draft model of the `draft` speculator (None if none is configured). Checks the vocabularies:
+    an incompatible pair raises VocabMismatchError unless config.draft.cross_vocab."""
+    if not config.draft.model:
+        return None
+    from specray.native.draft_backend import DraftModel
+
+    return DraftModel(config.draft, target, slots=config.slots, target_n_ctx=target_ctx.n_ctx,
+                      n_batch=config.n_batch, threads=config.threads, calibrate=config.calibrate)
+
+
+def local_speculator_factory(draft_model) -> Factory:
+    """Chain factory of the co-located engine: model speculators run in-process on `draft_model`."""
+    return speculator_factory({"draft": draft_model.speculator} if draft_model is not None else None)
+
+
 class LocalEngine:
     """Everything in-process. Thread-safe: one lock around each round."""
 
@@ -60,8 +76,13 @@ class LocalEngine:
         self.config = config
         self.model, self.ctx = open_target(config, model)
         self.runner = TargetRunner(self.ctx, record_margins=config.record_margins)
-        cost = DecodeCostModel(self.runner.measure_decode_costs() if config.calibrate else None)
-        self.chain = Chain(config.chain, make_speculator)
+        cost = DecodeCostModel()
+        if config.calibrate:
+            cost = DecodeCostModel(self.runner.measure_decode_costs(),
+                                   attn_seconds=self.runner.measure_attention_cost(), ref_cells=64)
+        self.draft_model = open_draft(config, self.model, self.ctx)
+        self.speculator_factory = local_speculator_factory(self.draft_model)
+        self.chain = Chain(config.chain, self.speculator_factory)
         self.scheduler = Scheduler(
             config, self.runner, self.model, self.chain, self.ctx.n_ctx_seq, cost,
             shared_cells=self.ctx.n_ctx if self.ctx.kv_unified else None,
@@ -119,9 +140,11 @@ class LocalEngine:
             if self.scheduler.has_work():
                 raise RuntimeError("cannot change the chain while requests are running")
             self.config = self.config.model_copy(update={"chain": chain})
-            self.chain = Chain(chain, make_speculator)
+            self.chain = Chain(chain, self.speculator_factory)
             self.scheduler.chain = self.chain
             self.scheduler.config = self.config
 
     def close(self) -> None:
+        if self.draft_model is not None:
+            self.draft_model.close()
         self.ctx.close()

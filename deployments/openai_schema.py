@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from specray.engine.config import parse_chain
 
@@ -60,9 +60,11 @@ class SpeculativeOptions(BaseModel):
         if self.chain is None:
             return None
         if isinstance(self.chain, str):
-            return parse_chain(self.chain)
-        names = [str(n).strip() for n in self.chain if str(n).strip()]
-        return [] if names == ["none"] else names
+            names = parse_chain(self.chain)
+        else:
+            names = [str(n).strip() for n in self.chain if str(n).strip()]
+            names = [] if names == ["none"] else names
+        return list(dict.fromkeys(names))  # a speculator named twice runs once
 
 
 class StreamOptions(BaseModel):
@@ -75,13 +77,15 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, description=f"default {DEFAULT_MAX_TOKENS}")
-    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
-    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    # allow_inf_nan=False: JSON's NaN / Infinity extensions are refused, never sampled with
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repeat_penalty: float = Field(1.0, gt=0.0, validation_alias=AliasChoices("repeat_penalty", "repetition_penalty"))
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repeat_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False,
+                                  validation_alias=AliasChoices("repeat_penalty", "repetition_penalty"))
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, description="any integer; taken modulo 2**64 (the sampler's seeds are unsigned)")
     n: int | None = 1
     user: str | None = None
     stream: bool | None = False
@@ -93,6 +97,11 @@ class _Common(BaseModel):
     frequency_penalty: float | None = 0.0
     logprobs: Any = None
     logit_bias: dict | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _unsigned_seed(cls, v: int | None) -> int | None:
+        return None if v is None else v % (1 << 64)
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):
@@ -153,7 +162,9 @@ class CompletionRequest(_Common):
             raise OpenAIError("suffix is not supported", param="suffix")
         d = self.engine_fields(self.max_tokens)
         p = self.prompt
-        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+        if isinstance(p, list) and not p:
+            raise OpenAIError("prompt is empty", param="prompt")
+        if isinstance(p, list) and all(isinstance(x, int) for x in p):
             d["prompt_tokens"] = list(p)
         elif isinstance(p, list):
             if len(p) != 1:

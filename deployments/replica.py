@@ -8,16 +8,22 @@ Request dicts come from the ingress (already validated, OpenAI fields mapped):
 
 `generate_stream` yields dict chunks:
 
-    {"type": "start", "id", "prompt_tokens"}      first, once the request is admitted
+    {"type": "start", "id", "prompt_tokens", "truncated_prompt_tokens"}
+                                                  first, once the request is admitted
     {"type": "delta", "text"}                     new text (merged per wake-up)
     {"type": "end", "finish_reason", "usage", "speculative"}
-    {"type": "error", "status", "message", "param"}   instead of start (bad request,
-                                                  429 queue full) or mid-stream (500)
+    {"type": "error", "status", "message", "param", "code"}
+                                                  instead of start (400 bad request, 429
+                                                  queue full, 503 target restarting) or
+                                                  mid-stream (503 target lost, 500 bug)
+
+A caller that goes away (the ingress cancels the stream when its HTTP client
+disconnects) cancels the sequence: its slot and KV cells free at the top of
+the next round.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from ray import serve
@@ -53,7 +59,8 @@ class EngineReplica:
             return
         done = False
         try:
-            yield {"type": "start", "id": seq.id, "prompt_tokens": len(req.prompt_tokens)}
+            yield {"type": "start", "id": seq.id, "prompt_tokens": len(req.prompt_tokens),
+                   "truncated_prompt_tokens": getattr(req, "truncated_prompt_tokens", 0)}
             while True:
                 text, term = await next_chunk(queue)
                 if text:
@@ -92,16 +99,18 @@ class EngineReplica:
         return {"model": self.cfg.model_id, "mode": self.cfg.mode, "n_ctx": self.core.n_ctx,
                 "n_ctx_seq": self.core.n_ctx_seq, "slots": self.cfg.engine.slots, "chain": self.cfg.engine.chain.label}
 
-    async def health(self) -> dict:
-        await self.check_health()
-        return {"status": "ok", "mode": self.cfg.mode}
+    def health(self) -> dict:
+        """For GET /health: status ok | degraded | recovering | failed, and each actor's state."""
+        return self.core.health()
 
-    async def check_health(self) -> None:
+    def check_health(self) -> None:
+        """Serve's probe: fail only when this replica cannot recover by itself (a dead round thread,
+        a target actor that could not be restarted); Serve then replaces the replica. A target
+        being restarted is not a failure here: the replica repairs that itself."""
         if not self.core.alive():
             raise RuntimeError("the round thread died")
-        if self.core.target_actor is not None:
-            await asyncio.wait_for(asyncio.gather(self.core.target_actor.ping.remote(),
-                                                  self.core.companion.ping.remote()), timeout=30)
+        if self.core.target_state() == "failed":
+            raise RuntimeError(f"the target actor could not be restarted: {self.core.target_sup.last_error}")
 
     def __del__(self) -> None:
         core = getattr(self, "core", None)

@@ -11,10 +11,12 @@ from specray.engine.config import parse_chain
 
 from .serve_config import ServeConfig, deep_merge, load_serve_config
 
-# argparse flag -> ServeConfig path
+# argparse flag -> ServeConfig path. The serve flags default to argparse.SUPPRESS: an attribute
+# exists only if the user gave the flag, so "given" never has to be guessed from the value.
 _FLAG_FIELDS = {
     "host": ("host",),
     "port": ("port",),
+    "api_key": ("api_key",),
     "mode": ("mode",),
     "slots": ("engine", "slots"),
     "model": ("engine", "model"),
@@ -22,36 +24,37 @@ _FLAG_FIELDS = {
     "threads": ("engine", "threads"),
     "n_ctx": ("engine", "n_ctx"),
     "exact": ("engine", "exact"),
+    "policy": ("engine", "chain", "policy"),
+    "n_max": ("engine", "chain", "n_max"),
+    "draft_model": ("engine", "draft", "model"),
+    "cross_vocab": ("engine", "draft", "cross_vocab"),
 }
 
 
-def _parser_defaults() -> dict:
-    from .cli import build_parser
-
-    return vars(build_parser().parse_args(["serve"]))
-
-
-def config_from_args(args) -> ServeConfig:
-    """--config FILE first, then every flag the user set (a flag left at its argparse default
-    does not override the file; without --config the defaults are ServeConfig's own)."""
-    defaults = _parser_defaults()
+def flag_overrides(args) -> dict:
+    """The ServeConfig fields the command line set explicitly, as a nested dict."""
     over: dict = {}
     for flag, path in _FLAG_FIELDS.items():
         if not hasattr(args, flag):
             continue
-        v = getattr(args, flag)
-        if v is None or (v == defaults.get(flag) and getattr(args, "config", None)):
-            continue
-        if flag == "exact" and not v:
-            continue
         node = over
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = v
-    if getattr(args, "spec", None) is not None:
+        node[path[-1]] = getattr(args, flag)
+    if hasattr(args, "spec"):
         over = deep_merge(over, {"engine": {"chain": {"speculators": parse_chain(args.spec)}}})
+    return over
+
+
+def config_from_args(args, environ: dict | None = None) -> ServeConfig:
+    """ServeConfig's defaults, then --config FILE, then every flag given (nested keys merged).
+    $SPECRAY_API_KEY is the API key when neither the file nor --api-key sets one."""
     base = {"config_file": args.config} if getattr(args, "config", None) else {}
-    return load_serve_config(deep_merge(base, over))
+    cfg = load_serve_config(deep_merge(base, flag_overrides(args)))
+    env_key = (os.environ if environ is None else environ).get("SPECRAY_API_KEY")
+    if env_key and cfg.api_key is None and not hasattr(args, "api_key"):
+        cfg = cfg.model_copy(update={"api_key": env_key})
+    return cfg
 
 
 def url_of(cfg: ServeConfig) -> str:
@@ -65,6 +68,8 @@ def main_serve(args) -> int:
     from specray.native.models import resolve_model
 
     resolve_model(cfg.engine.model)  # fail fast (exit 2) on a bad model before starting Ray
+    if cfg.engine.draft.model:
+        resolve_model(cfg.engine.draft.model)
 
     import ray
     from ray import serve
@@ -82,7 +87,8 @@ def main_serve(args) -> int:
     url = url_of(cfg)
     print(f"specray: serving {cfg.model_id} ({cfg.mode}, chain {cfg.engine.chain.label}, "
           f"{cfg.engine.slots} slots) at {url}/v1  [ready in {time.perf_counter() - t0:.1f}s]", flush=True)
-    print(f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+    auth = " -H 'Authorization: Bearer <api key>'" if cfg.api_key else ""
+    print(f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
           "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'", flush=True)
     print("  Ctrl-C to stop.", flush=True)
 

@@ -75,6 +75,31 @@ class ServeConfig(BaseModel):
         "or oversubscribed CPU box spinning threads slow decoding several-fold; {} keeps the process defaults",
     )
 
+    # ---- reliability: limits, auth, actor supervision ----------------------------------------------
+    api_key: str | None = Field(
+        None, repr=False, description="if set, every endpoint except /health needs `Authorization: Bearer <key>` "
+        "(401 otherwise, before any model work); `specray serve --api-key` / $SPECRAY_API_KEY set it")
+    max_body_bytes: int = Field(2 << 20, ge=1024, description="request bodies larger than this get 413")
+    prompt_overflow: Literal["error", "truncate"] = Field(
+        "error", description="a prompt that does not fit the context with max_tokens: error = 400; truncate = drop "
+        "its oldest tokens to fit (the response's usage.truncated_prompt_tokens and the "
+        "X-Specray-Prompt-Truncated header say how many)")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) of 429 / 503 answers")
+    max_queued_requests: int = Field(
+        64, ge=-1, description="requests waiting in Serve for an engine replica beyond max_ongoing_requests before "
+        "new ones get 503 (-1 = unbounded, Serve's default); the replica's own queue is engine.max_queue (429)")
+    target_step_timeout_s: float = Field(
+        120.0, gt=0, description="distributed: a round call to the target actor that takes longer counts as a hung "
+        "actor (it is killed and recreated, its requests get 503)")
+    actor_start_timeout_s: float = Field(300.0, gt=0, description="time a (re)started actor has to load its model")
+    actor_ping_timeout_s: float = Field(10.0, gt=0, description="watchdog: a ping slower than this marks the actor down")
+    watchdog_interval_s: float = Field(1.0, ge=0, description="watchdog ping period of the actors (0 = off)")
+    actor_restart_attempts: int = Field(
+        8, ge=1, description="restart attempts in a row (exponential backoff from 0.5 s) before an actor counts as "
+        "failed and the replica reports itself unhealthy (Serve then replaces it)")
+    companion_call_timeout_s: float = Field(
+        10.0, gt=0, description="a companion call slower than this gives no drafts and restarts the companion")
+
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
         if not self.route_prefix.startswith("/"):

@@ -92,12 +92,19 @@ class TargetService:
 
     def counters(self) -> dict:
         r = self.runner
+        with self._lock:  # between rounds: the KV cache is consistent
+            kv = [self.ctx.seq_pos_max(i) + 1 for i in range(self.ctx.n_seq_max)]
         return {
             "rounds": r.rounds,
             "multi_seq_decodes": r.multi_seq_decodes,
             "max_seqs_in_decode": r.max_seqs_in_decode,
+            "step_decodes": r.step_decodes,
+            "step_decode_seqs": r.step_decode_seqs,
             "decodes": self.ctx.n_decodes,
             "calls": self.calls,
+            "sessions": len(r.sessions),
+            # KV cells per slot (0 = empty): a finished or cancelled sequence leaves none
+            "kv_cells": kv,
         }
 
 
@@ -129,17 +136,34 @@ class HopStats:
             "mean_ms": 1000 * self.total_seconds / self.calls if self.calls else 0.0,
             "p50_ms_recent": 1000 * rec[len(rec) // 2] if rec else 0.0,
             "min_ms": 1000 * self.min_seconds if self.calls else 0.0,
+            # oldest first: a client diffing `calls` takes the last n for its own window's percentiles
+            "recent_ms": [round(1000 * s, 4) for s in self.recent],
         }
 
 
 class RemoteTarget:
-    """TargetRunner's interface over the target actor: one actor call per round."""
+    """TargetRunner's interface over the target actor: one actor call per round.
 
-    def __init__(self, actor) -> None:
+    `epoch` is the generation of the actor (ActorSupervisor) it talks to."""
+
+    def __init__(self, actor, epoch: int = 1, timeout_s: float | None = None) -> None:
         self.actor = actor
+        self.epoch = epoch
+        self.timeout_s = timeout_s  # a step that takes longer counts as a hung actor (GetTimeoutError)
         self._starts: list[tuple[int, SamplingParams, np.ndarray]] = []
         self._releases: list[int] = []
         self.hop = HopStats()
+
+    def reset(self, actor, epoch: int) -> None:
+        """Talk to a new actor from now on; what was buffered for the old one is dropped
+        (the new actor's KV cache is empty)."""
+        self.actor = actor
+        self.epoch = epoch
+        self._starts = []
+        self._releases = []
+
+    def pending(self) -> bool:
+        return bool(self._releases or self._starts)
 
     def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray) -> None:
         self._starts.append((seq_id, params, np.asarray(prompt, dtype=np.int32)))
@@ -154,7 +178,7 @@ class RemoteTarget:
         starts, self._starts = self._starts, []
         releases, self._releases = self._releases, []
         t0 = time.perf_counter()
-        out, inside = ray.get(self.actor.step.remote(items, starts, releases))
+        out, inside = ray.get(self.actor.step.remote(items, starts, releases), timeout=self.timeout_s)
         self.hop.add(max(0.0, time.perf_counter() - t0 - inside))
         return out
 

@@ -60,6 +60,24 @@ def parse_chain(text: str) -> list[str]:
     return names
 
 
+class DraftModelConfig(BaseModel):
+    """The draft model of the `draft` speculator (loaded only when `model` is set)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="packaged alias or .gguf path of the draft model; None: no `draft`")
+    cross_vocab: bool = Field(
+        False,
+        description="allow a draft model whose vocabulary is not compatible with the target's (llama.cpp's rules): "
+        "drafts then go through text; without it such a pair is refused with the rule it breaks",
+    )
+    n_ctx: int | None = Field(
+        None, ge=64, description="draft context cells shared by all slots (None: the target's n_ctx, x1.5 in "
+        "cross-vocab mode, + 16 per slot)"
+    )
+    threads: int | None = Field(None, ge=1, description="CPU threads of the draft context (None: the engine's)")
+
+
 class EngineConfig(BaseModel):
     """Everything the in-process engine (target context + round scheduler) needs."""
 
@@ -88,5 +106,9 @@ class EngineConfig(BaseModel):
     prefill_chunk: int = Field(256, ge=16, description="prompt tokens prefilled per round per sequence")
     max_queue: int = Field(256, ge=0, description="requests waiting for a slot before new ones are refused")
     chain: ChainConfig = Field(default_factory=ChainConfig, description="the speculator chain")
+    draft: DraftModelConfig = Field(
+        default_factory=DraftModelConfig, description="draft model for the `draft` speculator (in-process when "
+        "co-located, in the companion actor when distributed)"
+    )
     calibrate: bool = Field(True, description="measure verify cost by batch size at start (cost policy)")
     record_margins: bool = Field(False, description="record top-2 logit margins of emitted tokens (bench)")

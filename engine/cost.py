@@ -2,15 +2,25 @@
 
 On a CPU a verify batch of k tokens costs far more than one token (SmolLM2:
 prompt processing is only ~2.4x faster per token than decoding), so the chain
-must know the price of every draft token it sends. The model starts from a
-calibration (decode batches of several sizes at start-up) and follows the
-rounds it actually runs (an exponential average per batch size).
+must know the price of every draft token it sends. Two parts:
+
+- a table by batch size, measured at start-up after a short prefix and
+  followed by the rounds actually run (an exponential average per size);
+- attention: every token of a batch attends every KV cell of its stream, so a
+  token costs more the longer the context. With one KV stream shared by all
+  slots (llama.cpp's unified cache) a token attends the cells of *every*
+  slot: with 4 busy slots of 600 tokens, a draft token costs ~2x the
+  calibration's price. The model adds `attn_seconds` per (token x cell)
+  beyond the calibration's prefix, measured at start-up and learnt online.
 
 >>> m = DecodeCostModel({1: 0.010, 2: 0.012, 4: 0.016, 8: 0.024})
 >>> round(m.cost(3), 4)   # linear between measured sizes
 0.014
 >>> round(m.cost(16), 4)  # beyond the table: extrapolate the last slope
 0.04
+>>> m = DecodeCostModel({1: 0.010, 8: 0.024}, attn_seconds=1e-6, ref_cells=64)
+>>> round(m.cost(8, cells=1064), 4)   # 8 tokens x 1000 extra cells x 1 us
+0.032
 """
 
 from __future__ import annotations
@@ -20,19 +30,31 @@ import threading
 
 
 class DecodeCostModel:
-    def __init__(self, seconds_by_n: dict[int, float] | None = None, ema: float = 0.05) -> None:
+    def __init__(self, seconds_by_n: dict[int, float] | None = None, ema: float = 0.05,
+                 attn_seconds: float = 0.0, ref_cells: int = 64) -> None:
         # a plausible CPU shape until calibrated: 10 ms + 2.5 ms per extra token
         table = seconds_by_n or {1: 0.010, 2: 0.0125, 4: 0.0175, 8: 0.0275, 16: 0.0475, 32: 0.0875}
         self._ns = sorted(table)
         self._secs = [float(table[n]) for n in self._ns]
         self._ema = ema
+        self.attn_seconds = max(0.0, float(attn_seconds))  # per token per KV cell beyond ref_cells
+        self.ref_cells = ref_cells  # cells the table's measurements attended
         self._lock = threading.Lock()
 
     def table(self) -> dict[int, float]:
         return dict(zip(self._ns, self._secs))
 
-    def cost(self, n: int) -> float:
-        """Seconds for one target decode holding n tokens (n >= 1)."""
+    def cost(self, n: int, cells: float | None = None) -> float:
+        """Seconds for one target decode holding n tokens (n >= 1) that attend `cells` KV cells each
+        on average (None: as many as at calibration)."""
+        return self._table_cost(n) + self._attn(n, cells)
+
+    def _attn(self, n: int, cells: float | None) -> float:
+        if cells is None or n <= 0:
+            return 0.0
+        return self.attn_seconds * n * max(0.0, cells - self.ref_cells)
+
+    def _table_cost(self, n: int) -> float:
         ns, secs = self._ns, self._secs
         if n <= ns[0]:
             return secs[0] * n / ns[0] if n > 0 else 0.0
@@ -47,11 +69,20 @@ class DecodeCostModel:
         n0, n1, s0, s1 = ns[i - 1], ns[i], secs[i - 1], secs[i]
         return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
 
-    def observe(self, n: int, seconds: float) -> None:
-        """Fold one measured decode into the table (nearest calibrated size)."""
+    def observe(self, n: int, seconds: float, cells: float | None = None) -> None:
+        """Fold one measured decode into the model: the attention coefficient learns from decodes with a
+        long context, the table from the rest of the time."""
         if n <= 0 or seconds <= 0:
             return
         with self._lock:
+            extra = n * (cells - self.ref_cells) if cells is not None else 0.0
+            base = self._table_cost(n)
+            if extra > 256 * max(1, n) and seconds > base:
+                # what this decode says the coefficient is; a slower average than the table's, since the
+                # table is re-fitted from the same observation below
+                implied = (seconds - base) / extra
+                self.attn_seconds += self._ema * 0.5 * (implied - self.attn_seconds)
+            seconds = max(seconds - self._attn(n, cells), 0.25 * seconds)
             i = bisect.bisect_left(self._ns, n)
             if i < len(self._ns) and self._ns[i] == n:
                 self._secs[i] += self._ema * (seconds - self._secs[i])

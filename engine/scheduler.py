@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .chain import Chain, Proposal, SeqDraftRequest
+from .chain import Chain, Pricing, Proposal, SeqDraftRequest
 from .config import EngineConfig
 from .cost import DecodeCostModel
 from .planner import plan_draft_lengths
@@ -62,6 +62,13 @@ class RoundStats:
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
     round_seconds: float = 0.0
+    # the share of round time spent on prompt rows (by the cost model's price of those rows), so
+    # generation speed can be reported without prompt processing, as llama.cpp's timings do
+    prefill_seconds: float = 0.0
+    # rounds in which every slot was generating and none was prefilling: throughput under full load,
+    # free of the tail where the last sequences of a batch run alone
+    loaded_seconds: float = 0.0
+    loaded_tokens: int = 0
     tokens_emitted: int = 0
     speculator_failures: int = 0
 
@@ -202,7 +209,9 @@ class Scheduler:
             room -= n
         n_prefill = sum(n for _, n in chunks)
 
-        proposals = self._draft(decoding, budget - len(decoding) - n_prefill, len(decoding) + n_prefill)
+        cells = self._attended_cells(decoding, prefilling)
+        price = lambda n: self.cost.cost(n, cells)  # noqa: E731
+        proposals = self._draft(decoding, budget - len(decoding) - n_prefill, len(decoding) + n_prefill, price)
 
         items: list[StepItem] = []
         for s, prop in zip(decoding, proposals):
@@ -219,27 +228,38 @@ class Scheduler:
         self.stats.target_seconds += out.decode_seconds
         for size in out.batch_sizes:
             # one observation per decode; split rounds attribute time evenly
-            self.cost.observe(size, out.decode_seconds / max(1, len(out.batch_sizes)))
+            self.cost.observe(size, out.decode_seconds / max(1, len(out.batch_sizes)), cells)
 
         events: list[Event] = []
-        for s, prop, res in zip(decoding, proposals, out.results[: len(decoding)]):
+        for s, prop, res, it in zip(decoding, proposals, out.results[: len(decoding)], items):
             n_drafted = len(prop.tokens)
             try:
                 self.chain.accept(prop, n_drafted, res.n_accepted)
             except Exception:
                 log.exception("speculator accept failed")
+            self._mirror(s, it.tokens[: 1 + res.n_accepted], it.pos0)
             s.count_spec(prop.speculator, n_drafted, res.n_accepted)
             s.n_past += 1 + res.n_accepted
             s.rounds += 1
             events.append(self._emit(s, res.tokens, res.margins))
         for (s, n), res in zip(chunks, out.results[len(decoding) :]):
+            self._mirror(s, s.req.prompt_tokens[s.n_prefilled : s.n_prefilled + n], s.n_prefilled)
             s.n_prefilled += n
             s.n_past += n
             if len(res.tokens):
                 s.state = SeqState.DECODING
                 events.append(self._emit(s, res.tokens, res.margins))
         self.stats.rounds += 1
-        self.stats.round_seconds += time.perf_counter() - t_round
+        round_seconds = time.perf_counter() - t_round
+        self.stats.round_seconds += round_seconds
+        if not n_prefill and not prefilling and len(decoding) == self.config.slots:
+            self.stats.loaded_seconds += round_seconds
+            self.stats.loaded_tokens += sum(len(e.tokens) for e in events)
+        if n_prefill:
+            n_total = sum(len(it.tokens) for it in items)
+            full = price(n_total)
+            share = 1.0 if n_total == n_prefill or full <= 0 else (full - price(n_total - n_prefill)) / full
+            self.stats.prefill_seconds += round_seconds * share
         if self.on_event:
             for e in events:
                 self.on_event(e)
@@ -248,17 +268,40 @@ class Scheduler:
     def target_budget(self) -> int:
         return self.config.n_batch
 
-    def _draft(self, decoding: list[Sequence], room: int, base_tokens: int) -> list[Proposal]:
+    def _mirror(self, s: Sequence, tokens: np.ndarray, pos: int) -> None:
+        """Tell the sequence's speculators what the target committed (model speculators mirror it into
+        their own KV cache and drop the rejected draft tail; model-free ones ignore it)."""
+        if not s.chain:
+            return
+        try:
+            self.chain.process(s.slot, s.chain, tokens, pos)
+        except Exception:
+            log.exception("speculator process failed")
+
+    def _attended_cells(self, decoding: list[Sequence], prefilling: list[Sequence]) -> float:
+        """KV cells a token of this round attends, on average: with one shared KV stream every slot's
+        cells (masked, but computed), with a stream per slot its own sequence's."""
+        if self.shared_cells is not None:
+            return float(sum(s.n_past for s in self.active.values()))
+        seqs = decoding or prefilling
+        return float(np.mean([s.n_past for s in seqs])) if seqs else 0.0
+
+    def _draft(self, decoding: list[Sequence], room: int, base_tokens: int,
+               price: Callable[[int], float] | None = None) -> list[Proposal]:
+        price = price or self.cost.cost
         reqs = []
         for s in decoding:
             chain = tuple(n for n in s.chain if n not in self.disabled_speculators)
             n_max = max(0, min(s.n_max, s.tokens_left - 1, self.n_ctx - s.n_past - 2))
-            reqs.append(SeqDraftRequest(s.slot, chain, s.history_view(), n_max))
+            reqs.append(SeqDraftRequest(s.slot, chain, s.history_view(), n_max, s.tokens_left))
         if not any(r.chain and r.n_max > 0 for r in reqs) or room <= 0:
             return [Proposal(r.seq_id, None) for r in reqs]
         t0 = time.perf_counter()
         try:
-            props = self.chain.propose(reqs)
+            # model drafts are priced before they are made (cost policy): never slower than no draft
+            pricing = Pricing(price, base_tokens, len(decoding), self.config.chain.explore,
+                              self._explore_rng)
+            props = self.chain.propose(reqs, pricing=pricing)
         except Exception as e:  # degrade to plain decoding, disable the culprit
             self.stats.speculator_failures += 1
             log.exception("speculator draft failed; continuing without drafts this round")
@@ -269,7 +312,7 @@ class Scheduler:
         self.stats.draft_seconds += time.perf_counter() - t0
         if self.config.chain.policy == "cost":
             lengths = plan_draft_lengths(
-                [p.prefix_probs for p in props], base_tokens, self.cost.cost, n_decoding=len(decoding)
+                [p.prefix_probs for p in props], base_tokens, price, n_decoding=len(decoding)
             )
             explore = self.config.chain.explore
             for p, k in zip(props, lengths):

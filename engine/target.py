@@ -95,6 +95,8 @@ class TargetRunner:
         self.rounds = 0
         self.multi_seq_decodes = 0  # decodes that held rows of >= 2 sequences
         self.max_seqs_in_decode = 0
+        self.step_decodes = 0  # decodes run by step() (calibration excluded)
+        self.step_decode_seqs = 0  # sequences summed over those decodes: / step_decodes = mean batch width
 
     def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray) -> None:
         """Register a sequence (its slot's KV cache must be empty)."""
@@ -125,6 +127,8 @@ class TargetRunner:
             t_decode += time.perf_counter() - t0
             sizes.append(batch.n_tokens)
             seqs.append(len(group))
+            self.step_decodes += 1
+            self.step_decode_seqs += len(group)
             if len(group) > 1:
                 self.multi_seq_decodes += 1
             self.max_seqs_in_decode = max(self.max_seqs_in_decode, len(group))
@@ -188,6 +192,41 @@ class TargetRunner:
             out[n] = float(np.median(times[1:]))
         self.ctx.clear_seq(seq_id)
         return out
+
+    def measure_attention_cost(self, short: int = 64, long: int = 512, sizes: tuple[int, ...] = (1, 4, 16),
+                               reps: int = 3, seq_id: int = 0) -> float:
+        """Seconds per (token x KV cell): what a longer context adds to a decode of n tokens.
+
+        Uses seq_id's slot, which must be idle; it is cleared afterwards.
+        """
+        long = min(long, self.ctx.n_ctx_seq - max(sizes) - 1)
+        if long <= short:
+            return 0.0
+        ids = (np.arange(long + max(sizes), dtype=np.int32) * 7 + 100) % 1000 + 10
+        batch = self.ctx.batch
+        slopes = []
+        for n in sizes:
+            if n > self.ctx.n_batch:
+                continue
+            t = {}
+            for prefix in (short, long):
+                self.ctx.clear_seq(seq_id)
+                for c0 in range(0, prefix, self.ctx.n_batch):
+                    batch.clear()
+                    batch.add_seq(seq_id, ids[c0 : min(prefix, c0 + self.ctx.n_batch)], c0, 1)
+                    self.ctx.decode(batch)
+                times = []
+                for _ in range(reps + 1):
+                    batch.clear()
+                    batch.add_seq(seq_id, ids[prefix : prefix + n], prefix, n)
+                    t0 = time.perf_counter()
+                    self.ctx.decode(batch)
+                    times.append(time.perf_counter() - t0)
+                    self.ctx.seq_rm(seq_id, prefix, -1)
+                t[prefix] = float(np.median(times[1:]))
+            slopes.append(max(0.0, t[long] - t[short]) / (n * (long - short)))
+        self.ctx.clear_seq(seq_id)
+        return float(np.median(slopes)) if slopes else 0.0
 
     def _pack(self, items: list[StepItem]) -> list[list[StepItem]]:
         """Split items into decodes of at most n_batch tokens, keeping each item whole."""

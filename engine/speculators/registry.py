@@ -1,4 +1,10 @@
-"""Model-free speculators by name (llama.cpp `--spec-type` names with underscores).
+"""Speculators by name (llama.cpp `--spec-type` names with underscores).
+
+Model-free speculators are built from their parameters alone. Model
+speculators (`draft`) also need a model: whoever owns it (the co-located
+engine, the companion actor, the router's proxy to it) passes a builder to
+`speculator_factory`, which gives the `(name, params) -> Speculator` factory
+a `Chain` takes.
 
 >>> spec = make_speculator("ngram_simple", {"size_n": 4})
 >>> spec.name, spec.params.size_n
@@ -6,16 +12,23 @@
 >>> make_speculator("nope")
 Traceback (most recent call last):
 ...
-ValueError: unknown speculator 'nope'; known: ngram_cache, ngram_map_k, ngram_map_k4v, ngram_mod, ngram_simple, suffix
+ValueError: unknown speculator 'nope'; known: draft, ngram_cache, ngram_map_k, ngram_map_k4v, ngram_mod, ngram_simple, suffix
+>>> make_speculator("draft")
+Traceback (most recent call last):
+...
+ValueError: speculator 'draft' needs a draft model: start with --draft-model PATH_OR_ALIAS (engine.draft.model)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from specray.engine.speculator import Speculator
+
+from .draft_base import DraftParams
 
 from .ngram_cache import NgramCacheParams, NgramCacheSpeculator
 from .ngram_map_k import NgramMapKParams, NgramMapKSpeculator
@@ -33,12 +46,25 @@ SPECULATOR_TYPES: dict[str, tuple[type[BaseModel], type[Speculator]]] = {
     SuffixSpeculator.name: (SuffixParams, SuffixSpeculator),
 }
 
+#: speculators that need a model, by name -> their parameters (built through `speculator_factory`)
+MODEL_SPECULATOR_PARAMS: dict[str, type[BaseModel]] = {"draft": DraftParams}
+
+#: what a model speculator needs that its parameters do not say
+MODEL_NEEDS = {"draft": "a draft model: start with --draft-model PATH_OR_ALIAS (engine.draft.model)"}
+
+Builder = Callable[[BaseModel], Speculator]
+Factory = Callable[[str, "dict[str, Any] | BaseModel | None"], Speculator]
+
 
 def make_params(name: str, params: dict[str, Any] | BaseModel | None = None) -> BaseModel:
     """Validate `params` for speculator `name`; ValueError names the speculator and the bad fields."""
-    if name not in SPECULATOR_TYPES:
-        raise ValueError(f"unknown speculator {name!r}; known: {', '.join(sorted(SPECULATOR_TYPES))}")
-    params_cls, _ = SPECULATOR_TYPES[name]
+    if name in MODEL_SPECULATOR_PARAMS:
+        params_cls = MODEL_SPECULATOR_PARAMS[name]
+    elif name in SPECULATOR_TYPES:
+        params_cls, _ = SPECULATOR_TYPES[name]
+    else:
+        known = sorted([*SPECULATOR_TYPES, *MODEL_SPECULATOR_PARAMS])
+        raise ValueError(f"unknown speculator {name!r}; known: {', '.join(known)}")
     if isinstance(params, params_cls):
         return params
     if isinstance(params, BaseModel):
@@ -53,6 +79,21 @@ def make_params(name: str, params: dict[str, Any] | BaseModel | None = None) -> 
 
 
 def make_speculator(name: str, params: dict[str, Any] | BaseModel | None = None) -> Speculator:
-    """A new speculator of type `name` with validated `params` (defaults if None)."""
+    """A new model-free speculator of type `name` with validated `params` (defaults if None)."""
     p = make_params(name, params)
+    if name in MODEL_SPECULATOR_PARAMS:
+        raise ValueError(f"speculator {name!r} needs {MODEL_NEEDS[name]}")
     return SPECULATOR_TYPES[name][1](p)
+
+
+def speculator_factory(builders: Mapping[str, Builder] | None = None) -> Factory:
+    """A `Chain` factory: model-free speculators as make_speculator, model speculators from `builders`
+    (name -> callable taking the validated parameters), e.g. {"draft": draft_model.speculator}."""
+    builders = dict(builders or {})
+
+    def factory(name: str, params: dict[str, Any] | BaseModel | None = None) -> Speculator:
+        if name in builders:
+            return builders[name](make_params(name, params))
+        return make_speculator(name, params)
+
+    return factory

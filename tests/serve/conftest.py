@@ -119,3 +119,39 @@ def server(request, ray_serve):
         yield mode, f"{ray_serve}/{mode}"
     finally:
         serve.delete(f"specray-{mode}")
+
+
+# ---- reliability apps (tests/serve/test_reliability*.py, test_load.py, test_fuzz.py) -----------------------
+API_KEY = "sk-specray-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+#: same engine as ENGINE (so `reference` outputs apply), with a queue limit the overload test can reach
+REL_ENGINE = ENGINE | {"max_queue": 24}
+REL_MAX_BODY = 64 * 1024
+
+
+def deploy(ray_serve: str, name: str, args: dict) -> str:
+    """Deploy build_app(args) as app `name` at route /name; returns its base URL."""
+    from ray import serve
+
+    from specray.deployments.app import build_app
+
+    args = {"replica_cpus": 0.2, "target_cpus": 0.4, "companion_cpus": 0.1, "ingress_cpus": 0.1,
+            "app_name": name, "route_prefix": f"/{name}"} | args
+    t0 = time.perf_counter()
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    print(f"\n{name}: deployed in {time.perf_counter() - t0:.1f}s")
+    return f"{ray_serve}/{name}"
+
+
+@pytest.fixture(scope="session")
+def rel_server(ray_serve):
+    """Colocated app with an API key, a 64 KiB body limit and slots + queue = 4 + 24, shared by the
+    reliability, fuzz and load tests; yields its base URL (send AUTH with every request)."""
+    from ray import serve
+
+    base = deploy(ray_serve, "rel", {"mode": "colocated", "engine": REL_ENGINE, "api_key": API_KEY,
+                                     "max_body_bytes": REL_MAX_BODY, "retry_after_s": 2})
+    try:
+        yield base
+    finally:
+        serve.delete("rel")

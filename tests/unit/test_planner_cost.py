@@ -62,6 +62,19 @@ def test_cost_model_interpolates_extrapolates_and_learns():
     assert all(a <= b for a, b in zip(list(table.values()), list(table.values())[1:]))
 
 
+def test_acceptance_profile_is_not_geometric_for_copy_spans():
+    t = AcceptanceTracker()
+    for _ in range(50):  # a copy either misses at once or runs the whole 8 tokens
+        t.update(0, 8, 0)
+        t.update(0, 8, 8)
+    pp = t.prefix_probs(7, 8)
+    assert pp[0] == pytest.approx(0.5, abs=0.05)
+    assert pp[7] / pp[0] > 0.9  # a geometric model would give 0.5**7
+    for _ in range(50):  # a sequence whose drafts now fail: shorter expectations everywhere
+        t.update(3, 8, 0)
+    assert np.all(t.prefix_probs(3, 8) < pp)
+
+
 def test_acceptance_tracker_learns_per_sequence_and_globally():
     t = AcceptanceTracker(prior=0.5)
     for _ in range(20):
@@ -69,6 +82,31 @@ def test_acceptance_tracker_learns_per_sequence_and_globally():
         t.update(1, 4, 0)  # seq 1: first token always rejected
     assert t.rate(0) > 0.8 > 0.3 > t.rate(1)
     pp = t.prefix_probs(0, 5)
-    assert np.all(np.diff(pp) < 0) and pp[0] == pytest.approx(t.rate(0))
+    assert np.all(np.diff(pp) < 0) and pp[0] > 0.8
+    assert t.prefix_probs(1, 1)[0] < 0.3  # the per-sequence shift also lowers position 0
     t.end(0)
     assert t.rate(0) == pytest.approx(t.rate(99))  # forgotten: back to the global rate
+
+
+def test_cost_model_learns_what_a_long_context_adds():
+    true_attn = 2e-6  # seconds per token x cell beyond the calibration's 64 cells
+    m = DecodeCostModel({1: 0.010, 8: 0.024}, ref_cells=64)
+    assert m.cost(8, cells=2064) == pytest.approx(0.024)  # nothing learnt yet
+    true_table = {1: 0.010, 8: 0.024}
+    for _ in range(400):  # rounds at short and long contexts, as a server sees them
+        for n in (1, 8):
+            for cells in (64, 2064):
+                m.observe(n, true_table[n] + true_attn * n * (cells - 64), cells=cells)
+    assert m.attn_seconds == pytest.approx(true_attn, rel=0.1)
+    # short-context decodes keep the table as it was
+    assert m.cost(8, cells=64) == pytest.approx(0.024, rel=0.05)
+    # so a draft token is priced at what it costs in a long shared context
+    assert m.cost(8, cells=2064) - m.cost(4, cells=2064) > 2 * (m.cost(8) - m.cost(4))
+
+
+def test_planner_shrinks_drafts_when_the_context_is_long():
+    m = DecodeCostModel({1: 0.020, 4: 0.030, 8: 0.045, 16: 0.080}, attn_seconds=3e-6, ref_cells=64)
+    probs = [np.full(8, 0.7) ** np.arange(1, 9)] * 4  # 4 busy slots, same modest drafts
+    short = plan_draft_lengths(probs, 4, lambda n: m.cost(n, 300), n_decoding=4)
+    long = plan_draft_lengths(probs, 4, lambda n: m.cost(n, 4000), n_decoding=4)
+    assert sum(long) < sum(short)

@@ -1,0 +1,282 @@
+"""`specray bench --url ... | --http`: servers over HTTP against the in-process engine, in one run.
+
+Targets: servers already running (`--url`, labelled by the mode their
+/v1/stats reports), or, with `--http`, a local Ray + Serve started here with
+one app per mode (`/bench-colocated`, `/bench-distributed`, same engine
+config). The in-process LocalEngine (same model, chain, slots) runs the same
+prompts too. Per stream count, every target runs in turn (targets interleaved,
+so machine drift hits them alike), after one unmeasured warm-up request each.
+A row: aggregate tokens/s, its ratio to co-located and to in-process at the
+same stream count, the actor hop per round (p50/p95 ms, distributed), rounds
+and mean sequences per target decode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from collections import OrderedDict
+
+from specray.engine.config import ChainConfig, EngineConfig, parse_chain
+
+from . import http_bench
+from .bench import default_prompts_path, load_prompts
+
+DEFAULT_STREAMS = [1, 8]
+DEFAULT_NUM_PROMPTS = 16
+SERVE_MODES = ("colocated", "distributed")
+#: issue 3's bar: the actor hop may cost distributed mode at most 15% at 8 streams
+TARGET_RATIO = 0.85
+WARMUP_TOKENS = 8
+
+
+def select_prompts(path: str, categories: list[str] | None, per_category: int | None, n: int) -> list[dict]:
+    """n prompts, taken round-robin over the categories (Spec-Bench is sorted by category)."""
+    by_cat: OrderedDict[str, list] = OrderedDict()
+    for bp in load_prompts(path, categories, per_category):
+        by_cat.setdefault(bp.category, []).append(bp)
+    out: list[dict] = []
+    while len(out) < n and any(by_cat.values()):
+        for items in by_cat.values():
+            if items and len(out) < n:
+                bp = items.pop(0)
+                out.append({"messages": bp.messages} if bp.messages is not None else {"prompt": bp.prompt})
+    return out
+
+
+def serve_configs(engine: EngineConfig, modes: list[str]):
+    """One ServeConfig per mode: same engine, own app name and route prefix (one Serve instance)."""
+    from .serve_config import ServeConfig
+
+    return [ServeConfig(engine=engine, mode=m, app_name=f"specray-bench-{m}", route_prefix=f"/bench-{m}")
+            for m in modes]
+
+
+@contextlib.contextmanager
+def deployed(base_url: str, cfgs: list, progress=print):
+    """Deploy each config as its own app on the running Serve instance; yields {mode: url}; deletes them."""
+    from ray import serve
+
+    from .app import build_app_from_config
+
+    urls: dict[str, str] = {}
+    try:
+        for cfg in cfgs:
+            t0 = time.perf_counter()
+            serve.run(build_app_from_config(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
+            urls[cfg.mode] = base_url.rstrip("/") + cfg.route_prefix
+            progress(f"deployed {cfg.mode} at {urls[cfg.mode]} in {time.perf_counter() - t0:.1f}s")
+        yield urls
+    finally:
+        for cfg in cfgs:
+            with contextlib.suppress(Exception):
+                serve.delete(cfg.app_name)
+
+
+def _labels(infos: list[dict]) -> list[str]:
+    modes = [i["mode"] or "unknown" for i in infos]
+    return [m if modes.count(m) == 1 else f"{m}@{i['url']}" for m, i in zip(modes, infos)]
+
+
+def compare(
+    urls: list[str],
+    prompts: list[dict],
+    streams: list[int],
+    max_tokens: int,
+    engine=None,
+    extra: dict | None = None,
+    api_key: str | None = None,
+    timeout: float = 600,
+    progress=print,
+) -> dict:
+    """Run every target at every stream count; rows with ratios. engine: a LocalEngine or None."""
+    from .http_bench_local import run_in_process
+
+    infos = [http_bench.describe(u, api_key) for u in urls]
+    targets = [{"label": lab} | info for lab, info in zip(_labels(infos), infos)]
+    if engine is not None:
+        ec = engine.config
+        targets.insert(0, {"label": "in-process", "url": None, "mode": "in-process", "model": ec.model,
+                           "chain": ec.chain.label, "slots": ec.slots, "n_ctx": ec.n_ctx})
+    extra = extra or {}
+
+    def run_one(t: dict, c: int, ps: list[dict], n_tokens: int) -> dict:
+        if t["url"] is None:
+            return run_in_process(engine, ps, c, n_tokens)
+        return http_bench.run(t["url"], ps, c, n_tokens, extra, timeout, api_key)
+
+    for t in targets:  # first requests pay for lazy set-up (handles, connections, allocations)
+        w = run_one(t, 1, prompts[:1], min(WARMUP_TOKENS, max_tokens))
+        if w["n_errors"]:
+            raise RuntimeError(f"{t['label']}: warm-up request failed: {w['errors'][0]}")
+    rows = []
+    for c in streams:
+        for t in targets:
+            row = {"label": t["label"]} | run_one(t, c, prompts, max_tokens)
+            rows.append(row)
+            hop = row.get("hop") or {}
+            progress(f"{t['label']:<12} streams {c:>2}: {row['tokens_per_s']:7.1f} tok/s, {row['rounds']} rounds"
+                     + (f", hop p50 {hop['p50_ms']} ms" if hop.get("p50_ms") is not None else "")
+                     + (f", {row['n_errors']} errors" if row["n_errors"] else ""))
+    for c in streams:
+        same = [r for r in rows if r["streams"] == c]
+        colo = next((r for r in same if r["mode"] == "colocated"), None)
+        local = next((r for r in same if r["mode"] == "in-process"), None)
+        for r in same:
+            r["vs_colocated"] = _ratio(r, colo)
+            r["vs_in_process"] = _ratio(r, local)
+    return {"kind": "specray-http-bench", "targets": targets, "rows": rows, "summary": summarize(rows, streams)}
+
+
+def _ratio(row: dict, base: dict | None) -> float | None:
+    if base is None or not base.get("tokens_per_s") or row.get("tokens_per_s") is None:
+        return None
+    return round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+
+
+def summarize(rows: list[dict], streams: list[int]) -> dict:
+    ratios = {}
+    for c in streams:
+        dist = next((r for r in rows if r["streams"] == c and r["mode"] == "distributed"), None)
+        ratios[str(c)] = dist["vs_colocated"] if dist else None
+    top = str(max(streams))
+    return {"distributed_vs_colocated": ratios, "target_ratio": TARGET_RATIO, "at_streams": int(top),
+            "met": None if ratios.get(top) is None else ratios[top] >= TARGET_RATIO}
+
+
+def _f(v, fmt: str, suffix: str = "") -> str:
+    return "-" if v is None else f"{v:{fmt}}{suffix}"
+
+
+def table(report: dict) -> str:
+    m = report.get("meta", {})
+    lines = []
+    if m:
+        lines.append(f"HTTP bench: {m.get('model')}, chain {m.get('chain')}, {m.get('prompts')} prompts x "
+                     f"{m.get('max_tokens')} max tokens, slots {m.get('slots')}")
+    lines.append(f"{'mode':<14}{'streams':>8}{'tok/s':>9}{'vs colo':>9}{'vs in-proc':>11}{'hop p50':>9}"
+                 f"{'hop p95':>9}{'rounds':>8}{'seqs/dec':>9}{'acc_len':>8}{'ttft ms':>9}{'errors':>7}")
+    for r in report["rows"]:
+        hop = r.get("hop") or {}
+        lines.append(
+            f"{r['label']:<14}{r['streams']:>8}{_f(r['tokens_per_s'], '.1f'):>9}{_f(r['vs_colocated'], '.2f', 'x'):>9}"
+            f"{_f(r['vs_in_process'], '.2f', 'x'):>11}"
+            f"{_f(hop.get('p50_ms'), '.2f'):>9}{_f(hop.get('p95_ms'), '.2f'):>9}"
+            f"{r['rounds']:>8}{_f(r['mean_seqs_per_decode'], '.2f'):>9}{r['mean_acceptance_length']:>8.2f}"
+            f"{_f(r['mean_ttft_ms'], '.0f'):>9}{r['n_errors']:>7}"
+        )
+    s = report["summary"]
+    parts = [f"{c} stream{'s' if c != '1' else ''} {_f(v, '.2f', 'x')}"
+             for c, v in s["distributed_vs_colocated"].items()]
+    verdict = "n/a" if s["met"] is None else ("met" if s["met"] else "NOT met")
+    lines.append(f"distributed vs colocated: {', '.join(parts)}  (target >= {s['target_ratio']}x at "
+                 f"{s['at_streams']} streams: {verdict}); hop = router-side wall time of the target call minus "
+                 "the actor's own time, ms")
+    return "\n".join(lines)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_serve(port: int = 0, progress=print):
+    """A fresh local Ray + Serve on 127.0.0.1:port (0 = a free port); yields the base URL; shuts both down."""
+    import ray
+    from ray import serve
+
+    port = port or _free_port()
+    t0 = time.perf_counter()
+    # address="local": always a new cluster, even when RAY_ADDRESS points at one
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
+             logging_level="WARNING", log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        progress(f"local Ray + Serve on port {port} in {time.perf_counter() - t0:.1f}s")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+
+
+def engine_config(args, slots: int, chain_label: str | None) -> EngineConfig:
+    chain = ChainConfig(policy=args.policy, n_max=args.n_max)
+    if chain_label is not None:
+        chain = chain.model_copy(update={"speculators": parse_chain(chain_label)})
+    extra = {}
+    if getattr(args, "draft_model", None):  # the `draft` speculator's model (--draft-model / --cross-vocab)
+        from specray.engine.config import DraftModelConfig
+
+        extra["draft"] = DraftModelConfig(model=args.draft_model, cross_vocab=bool(getattr(args, "cross_vocab", False)))
+    return EngineConfig(model=args.model, chat_template=args.chat_template, n_ctx=args.n_ctx, slots=slots,
+                        threads=args.threads, exact=args.exact, chain=chain, **extra)
+
+
+def main_http_bench(args) -> int:
+    progress = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    streams = list(dict.fromkeys(args.streams or DEFAULT_STREAMS))
+    categories = [c for c in (args.categories or "").split(",") if c] or None
+    prompts_path = args.prompts or default_prompts_path()
+    prompts = select_prompts(prompts_path, categories, args.per_category, args.num_prompts or DEFAULT_NUM_PROMPTS)
+    api_key = args.api_key or os.environ.get("SPECRAY_API_KEY")
+    meta = {"prompts": len(prompts), "prompts_path": prompts_path, "max_tokens": args.max_tokens,
+            "streams": streams, "policy": args.policy, "n_max": args.n_max, "threads": args.threads,
+            "exact": args.exact, "cpus": os.cpu_count(), "python": platform.python_version(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+
+    def finish(report: dict, ecfg: EngineConfig) -> int:
+        report["meta"] = meta | {"model": ecfg.model, "chain": ecfg.chain.label, "slots": ecfg.slots,
+                                 "n_ctx": ecfg.n_ctx}
+        print(table(report))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+            print(f"\nwrote {args.json}")
+        return 0
+
+    def local_engine(ecfg: EngineConfig):
+        if args.no_in_process:
+            return None
+        from .local_engine import LocalEngine
+
+        return LocalEngine(ecfg)
+
+    if args.http:
+        modes = [m for m in (args.serve_modes or ",".join(SERVE_MODES)).split(",") if m]
+        bad = [m for m in modes if m not in SERVE_MODES]
+        if bad or not modes:
+            raise ValueError(f"--serve-modes: expected a comma-separated subset of {','.join(SERVE_MODES)}, "
+                             f"got {args.serve_modes!r}")
+        ecfg = engine_config(args, args.slots or max(streams), args.spec)
+        with local_serve(args.port or 0, progress) as base, \
+                deployed(base, serve_configs(ecfg, modes), progress) as urls:
+            engine = local_engine(ecfg)
+            try:
+                report = compare([urls[m] for m in modes], prompts, streams, args.max_tokens, engine,
+                                 api_key=api_key, timeout=args.timeout, progress=progress)
+            finally:
+                if engine is not None:
+                    engine.close()
+        return finish(report, ecfg)
+
+    # servers already running: the in-process engine copies the first one's slots and chain unless flags say
+    first = http_bench.describe(args.url[0], api_key)
+    if first["model"] != args.model:
+        progress(f"warning: {args.url[0]} serves {first['model']!r}; the in-process engine loads {args.model!r}")
+    ecfg = engine_config(args, args.slots or first["slots"] or max(streams), args.spec or first["chain"])
+    extra = {"speculative": {"chain": args.spec}} if args.spec else {}
+    engine = local_engine(ecfg)
+    try:
+        report = compare(args.url, prompts, streams, args.max_tokens, engine, extra, api_key, args.timeout, progress)
+    finally:
+        if engine is not None:
+            engine.close()
+    return finish(report, ecfg)

@@ -1,0 +1,53 @@
+"""`specray bench` for real but tiny: the JSON contract other tools read, and its figures add up."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specray.deployments.bench import BenchPrompt, run_bench, write_json
+
+
+@pytest.fixture(scope="module")
+def report():
+    prompts = [
+        BenchPrompt("copy", prompt="Repeat after me: one two three four five, one two three four five, one two"),
+        BenchPrompt("copy", prompt="a b c d e f g a b c d e f g a b c d e f g a b c"),
+        BenchPrompt("chat", messages=[{"role": "user", "content": "Name three primary colors."}]),
+    ]
+    return run_bench(model="smollm2-135m", configs=["ngram_simple", "suffix"], prompts=prompts, max_tokens=24,
+                     slots=2, exact=False, policy="cost", n_max=8, threads=2, n_ctx=1024, progress=lambda s: None)
+
+
+def test_json_contract(report, tmp_path):
+    path = tmp_path / "bench.json"
+    write_json(report, str(path))
+    js = json.loads(path.read_text())
+    assert list(js["configs"]) == ["none", "llama_cpp", "ngram_simple", "suffix"]
+    for name, entry in js["configs"].items():
+        assert isinstance(entry["mismatches"], int) and isinstance(entry["tie_divergences"], int)
+        assert set(entry["categories"]) == {"copy", "chat"}
+        for row in entry["categories"].values():
+            for key in ("tokens_per_s", "mean_acceptance_length", "acceptance_rate", "speedup"):
+                assert isinstance(row[key], float), (name, key)
+            assert row["tokens_per_s"] > 0 and row["mean_acceptance_length"] >= 1.0
+            assert 0.0 <= row["acceptance_rate"] <= 1.0
+    assert js["configs"]["none"]["categories"]["copy"]["speedup"] == 1.0
+
+
+def test_figures_add_up(report):
+    for cat in report.categories:
+        none = report.results[cat]["none"]
+        # generation speed leaves prompt processing out: it is faster than the end-to-end rate
+        assert 0 < none.prefill_seconds < none.seconds
+        assert none.tokens_per_s > none.e2e_tokens_per_s
+        for cfg in ("ngram_simple", "suffix"):
+            r = report.results[cat][cfg]
+            assert r.compared == 2 if cat == "copy" else r.compared == 1
+            assert r.identical + r.mismatches + r.tie_divergences == r.compared
+            assert r.accepted <= r.drafted
+    # the repetitive prompts are drafted for and (mostly) accepted
+    copy = report.results["copy"]["suffix"]
+    assert copy.drafts > 0 and copy.accepted > 0, copy
+    assert report.results["copy"]["none"].drafts == 0

@@ -1,0 +1,103 @@
+"""`specray bench --url/--http`: the HTTP bench path for real, tiny (both modes + in-process, 8 tokens)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specray.deployments import cli
+from specray.deployments.http_bench_compare import compare, deployed, select_prompts, serve_configs, table
+from specray.engine.config import EngineConfig
+
+from .conftest import ENGINE, concurrent_prompts
+
+MAX_TOKENS = 8
+STREAMS = [1, 3]
+
+
+@pytest.mark.serve
+@pytest.mark.model
+def test_http_bench_both_modes_and_in_process(ray_serve, tmp_path):
+    from specray.deployments.local_engine import LocalEngine
+
+    ecfg = EngineConfig.model_validate(ENGINE)  # exact: every mode must produce the same greedy tokens
+    prompts = [{"messages": [{"role": "user", "content": p}]} for p in concurrent_prompts()[:3]]
+    with deployed(ray_serve, serve_configs(ecfg, ["colocated", "distributed"])) as urls:
+        engine = LocalEngine(ecfg)
+        try:
+            report = compare([urls["colocated"], urls["distributed"]], prompts, STREAMS, MAX_TOKENS, engine)
+        finally:
+            engine.close()
+        print("\n" + table(report))
+
+        # the CLI's --url path against a running app, JSON included
+        out = tmp_path / "url.json"
+        rc = cli.main(["bench", "--url", urls["distributed"], "--no-in-process", "--streams", "2",
+                       "--num-prompts", "2", "--max-tokens", str(MAX_TOKENS), "--json", str(out)])
+    assert rc == 0
+    js = json.loads(out.read_text())
+    assert [t["mode"] for t in js["targets"]] == ["distributed"] and js["targets"][0]["slots"] == ENGINE["slots"]
+    (row,) = js["rows"]
+    assert row["label"] == "distributed" and row["streams"] == 2 and row["requests"] == 2 and row["n_errors"] == 0
+    assert 0 < row["completion_tokens"] <= 2 * MAX_TOKENS and row["tokens_per_s"] > 0
+    assert row["vs_colocated"] is None and js["summary"]["distributed_vs_colocated"] == {"2": None}
+    assert js["meta"]["max_tokens"] == MAX_TOKENS and js["meta"]["streams"] == [2]
+
+    rows = report["rows"]
+    assert [(r["label"], r["streams"]) for r in rows] == [
+        (m, c) for c in STREAMS for m in ("in-process", "colocated", "distributed")]
+    tokens = {r["completion_tokens"] for r in rows}
+    assert len(tokens) == 1, "exact greedy: every mode and stream count generates the same tokens"
+    assert 0 < tokens.pop() <= len(prompts) * MAX_TOKENS
+    for r in rows:
+        assert r["requests"] == len(prompts) and r["n_errors"] == 0, r["errors"]
+        assert r["tokens_per_s"] == pytest.approx(r["completion_tokens"] / r["seconds"], rel=0.02)
+        assert r["rounds"] >= len(prompts) and r["mean_ttft_ms"] > 0
+        if r["streams"] == 1:  # one request at a time: every target decode holds one sequence
+            assert r["mean_seqs_per_decode"] == 1.0 and r["multi_seq_decodes"] == 0
+        else:  # 3 streams share decodes (the counters come from the target itself, actor or in-process)
+            assert 1.0 < r["mean_seqs_per_decode"] <= 3 and r["multi_seq_decodes"] > 0
+        if r["mode"] == "distributed":
+            hop = r["hop"]
+            assert hop["calls"] >= r["rounds"] and hop["percentiles_of_last"] == hop["calls"]
+            assert 0 < hop["p50_ms"] <= hop["p95_ms"] and hop["mean_ms"] > 0
+        else:
+            assert "hop" not in r
+        assert r["vs_colocated"] > 0 and r["vs_in_process"] > 0
+        if r["mode"] == "colocated":
+            assert r["vs_colocated"] == 1.0
+        if r["mode"] == "in-process":
+            assert r["vs_in_process"] == 1.0
+    ratios = report["summary"]["distributed_vs_colocated"]
+    assert set(ratios) == {"1", "3"} and all(v > 0 for v in ratios.values())
+    assert report["summary"]["at_streams"] == 3 and isinstance(report["summary"]["met"], bool)
+
+
+def test_select_prompts_round_robin_over_categories():
+    from specray.deployments.bench import default_prompts_path
+
+    ps = select_prompts(default_prompts_path(), None, 3, 8)
+    assert len(ps) == 8 and all(p["messages"][0]["role"] == "user" for p in ps)
+    assert len({p["messages"][0]["content"] for p in ps}) == 8
+    from specray.deployments.bench import load_prompts
+
+    cats = {bp.messages[0]["content"]: bp.category for bp in load_prompts(default_prompts_path(), None, 3)}
+    assert len({cats[p["messages"][0]["content"]] for p in ps}) == 8  # 13 categories: 8 different ones
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--http", "--configs", "none"], "use --spec"),
+    (["--url", "http://127.0.0.1:1", "--http"], "give one of them"),
+    (["--streams", "2"], "--streams needs --url or --http"),
+    (["--no-in-process"], "--no-in-process needs --url or --http"),
+    (["--http", "--serve-modes", "sideways"], "--serve-modes"),
+])
+def test_bench_http_flag_errors(argv, message, capsys):
+    assert cli.main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_streams_must_be_positive():
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--http", "--streams", "1", "0"])

@@ -1,0 +1,120 @@
+"""`specray serve` flags vs --config: a flag given always wins, a flag not given never overrides (no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specray.deployments.cli import build_parser
+from specray.deployments.serve_cli import config_from_args, flag_overrides
+from specray.deployments.serve_config import ServeConfig
+from specray.engine.config import EngineConfig
+
+# every value differs from ServeConfig's default, so "the file's value survived" is observable
+FILE = """\
+host: 0.0.0.0
+port: 9002
+mode: distributed
+engine:
+  model: gemma3-270m
+  slots: 6
+  threads: 1
+  n_ctx: 2048
+  exact: true
+  chain:
+    speculators: [suffix]
+    policy: first
+    n_max: 4
+    params: {suffix: {min_match: 2}}
+"""
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+@pytest.fixture()
+def cfg_file(tmp_path):
+    f = tmp_path / "serve.yaml"
+    f.write_text(FILE)
+    return str(f)
+
+
+def test_no_flags_gives_serveconfig_defaults():
+    assert flag_overrides(parse()) == {}
+    assert config_from_args(parse(), environ={}) == ServeConfig()
+
+
+def test_file_only_keeps_every_file_value(cfg_file):
+    cfg = config_from_args(parse("--config", cfg_file))
+    assert (cfg.host, cfg.port, cfg.mode) == ("0.0.0.0", 9002, "distributed")
+    e = cfg.engine
+    assert (e.model, e.slots, e.threads, e.n_ctx, e.exact) == ("gemma3-270m", 6, 1, 2048, True)
+    assert (e.chain.speculators, e.chain.policy, e.chain.n_max) == (["suffix"], "first", 4)
+    assert e.chain.params == {"suffix": {"min_match": 2}}
+
+
+def test_explicit_flag_equal_to_the_default_still_wins_over_the_file(cfg_file):
+    d, de = ServeConfig(), EngineConfig()
+    cfg = config_from_args(parse("--config", cfg_file, "--slots", str(de.slots), "--port", str(d.port),
+                                 "--mode", d.mode, "--host", d.host, "--threads", str(de.threads),
+                                 "--n-ctx", str(de.n_ctx), "--model", de.model,
+                                 "--policy", de.chain.policy, "--n-max", str(de.chain.n_max)))
+    assert (cfg.host, cfg.port, cfg.mode) == (d.host, d.port, d.mode)
+    e = cfg.engine
+    assert (e.slots, e.threads, e.n_ctx, e.model) == (de.slots, de.threads, de.n_ctx, de.model)
+    assert (e.chain.policy, e.chain.n_max) == (de.chain.policy, de.chain.n_max)
+    assert e.exact is True and e.chain.speculators == ["suffix"]  # not given: still the file's
+
+
+def test_file_plus_other_flag_changes_only_that_field(cfg_file):
+    cfg = config_from_args(parse("--config", cfg_file, "--port", "8123"))
+    assert cfg.port == 8123
+    expected = config_from_args(parse("--config", cfg_file)).model_copy(update={"port": 8123})
+    assert cfg == expected
+
+
+def test_flags_without_file_override_the_defaults():
+    cfg = config_from_args(parse("--slots", "3", "--mode", "distributed", "--n-ctx", "1024"))
+    assert (cfg.engine.slots, cfg.mode, cfg.engine.n_ctx) == (3, "distributed", 1024)
+    assert cfg.port == ServeConfig().port and cfg.engine.threads == EngineConfig().threads
+
+
+def test_exact_and_no_exact(cfg_file):
+    assert config_from_args(parse("--exact")).engine.exact is True
+    assert config_from_args(parse()).engine.exact is False
+    assert config_from_args(parse("--config", cfg_file)).engine.exact is True
+    assert config_from_args(parse("--config", cfg_file, "--no-exact")).engine.exact is False
+    assert "exact" not in flag_overrides(parse("--config", cfg_file)).get("engine", {})
+
+
+def test_spec_replaces_the_chain_and_keeps_the_files_params(cfg_file):
+    cfg = config_from_args(parse("--config", cfg_file, "--spec", "ngram_mod,suffix"))
+    c = cfg.engine.chain
+    assert c.speculators == ["ngram_mod", "suffix"]
+    assert c.params == {"suffix": {"min_match": 2}} and c.policy == "first" and c.n_max == 4
+    assert config_from_args(parse("--config", cfg_file, "--spec", "none")).engine.chain.speculators == []
+    assert config_from_args(parse("--spec", "suffix")).engine.chain.speculators == ["suffix"]
+    with pytest.raises(ValueError):
+        config_from_args(parse("--spec", "none,suffix"))
+
+
+def test_api_key_flag_beats_file_beats_environment(tmp_path):
+    f = tmp_path / "k.yaml"
+    f.write_text("api_key: from-file\n")
+    env = {"SPECRAY_API_KEY": "from-env"}
+    assert config_from_args(parse(), environ={}).api_key is None
+    assert config_from_args(parse(), environ=env).api_key == "from-env"
+    assert config_from_args(parse("--config", str(f)), environ=env).api_key == "from-file"
+    assert config_from_args(parse("--config", str(f), "--api-key", "from-flag"), environ=env).api_key == "from-flag"
+    assert "from-flag" not in repr(config_from_args(parse("--api-key", "from-flag"), environ={}))
+
+
+def test_help_shows_the_real_defaults(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    d, de = ServeConfig(), EngineConfig()
+    for text in (f"HTTP port (default: {d.port})", f"(default: {d.mode})", f"replica (default: {de.slots})",
+                 f"(default: {de.model})", f"(default: {de.chain.label})", f"(default: {de.chain.n_max})"):
+        assert text in out, text
+    assert "SUPPRESS" not in out
