@@ -1,4 +1,4 @@
-"""App builders: ServeConfig -> Serve application (ingress -> engine replica).
+"""App builders: ServeConfig -> Serve application (ingress -> one engine deployment per A/B arm).
 
 `build_app(args)` is the import path for Ray's own CLI:
 
@@ -7,6 +7,14 @@
 
 `args` holds ServeConfig fields (nested dicts for `engine`), optionally
 `config_file: PATH` to start from a YAML file.
+
+Each arm (ServeConfig.arms; none declared = the one arm `default`, deployed as
+`EngineReplica` as before arms) is its own deployment `EngineReplica-NAME`
+with its own chain, replicas / autoscaling. What may change at run time is
+in the deployments' `user_config`, which Serve applies without restarting
+replicas (`serve deploy` with `deployments: [{name, user_config}]`):
+the Ingress takes `{"weights": {ARM: WEIGHT}}`, an arm's engine
+`{"chain": ChainConfig fields}`.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from ray.serve.config import BackpressureConfig
 
 from specray.cluster.placement import STRATEGY, replica_bundles
 
+from .arms import ArmConfig, autoscaling_config, deployment_name, resolve_arms
 from .ingress import Ingress
 from .replica import EngineReplica
 from .serve_config import ServeConfig, load_serve_config
@@ -29,7 +38,8 @@ def replica_options(cfg: ServeConfig) -> dict[str, Any]:
     opts: dict[str, Any] = {"max_ongoing_requests": cfg.max_ongoing_requests,
                             "max_queued_requests": cfg.max_queued_requests}
     if cfg.autoscaling:
-        opts["autoscaling_config"] = cfg.autoscaling
+        # Serve's own default target (2 ongoing requests) would scale an 8-slot engine at a quarter load
+        opts["autoscaling_config"] = autoscaling_config(cfg.autoscaling, cfg.engine.slots)
     else:
         opts["num_replicas"] = cfg.num_replicas
     env = {"runtime_env": {"env_vars": dict(cfg.worker_env)}} if cfg.worker_env else {}
@@ -48,17 +58,36 @@ def replica_options(cfg: ServeConfig) -> dict[str, Any]:
     return opts
 
 
+def arm_serve_config(cfg: ServeConfig, arm: ArmConfig) -> ServeConfig:
+    """The config one arm's engine deployment runs with: the arm's chain, replicas and autoscaling."""
+    return cfg.model_copy(update={
+        "engine": cfg.engine.model_copy(update={"chain": arm.chain_config(cfg.engine.chain)}),
+        "num_replicas": arm.num_replicas or cfg.num_replicas,
+        "autoscaling": arm.autoscaling if arm.autoscaling is not None else cfg.autoscaling,
+        "arms": [],
+    })
+
+
 def build_app_from_config(cfg: ServeConfig) -> Application:
     conf = cfg.model_dump(mode="json")
-    engine = EngineReplica.options(**replica_options(cfg)).bind(conf)
+    arms = resolve_arms(cfg)
+    engines = {}
+    for arm in arms:
+        acfg = arm_serve_config(cfg, arm)
+        opts = replica_options(acfg) | {
+            "name": deployment_name(arm.name, explicit=bool(cfg.arms)),
+            "user_config": {"chain": acfg.engine.chain.model_dump(mode="json")},
+        }
+        engines[arm.name] = EngineReplica.options(**opts).bind(acfg.model_dump(mode="json"), arm.name)
     return Ingress.options(
+        user_config={"weights": {a.name: a.weight for a in arms}},
         num_replicas=cfg.ingress_replicas,
         max_ongoing_requests=cfg.ingress_max_ongoing_requests,
         # the HTTP proxy's queue in front of the ingress: bounded too (Serve answers 503 + Retry-After itself)
         max_queued_requests=cfg.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.retry_after_s or None),
         ray_actor_options={"num_cpus": cfg.ingress_cpus},
-    ).bind(engine, conf)
+    ).bind(engines, conf)
 
 
 def build_app(args: dict | None = None) -> Application:

@@ -1,10 +1,12 @@
-"""The `specray` command: generate, bench, serve."""
+"""The `specray` command: generate, bench, serve, ab-report."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from specray.engine.config import ChainConfig
 
 DEFAULT_BENCH_CONFIGS = ["none", "ngram_simple", "ngram_mod", "suffix", "ngram_mod,suffix"]
 
@@ -27,7 +29,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--policy", choices=["first", "expected", "cost"], default="cost",
                    help="how a chain picks one draft per sequence (default: %(default)s)")
-    g.add_argument("--n-max", type=int, default=16, help="max draft tokens per sequence per round (default: %(default)s)")
+    g.add_argument("--n-max", type=int, default=ChainConfig.model_fields["n_max"].default,
+                   help="max draft tokens per sequence per round; the cost policy cuts each draft to what pays "
+                        "(default: %(default)s)")
 
 
 def _add_draft_args(p: argparse.ArgumentParser, default=None) -> None:
@@ -40,6 +44,23 @@ def _add_draft_args(p: argparse.ArgumentParser, default=None) -> None:
                    action="store_true",
                    help="allow a draft model whose vocabulary differs from the target's (drafts go through "
                         "text); without it such a pair is refused, naming the mismatch")
+
+
+def _add_hidden_args(p: argparse.ArgumentParser, default=None, transport: bool = False) -> None:
+    """--mtp / --eagle3-model (/ --hidden-transport) (`default=argparse.SUPPRESS` for serve)."""
+    g = p.add_argument_group("hidden-state speculators (`mtp`, `eagle3`)")
+    g.add_argument("--mtp", default=default if default is not None else False, action="store_true",
+                   help="load the target's own NextN (multi-token prediction) head for the `mtp` speculator; the "
+                        "target GGUF must carry NextN layers (e.g. GLM-4.5, DeepSeek-V3, Qwen3.5, MiMo); name `mtp` "
+                        "in the chain to use it")
+    g.add_argument("--eagle3-model", default=default, metavar="PATH",
+                   help="EAGLE-3 draft GGUF trained for this target (architecture eagle3, with its own token "
+                        "embeddings and LM head) for the `eagle3` speculator; name `eagle3` in the chain to use it")
+    if transport:
+        g.add_argument("--hidden-transport", choices=["object_store", "inline", "cuda_ipc"], default=default,
+                       help="--mode distributed: how hidden rows go from the target actor to the companion "
+                            "(default: object_store; cuda_ipc needs GPUs on one node and falls back to the "
+                            "object store, saying why, without them)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(gen)
     _add_spec_args(gen)
     _add_draft_args(gen)
+    _add_hidden_args(gen)
 
     bench = sub.add_parser(
         "bench", help="compare speculator chains in-process, or servers over HTTP, in one run",
@@ -133,6 +155,30 @@ def build_parser() -> argparse.ArgumentParser:
                     "never overrides the file).")
     _add_serve_args(serve)
     _add_draft_args(serve, argparse.SUPPRESS)
+    _add_hidden_args(serve, argparse.SUPPRESS, transport=True)
+
+    ab = sub.add_parser(
+        "ab-report", help="compare the A/B arms of a server (or a saved /v1/stats) with confidence intervals",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Reads the per-arm request records of GET /v1/stats and prints per arm: requests, tokens/s per\n"
+            "request (decode speed after the first token), mean acceptance length, acceptance rate, TTFT and\n"
+            "ITL percentiles, each with a 95% bootstrap interval, and the speedup over the baseline arm (the\n"
+            "`none` arm, else the first). A winner is named only when its tokens/s interval lies above every\n"
+            "other arm's.\n"
+            "  specray ab-report --url http://127.0.0.1:8000 --plot ab.png --save-stats run.json\n"
+            "  specray ab-report --from run.json"))
+    src = ab.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", default=None, help="base URL of a running specray server (without /v1)")
+    src.add_argument("--from", dest="from_file", default=None, metavar="FILE",
+                     help="a saved /v1/stats JSON (e.g. written by --save-stats)")
+    ab.add_argument("--plot", default=None, metavar="PNG", help="draw the comparison to this image file")
+    ab.add_argument("--json", default=None, metavar="FILE", help="write the report (estimates, intervals) as JSON")
+    ab.add_argument("--save-stats", default=None, metavar="FILE",
+                    help="with --url: also save the raw /v1/stats answer, to re-run the report later with --from")
+    ab.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default: %(default)s)")
+    ab.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
+    ab.add_argument("--api-key", default=None, help="bearer token (default: $SPECRAY_API_KEY)")
     return parser
 
 
@@ -176,19 +222,31 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"how a chain picks one draft per sequence {d(ChainConfig, 'policy')}")
     g.add_argument("--n-max", type=int, default=S,
                    help=f"max draft tokens per sequence per round {d(ChainConfig, 'n_max')}")
+    g = p.add_argument_group("A/B arms")
+    g.add_argument("--arm", action="append", default=S, metavar="NAME=CHAIN[@WEIGHT]",
+                   help="an A/B arm, repeatable: its own engine deployment running CHAIN ('none' = no "
+                        "speculation), receiving WEIGHT of the traffic (default 1), e.g. --arm base=none@1 --arm "
+                        "fast=ngram_mod,suffix@1. Requests stick to an arm by their `user` field or X-Session-Id "
+                        "header; X-Specray-Arm forces one. An arm the --config file also names keeps its other "
+                        "settings (params, autoscaling); given --arm flags replace the file's set of arms")
 
 
 def _cmd_generate(args) -> int:
     from specray.deployments.local_engine import LocalEngine
-    from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig, parse_chain
+    from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig, HiddenStateConfig, parse_chain
     from specray.engine.sampling import SamplingParams
 
     chain = ChainConfig(speculators=parse_chain(args.spec), policy=args.policy, n_max=args.n_max)
     cfg = EngineConfig(model=args.model, chat_template=args.chat_template, slots=1, threads=args.threads,
                        n_ctx=args.n_ctx, exact=args.exact, chain=chain,
-                       draft=DraftModelConfig(model=args.draft_model, cross_vocab=args.cross_vocab))
+                       draft=DraftModelConfig(model=args.draft_model, cross_vocab=args.cross_vocab),
+                       hidden=HiddenStateConfig(mtp=args.mtp, eagle3_model=args.eagle3_model))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty, seed=args.seed)
+    if cfg.hidden.enabled:  # a bad --eagle3-model fails before the target loads
+        from specray.native.hidden_heads import target_taps
+
+        target_taps(cfg)
     engine = LocalEngine(cfg)
     messages = None if args.raw else [{"role": "user", "content": args.prompt}]
     req = engine.request(None if messages else args.prompt, messages, max_tokens=args.max_tokens,
@@ -261,7 +319,13 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_bench(args)
         if args.command == "serve":
             return _cmd_serve(args)
-    except (ValueError, FileNotFoundError) as e:
+        if args.command == "ab-report":
+            from specray.deployments.ab_report import main_ab_report
+
+            if args.bootstrap < 0:
+                parser.error(f"--bootstrap must be >= 0, got {args.bootstrap}")
+            return main_ab_report(args)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
         print(f"specray {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

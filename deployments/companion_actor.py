@@ -1,4 +1,4 @@
-"""The companion actor: home of the model-based speculators (the draft model; MTP, EAGLE-3 later).
+"""The companion actor: home of the model-based speculators (the draft model; the MTP / EAGLE-3 heads).
 
 Distributed mode. The companion owns the draft model and its context (one
 sequence per slot, mirroring the target's KV cache, engine/speculators/draft.py).
@@ -15,7 +15,8 @@ Calls go through the router's `CompanionClient` (deployments/companion_client.py
 a companion that is down or fails a call gives no drafts that round and is
 recreated; its `epoch` changes, and a sequence begun on an older companion
 drafts nothing from then on (the new companion has no mirror of it), new
-sequences draft again.
+sequences draft again. The hidden-state speculators (mtp, eagle3) work the
+same way with their own call, `hidden_round` (deployments/companion_hidden.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from specray.engine.speculators.registry import Factory, speculator_factory
 #: speculator names that run in the companion
 MODEL_SPECULATORS = frozenset({"draft", "mtp", "eagle3", "dflash"})
 #: ... of which these exist
-IMPLEMENTED = frozenset({"draft"})
+IMPLEMENTED = frozenset({"draft", "mtp", "eagle3"})
 
 EMPTY = EMPTY_DRAFT
 
@@ -58,6 +59,15 @@ class CompanionService:
             self.draft_model = DraftModel(cfg.draft, self.target_vocab, slots=cfg.slots, target_n_ctx=cfg.n_ctx,
                                           n_batch=cfg.n_batch, threads=cfg.draft.threads or cfg.threads,
                                           calibrate=cfg.calibrate)
+        self.hidden = None  # mtp / eagle3 heads (deployments/companion_hidden.py)
+        if cfg.hidden.enabled:
+            from specray.native.model import Model
+
+            from .companion_hidden import HiddenCompanion
+
+            if self.target_vocab is None:
+                self.target_vocab = Model(cfg.model, chat_template=cfg.chat_template, vocab_only=True)
+            self.hidden = HiddenCompanion(cfg, self.target_vocab)
         self.speculators: dict[str, object] = {}  # DraftSpeculator per parameter set (a chain's params)
         self._lock = threading.Lock()  # the draft context is not thread-safe
         self.calls = 0
@@ -72,12 +82,26 @@ class CompanionService:
         ctx = ray.get_runtime_context() if ray.is_initialized() else None
         d = {"pid": os.getpid(), "node_id": ctx.get_node_id() if ctx else None,
              "placement_group_id": ctx.get_placement_group_id() if ctx else None,
-             "speculators": sorted(IMPLEMENTED) if self.draft_model is not None else [],
+             "speculators": (["draft"] if self.draft_model is not None else [])
+             + (self.hidden.names if self.hidden is not None else []),
              "model_speculators_known": sorted(MODEL_SPECULATORS), "draft": None}
         if self.draft_model is not None:
             d["draft"] = self.draft_model.info()
             d["draft_decode_costs"] = self.draft_model.backend.decode_costs()
+        if self.hidden is not None:
+            d["hidden"] = self.hidden.heads.info()
+            d["hidden_decode_costs"] = self.hidden.decode_costs()
         return d
+
+    def hidden_round(self, payload: dict) -> dict:
+        """One router round for a hidden-state speculator (mtp, eagle3): see companion_hidden.HiddenCompanion."""
+        if self.hidden is None:
+            raise ValueError("the companion has no hidden-state heads (engine.hidden)")
+        return self.hidden.round(payload)
+
+    def hidden_state(self, name: str, seq_ids: list[int]) -> dict:
+        """Inspection (tests): per sequence, what the `name` head mirrors and the rows it received."""
+        return self.hidden.state(name, seq_ids) if self.hidden is not None else {}
 
     def _speculator(self, params: dict):
         key = repr(sorted(params.items()))
@@ -152,6 +176,8 @@ class CompanionService:
             c = spec.counters
             for k in ("steps", "decode_seconds", "catchup_tokens", "drafted_tokens", "rolled_back", "failures"):
                 d[f"draft_{k}"] = d.get(f"draft_{k}", 0) + getattr(c, k)
+        if self.hidden is not None:
+            d |= self.hidden.counters()
         return d
 
 
@@ -265,10 +291,14 @@ class CompanionDraftProxy(ModelSpeculator):
                 "hop_ms": 1000 * self.hop_seconds, "buffered_commits": len(self._commits)}
 
 
-def companion_speculator_factory(client, config: EngineConfig) -> Factory:
-    """Chain factory of the router in distributed mode: `draft` runs in the companion (if a draft model is
-    configured), model-free speculators in the router."""
-    if not config.draft.model:
-        return speculator_factory()
-    costs = client.sup.info.get("draft_decode_costs")
-    return speculator_factory({"draft": lambda p: CompanionDraftProxy(p, client, costs)})
+def companion_speculator_factory(client, config: EngineConfig, ack_sink=None) -> Factory:
+    """Chain factory of the router in distributed mode: `draft`, `mtp` and `eagle3` run in the companion (if
+    configured), model-free speculators in the router. `ack_sink` takes CUDA-IPC hidden-row buffer acks back to
+    the target (RemoteTarget.ack_hidden)."""
+    from .companion_hidden import hidden_proxy_builders
+
+    builders = hidden_proxy_builders(client, config, ack_sink)
+    if config.draft.model:
+        costs = client.sup.info.get("draft_decode_costs")
+        builders["draft"] = lambda p: CompanionDraftProxy(p, client, costs)
+    return speculator_factory(builders or None)

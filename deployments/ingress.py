@@ -4,7 +4,15 @@ POST /v1/completions, POST /v1/chat/completions (both with "stream": true as
 server-sent events ending in `data: [DONE]`), GET /v1/models, GET /health,
 GET /v1/stats (replica counters: rounds, the target's multi-sequence decodes,
 the actor hop, speculators, slots, KV cells per slot, cancellations, actor
-restarts, RSS).
+restarts, RSS; under `arms`, each A/B arm's figures: request records and
+totals kept here, engine counters summed over the arm's replicas).
+
+A/B arms (deployments/arms.py): each arm is its own engine deployment; a
+request goes to the arm named by `X-Specray-Arm`, else to the one its `user`
+field (or `X-Session-Id` header) hashes to, else to one drawn by weight. The
+response names the arm in the same header and in an `arm` field of the JSON
+body (every chunk of a stream). Weights change at run time through the
+ingress's `user_config` ({"weights": {ARM: WEIGHT}}).
 
 Every error is OpenAI's body {"error": {"message", "type", "param", "code"}}:
 400 for bad input (FastAPI's 422 validation errors included; malformed JSON,
@@ -17,8 +25,10 @@ after it started ends with an error event, then `data: [DONE]`.
 
 # no `from __future__ import annotations` here: Serve rebuilds the route signatures and FastAPI
 # must see real classes, not strings, or bodies turn into query parameters
+import asyncio
 import json
 import logging
+import os
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +36,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .arm_stats import ArmRecords, aggregate_replicas, merge_snapshots
+from .arms import ARM_HEADER, SESSION_HEADER, ArmTable, resolve_arms
 from .http_guard import Guard, configure
 from .openai_schema import (
     ChatCompletionRequest,
@@ -46,9 +58,6 @@ log = logging.getLogger("specray.ingress")
 app = FastAPI(title="specray", description="Speculative-decoding LLM server (OpenAI-compatible)")
 app.add_middleware(Guard)  # API key, body size limit, UTF-8: before any parsing
 
-#: A/B arms (header X-Specray-Arm): only the default arm exists until arms are configurable
-ARM_HEADER = "x-specray-arm"
-ARMS = ("default",)
 #: 429 / 503 answers carry Retry-After (seconds); set from the config at start
 _retry_after = {"s": 1}
 
@@ -63,9 +72,10 @@ def _retry_headers() -> dict:
     return {"Retry-After": str(_retry_after["s"])}
 
 
-def _error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> JSONResponse:
-    headers = _retry_headers() if status in (429, 503) else None
-    return JSONResponse(error_body(message, status, param, code), status_code=status, headers=headers)
+def _error_response(message: str, status: int, param: str | None = None, code: str | None = None,
+                    headers: dict | None = None) -> JSONResponse:
+    headers = (_retry_headers() if status in (429, 503) else {}) | (headers or {})
+    return JSONResponse(error_body(message, status, param, code), status_code=status, headers=headers or None)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -104,13 +114,6 @@ async def _on_bug(request: Request, exc: Exception):
     return _error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
 
 
-def _check_arm(request: Request) -> None:
-    arm = request.headers.get(ARM_HEADER)
-    if arm is not None and arm.strip() not in ARMS:
-        raise OpenAIError(f"unknown arm {arm.strip()!r} in X-Specray-Arm; known: {', '.join(ARMS)}",
-                          param="X-Specray-Arm", code="unknown_arm")
-
-
 def _truncation_header(n: int) -> dict | None:
     """Prompt truncation (prompt_overflow: truncate) is said in a header as well as in usage."""
     return {"X-Specray-Prompt-Truncated": str(n)} if n else None
@@ -140,116 +143,214 @@ def _handle_error(e: Exception) -> OpenAIError:
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, engine, config: dict) -> None:
-        self.engine = engine  # DeploymentHandle of EngineReplica
+    def __init__(self, engines, config: dict) -> None:
         self.cfg = ServeConfig.model_validate(config)
+        # {arm: DeploymentHandle of that arm's EngineReplica deployment}, in arm order
+        self.engines = engines if isinstance(engines, dict) else {"default": engines}
+        arms = resolve_arms(self.cfg)
+        self.arms = ArmTable(arms, salt=self.cfg.arm_salt)
+        self.init_weights = {a.name: a.weight for a in arms}
+        self.chains = {a.name: a.chain_config(self.cfg.engine.chain).label for a in arms}
+        self.records = {a.name: ArmRecords(self.cfg.stats_max_records) for a in arms}
+        self.engine = self.engines[self.arms.names[0]]  # the first arm: /v1/stats' top level, as before arms
         self.model_id = self.cfg.model_id
         self.created = now()
         configure(self.cfg.api_key, self.cfg.max_body_bytes)
         _set_retry_after(self.cfg.retry_after_s)
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Serve's lightweight update (`user_config`, also applied at start): {"weights": {ARM: WEIGHT}}
+        changes the traffic split without restarting anything (arms not named keep their configured weight)."""
+        unknown = sorted(set(user_config or {}) - {"weights"})
+        if unknown:
+            raise ValueError(f"unknown user_config keys {unknown} (the Ingress takes 'weights')")
+        weights = (user_config or {}).get("weights")
+        if weights:
+            self.arms.set_weights(self.init_weights | weights)
+            log.info("arm weights now %s", self.arms.shares())
+
+    def _pick_arm(self, request: Request, body) -> str:
+        forced = request.headers.get(ARM_HEADER)
+        key = body.user or request.headers.get(SESSION_HEADER)
+        try:
+            return self.arms.pick(forced.strip() if forced is not None else None, key or None)
+        except ValueError as e:
+            raise OpenAIError(f"{e} (header X-Specray-Arm)", param="X-Specray-Arm", code="unknown_arm") from None
 
     # ---- info -----------------------------------------------------------------------------------
     @app.get("/v1/models")
     async def models(self):
         return {"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "specray",
-             "mode": self.cfg.mode, "chain": self.cfg.engine.chain.label}]}
+             "mode": self.cfg.mode, "chain": self.chains[self.arms.names[0]],
+             "arms": [{"name": n, "chain": self.chains[n], "weight": w}
+                      for n, w in zip(self.arms.names, self.arms.weights)]}]}
 
     @app.get("/health")
     async def health(self):
         """200 when serving (status ok, or degraded: the companion is restarting, so no model drafts);
         503 while the target actor restarts (recovering) or after it could not be restarted (failed)."""
-        try:
-            h = await self.engine.health.remote()
-        except Exception as e:
-            return _error_response(f"unhealthy: {type(e).__name__}: {e}", 503)
+        order = ("ok", "degraded", "recovering", "failed")
+        per_arm: dict[str, dict] = {}
+        for name, handle in self.engines.items():
+            try:
+                per_arm[name] = await handle.health.remote()
+            except Exception as e:
+                if len(self.engines) == 1:
+                    return _error_response(f"unhealthy: {type(e).__name__}: {e}", 503)
+                per_arm[name] = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+        # the first arm's fields at the top (as before arms); the status is the worst arm's
+        h = dict(per_arm[self.arms.names[0]])
+        h["status"] = max((a.get("status", "failed") for a in per_arm.values()),
+                          key=lambda st: order.index(st) if st in order else len(order))
+        if len(per_arm) > 1:
+            h["arms"] = per_arm
         serving = h.get("status") in ("ok", "degraded")
         return JSONResponse(h, status_code=200 if serving else 503, headers=None if serving else _retry_headers())
 
     @app.get("/v1/stats")
     async def stats(self):
+        """The first arm's replica counters at the top level (one replica, as before arms), and `arms`:
+        per arm its weight, chain, request totals and records (all ingress replicas) and its engine
+        counters summed over its live replicas."""
         try:
-            return await self.engine.stats.remote()
+            top = await self.engine.stats.remote()
         except Exception as e:
             raise _handle_error(e) from None
+        records = await self._all_records()
+        engines = await asyncio.gather(*(self._arm_engine(h) for h in self.engines.values()))
+        shares = self.arms.shares()
+        top["arms"] = {
+            name: {"weight": w, "share": shares[name], "chain": eng.get("chain") or self.chains[name]}
+            | merge_snapshots([r["arms"][name] for r in records if name in r["arms"]]) | {"engine": eng}
+            for (name, w), eng in zip(zip(self.arms.names, self.arms.weights), engines)
+        }
+        top["ingress"] = {"replicas": len(records), "pids": [r["pid"] for r in records],
+                          "weights": [r["weights"] for r in records]}
+        return top
+
+    async def _arm_engine(self, handle) -> dict:
+        try:
+            if hasattr(handle, "broadcast"):
+                results = await handle.broadcast("stats").results_async(timeout_s=30, return_exceptions=True)
+            else:  # Ray < 2.60 has no broadcast: one replica's counters
+                results = [await handle.stats.remote()]
+        except Exception as e:
+            return {"replicas": 0, "errors": [f"{type(e).__name__}: {e}"]}
+        return aggregate_replicas(results)
+
+    def arm_records(self) -> dict:
+        """This ingress replica's per-arm request records (merged over ingress replicas by /v1/stats)."""
+        return {"pid": os.getpid(), "weights": dict(zip(self.arms.names, self.arms.weights)),
+                "arms": {name: r.snapshot() for name, r in self.records.items()}}
+
+    async def _all_records(self) -> list[dict]:
+        if self.cfg.ingress_replicas <= 1:
+            return [self.arm_records()]
+        try:
+            ctx = serve.get_replica_context()
+            me = serve.get_deployment_handle(ctx.deployment, ctx.app_name)
+            return await me.broadcast("arm_records").results_async(timeout_s=30)
+        except Exception:
+            log.exception("could not collect the other ingress replicas' records; reporting this one's")
+            return [self.arm_records()]
 
     # ---- generation -------------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
-        _check_arm(request)
+        arm = self._pick_arm(request, body)
         req = body.to_engine()
-        return await self._generate(req, body, chat=False)
+        return await self._generate(req, body, chat=False, arm=arm)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        _check_arm(request)
+        arm = self._pick_arm(request, body)
         req = body.to_engine()
-        return await self._generate(req, body, chat=True)
+        return await self._generate(req, body, chat=True, arm=arm)
 
-    async def _generate(self, req: dict, body, chat: bool):
+    async def _generate(self, req: dict, body, chat: bool, arm: str):
         rid = new_id("chatcmpl" if chat else "cmpl")
         req["request_id"] = rid
+        engine, records = self.engines[arm], self.records[arm]
+        arm_header = {ARM_HEADER: arm}
         if not body.stream:
             try:
-                result = await self.engine.generate.remote(req)
+                result = await engine.generate.remote(req)
             except Exception as e:
-                raise _handle_error(e) from None
+                err = _handle_error(e)
+                records.add_error(err.status)
+                raise err from None
             if result["type"] == "error":
-                return _error_response(result["message"], result["status"], result.get("param"), result.get("code"))
+                records.add_error(result["status"])
+                return _error_response(result["message"], result["status"], result.get("param"), result.get("code"),
+                                       headers=arm_header)
+            records.add(result)
             build = chat_response if chat else completion_response
-            return JSONResponse(build(rid, self.model_id, result),
-                                headers=_truncation_header(result["usage"].get("truncated_prompt_tokens", 0)))
+            return JSONResponse(build(rid, self.model_id, result) | {"arm": arm},
+                                headers=arm_header
+                                | (_truncation_header(result["usage"].get("truncated_prompt_tokens", 0)) or {}))
 
-        gen = self.engine.options(stream=True).generate_stream.remote(req)
+        gen = engine.options(stream=True).generate_stream.remote(req)
         try:
             first = await gen.__anext__()
         except StopAsyncIteration:
+            records.add_error(500)
             raise OpenAIError("the engine ended the stream without an answer", 500) from None
         except Exception as e:
             gen.cancel()
-            raise _handle_error(e) from None
+            err = _handle_error(e)
+            records.add_error(err.status)
+            raise err from None
         if first["type"] == "error":
-            return _error_response(first["message"], first["status"], first.get("param"), first.get("code"))
+            records.add_error(first["status"])
+            return _error_response(first["message"], first["status"], first.get("param"), first.get("code"),
+                                   headers=arm_header)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            self._sse_stream(gen, rid, chat, include_usage),
+            self._sse_stream(gen, rid, chat, include_usage, arm),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | arm_header
             | (_truncation_header(first.get("truncated_prompt_tokens", 0)) or {}),
         )
 
-    async def _sse_stream(self, gen, rid: str, chat: bool, include_usage: bool):
+    async def _sse_stream(self, gen, rid: str, chat: bool, include_usage: bool, arm: str):
         created = now()
         model = self.model_id
         finished = False
+        records = self.records[arm]
+        tag = {"arm": arm}
         try:
             if chat:
-                yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+                yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}) | tag)
             async for chunk in gen:
                 t = chunk["type"]
                 if t == "delta":
                     if chat:
-                        yield _sse(chat_chunk(rid, model, created, {"content": chunk["text"]}))
+                        yield _sse(chat_chunk(rid, model, created, {"content": chunk["text"]}) | tag)
                     else:
-                        yield _sse(completion_chunk(rid, model, created, chunk["text"]))
+                        yield _sse(completion_chunk(rid, model, created, chunk["text"]) | tag)
                 elif t == "end":
+                    records.add(chunk)
                     last = (chat_chunk(rid, model, created, {}, chunk["finish_reason"]) if chat
-                            else completion_chunk(rid, model, created, "", chunk["finish_reason"]))
+                            else completion_chunk(rid, model, created, "", chunk["finish_reason"])) | tag
                     if include_usage:
                         yield _sse(last)
                         yield _sse({"id": rid, "object": last["object"], "created": created, "model": model,
-                                    "choices": [], "usage": chunk["usage"], "speculative": chunk["speculative"]})
+                                    "choices": [], "usage": chunk["usage"], "speculative": chunk["speculative"]}
+                                   | tag)
                     else:
                         last["usage"] = chunk["usage"]
                         last["speculative"] = chunk["speculative"]
                         yield _sse(last)
                     finished = True
                 elif t == "error":
+                    records.add_error(chunk["status"])
                     yield _sse(error_body(chunk["message"], chunk["status"], chunk.get("param"), chunk.get("code")))
                     finished = True
                     break
         except Exception as e:
             err = _handle_error(e)
+            records.add_error(err.status)
             yield _sse(error_body(str(err), err.status))
             finished = True
         finally:

@@ -40,6 +40,7 @@ def open_target(config: EngineConfig, model: Model | None = None) -> tuple[Model
         n_gpu_layers=config.n_gpu_layers,
         use_extra_bufts=exact_bufts(config),
         chat_template=config.chat_template,
+        load_mtp=config.hidden.mtp,  # a co-located MTP head shares these weights
     )
     ctx = Context(
         model,
@@ -64,9 +65,27 @@ def open_draft(config: EngineConfig, target: Model, target_ctx: Context):
                       n_batch=config.n_batch, threads=config.threads, calibrate=config.calibrate)
 
 
-def local_speculator_factory(draft_model) -> Factory:
-    """Chain factory of the co-located engine: model speculators run in-process on `draft_model`."""
-    return speculator_factory({"draft": draft_model.speculator} if draft_model is not None else None)
+def open_hidden(config: EngineConfig, target: Model, target_ctx: Context, runner: TargetRunner | None = None):
+    """The heads of the hidden-state speculators (mtp, eagle3; None if none is configured), in-process; with
+    `runner`, its target context is given the hidden-row taps they read (switched on only when needed)."""
+    if not config.hidden.enabled:
+        return None
+    from specray.native.hidden import HiddenOutput
+    from specray.native.hidden_heads import open_hidden_heads
+
+    heads = open_hidden_heads(config, target, target_n_ctx=target_ctx.n_ctx, target_model=target)
+    if runner is not None:
+        runner.hidden_out = HiddenOutput(target_ctx, heads.taps)
+    return heads
+
+
+def local_speculator_factory(draft_model, hidden_heads=None) -> Factory:
+    """Chain factory of the co-located engine: model speculators run in-process on `draft_model` and the
+    hidden-state heads (their rows come from the target in-process, without a copy)."""
+    builders = {"draft": draft_model.speculator} if draft_model is not None else {}
+    if hidden_heads is not None:
+        builders |= hidden_heads.builders()
+    return speculator_factory(builders or None)
 
 
 class LocalEngine:
@@ -81,7 +100,8 @@ class LocalEngine:
             cost = DecodeCostModel(self.runner.measure_decode_costs(),
                                    attn_seconds=self.runner.measure_attention_cost(), ref_cells=64)
         self.draft_model = open_draft(config, self.model, self.ctx)
-        self.speculator_factory = local_speculator_factory(self.draft_model)
+        self.hidden_heads = open_hidden(config, self.model, self.ctx, self.runner)
+        self.speculator_factory = local_speculator_factory(self.draft_model, self.hidden_heads)
         self.chain = Chain(config.chain, self.speculator_factory)
         self.scheduler = Scheduler(
             config, self.runner, self.model, self.chain, self.ctx.n_ctx_seq, cost,
@@ -147,4 +167,6 @@ class LocalEngine:
     def close(self) -> None:
         if self.draft_model is not None:
             self.draft_model.close()
+        if self.hidden_heads is not None:
+            self.hidden_heads.close()
         self.ctx.close()

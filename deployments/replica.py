@@ -28,8 +28,12 @@ import logging
 
 from ray import serve
 
+from specray.engine.config import ChainConfig
+
+from .arms import DEFAULT_ARM
+from .chain_update import apply_chain_config
 from .router import RequestError, RouterCore, next_chunk
-from .serve_config import ServeConfig
+from .serve_config import ServeConfig, deep_merge
 
 log = logging.getLogger("specray.replica")
 
@@ -46,9 +50,34 @@ def error_chunk(e: Exception) -> dict:
 
 @serve.deployment(name="EngineReplica")
 class EngineReplica:
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: dict, arm: str = DEFAULT_ARM) -> None:
         self.cfg = ServeConfig.model_validate(config)
+        self.arm = arm  # the A/B arm this deployment serves (metrics label, /v1/stats)
+        self.base_chain = self.cfg.engine.chain  # user_config's chain is read over this one
         self.core = RouterCore(self.cfg)
+        try:
+            from .metrics import EngineMetrics
+
+            self.core.observer = EngineMetrics(arm, self.cfg.engine.slots)
+        except Exception:  # no metrics (e.g. outside Ray): serving goes on
+            log.exception("Prometheus metrics unavailable")
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Serve's lightweight update (the deployment's `user_config`, also applied at start):
+        {"chain": ChainConfig fields} sets the arm's chain without restarting the replica. The fields given
+        are read over the chain the deployment was built with (per-speculator params merged), so
+        `{"chain": {"params": {"suffix": {"p_min": 0.2}}}}` changes just that."""
+        unknown = sorted(set(user_config or {}) - {"chain"})
+        if unknown:
+            raise ValueError(f"unknown user_config keys {unknown} (EngineReplica takes 'chain')")
+        if not (user_config or {}).get("chain"):
+            return
+        new = ChainConfig.model_validate(deep_merge(self.base_chain.model_dump(), user_config["chain"]))
+        if new == self.core.chain.config:
+            return
+        result = self.core.call(lambda: apply_chain_config(self.core, new))
+        self.cfg = self.core.cfg
+        log.info("arm %s: chain updated at run time: %s", self.arm, result)
 
     async def generate_stream(self, request: dict):
         try:
@@ -87,13 +116,20 @@ class EngineReplica:
                 return chunk
             elif t == "end":
                 return {"type": "result", "id": start.get("id"), "text": "".join(parts)} | {
-                    k: chunk[k] for k in ("finish_reason", "usage", "speculative")
+                    k: chunk[k] for k in ("finish_reason", "usage", "speculative", "timing")
                 }
         return {"type": "error", "status": 500, "message": "stream ended without a result", "param": None,
                 "code": None}
 
     def stats(self) -> dict:
-        return self.core.stats()
+        d = self.core.stats()
+        d["arm"] = self.arm
+        d["chain_config"] = self.core.chain.config.model_dump()
+        try:
+            d["replica_id"] = serve.get_replica_context().replica_id.unique_id
+        except Exception:
+            d["replica_id"] = None
+        return d
 
     def info(self) -> dict:
         return {"model": self.cfg.model_id, "mode": self.cfg.mode, "n_ctx": self.core.n_ctx,

@@ -37,6 +37,7 @@ from specray.engine.request import GenerationRequest, Sequence, SeqState
 from specray.engine.scheduler import Event, QueueFullError, Scheduler
 
 from .actor_supervisor import FAILED, UP, ActorSupervisor, is_actor_death, short_error
+from .metrics import timing_of
 from .serve_config import ServeConfig
 
 log = logging.getLogger("specray.router")
@@ -62,6 +63,7 @@ class ServeRequest(GenerationRequest):
     """A GenerationRequest plus what the router did to it on the way in."""
 
     truncated_prompt_tokens: int = 0  # prompt tokens dropped (from the left) to fit the context
+    t_arrival: float = field(default_factory=time.perf_counter)  # reached the replica (TTFT starts here)
 
 
 @dataclass
@@ -117,6 +119,7 @@ def end_info(seq: Sequence) -> dict:
         "finish_reason": seq.finish_reason,
         "usage": usage,
         "speculative": seq.spec_summary() | {"rounds": seq.rounds},
+        "timing": timing_of(seq),
     }
 
 
@@ -149,21 +152,24 @@ class RouterCore:
         self.mode = cfg.mode
         self.companion = None  # CompanionClient (distributed)
         self.draft_model = None  # co-located: the `draft` speculator's model, in this process
+        self.hidden_heads = None  # co-located: the mtp / eagle3 heads, in this process
         self.target_sup: ActorSupervisor | None = None
         self.runner = None
         self.remote = None
         self.placement: dict | None = None
         self.rel = ReliabilityStats()
+        self.observer = None  # metrics.EngineMetrics (set by the replica): told on the round thread
         self._cv = threading.Condition()
         table: dict[int, float] | None = None
         if cfg.mode == "colocated":
             from specray.engine.target import TargetRunner
 
-            from .local_engine import open_draft, open_target
+            from .local_engine import open_draft, open_hidden, open_target
 
             self.model, self.ctx = open_target(ecfg)
             self.draft_model = open_draft(ecfg, self.model, self.ctx)
             self.runner = TargetRunner(self.ctx, record_margins=ecfg.record_margins)
+            self.hidden_heads = open_hidden(ecfg, self.model, self.ctx, self.runner)
             target = self.runner
             n_ctx_total = self.ctx.n_ctx
             n_ctx_seq = self.ctx.n_ctx_seq
@@ -204,11 +210,11 @@ class RouterCore:
         if self.companion is not None:  # model speculators run in the companion actor, one call per round
             from .companion_actor import companion_speculator_factory
 
-            factory = companion_speculator_factory(self.companion, ecfg)
+            factory = companion_speculator_factory(self.companion, ecfg, ack_sink=self.remote.ack_hidden)
         else:
             from .local_engine import local_speculator_factory
 
-            factory = local_speculator_factory(self.draft_model)
+            factory = local_speculator_factory(self.draft_model, self.hidden_heads)
         self.chain = Chain(ecfg.chain, factory)
         self.scheduler = Scheduler(ecfg, target, self.model, self.chain, n_ctx_seq, DecodeCostModel(table),
                                    shared_cells=n_ctx_total if kv_unified else None)
@@ -446,6 +452,7 @@ class RouterCore:
                 for ev in events:
                     self._event(ev, out)
                 can_step = ready and self.scheduler.has_work()
+                self._observe_round(idle=not can_step)
             for loop, items in out.items():
                 _call_in_loop(loop, _deliver, items)
 
@@ -508,6 +515,8 @@ class RouterCore:
                     self.scheduler.cancel(op.seq)
                 except Exception:
                     log.exception("cancel failed")
+                if op.seq.finished:  # cancelled while queued: no round will report it
+                    self._observe_finished(op.seq)
         elif op.kind == "call":
             try:
                 op.result.append((True, op.fn()))
@@ -515,7 +524,27 @@ class RouterCore:
                 op.result.append((False, e))
             op.done.set()
 
+    def _observe_round(self, idle: bool) -> None:
+        if self.observer is None:
+            return
+        s = self.scheduler
+        try:
+            self.observer.after_round(self.chain.stats(), len(s.active), len(s.queue), idle)
+        except Exception:  # metrics never stop the rounds
+            log.exception("metrics update failed")
+
+    def _observe_finished(self, seq: Sequence) -> None:
+        if self.observer is None or getattr(seq, "observed", False):
+            return
+        seq.observed = True
+        try:
+            self.observer.request_finished(seq)
+        except Exception:
+            log.exception("metrics update failed")
+
     def _event(self, ev: Event, out: dict) -> None:
+        if ev.finished:
+            self._observe_finished(ev.seq)
         st = self.streams.get(ev.seq.id)
         if st is None:
             return

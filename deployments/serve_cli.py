@@ -9,7 +9,8 @@ import time
 
 from specray.engine.config import parse_chain
 
-from .serve_config import ServeConfig, deep_merge, load_serve_config
+from .arms import parse_arm_flag, resolve_arms
+from .serve_config import ServeConfig, deep_merge, load_serve_config, read_yaml
 
 # argparse flag -> ServeConfig path. The serve flags default to argparse.SUPPRESS: an attribute
 # exists only if the user gave the flag, so "given" never has to be guessed from the value.
@@ -28,6 +29,9 @@ _FLAG_FIELDS = {
     "n_max": ("engine", "chain", "n_max"),
     "draft_model": ("engine", "draft", "model"),
     "cross_vocab": ("engine", "draft", "cross_vocab"),
+    "mtp": ("engine", "hidden", "mtp"),
+    "eagle3_model": ("engine", "hidden", "eagle3_model"),
+    "hidden_transport": ("engine", "hidden", "transport"),
 }
 
 
@@ -46,11 +50,31 @@ def flag_overrides(args) -> dict:
     return over
 
 
+def arms_from_flags(flags: list[str], file_arms: list[dict]) -> list[dict]:
+    """--arm flags -> the config's arms: each flag's chain and weight over the file's arm of that name
+    (its params, autoscaling, ... kept); arms only in the file are dropped."""
+    by_name = {a.get("name"): a for a in file_arms or []}
+    out = []
+    for text in flags:
+        arm = parse_arm_flag(text)
+        base = dict(by_name.get(arm.name, {}))
+        out.append(base | {"name": arm.name, "chain": arm.chain, "weight": arm.weight})
+    names = [a["name"] for a in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"--arm: arm names must be unique, repeated: {dup}")
+    return out
+
+
 def config_from_args(args, environ: dict | None = None) -> ServeConfig:
     """ServeConfig's defaults, then --config FILE, then every flag given (nested keys merged).
     $SPECRAY_API_KEY is the API key when neither the file nor --api-key sets one."""
     base = {"config_file": args.config} if getattr(args, "config", None) else {}
-    cfg = load_serve_config(deep_merge(base, flag_overrides(args)))
+    over = flag_overrides(args)
+    if hasattr(args, "arm"):
+        file_arms = (read_yaml(args.config).get("arms") or []) if getattr(args, "config", None) else []
+        over["arms"] = arms_from_flags(args.arm, file_arms)
+    cfg = load_serve_config(deep_merge(base, over))
     env_key = (os.environ if environ is None else environ).get("SPECRAY_API_KEY")
     if env_key and cfg.api_key is None and not hasattr(args, "api_key"):
         cfg = cfg.model_copy(update={"api_key": env_key})
@@ -70,6 +94,8 @@ def main_serve(args) -> int:
     resolve_model(cfg.engine.model)  # fail fast (exit 2) on a bad model before starting Ray
     if cfg.engine.draft.model:
         resolve_model(cfg.engine.draft.model)
+    if cfg.engine.hidden.eagle3_model:
+        resolve_model(cfg.engine.hidden.eagle3_model)
 
     import ray
     from ray import serve
@@ -85,8 +111,14 @@ def main_serve(args) -> int:
     t0 = time.perf_counter()
     serve.run(build_app_from_config(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
     url = url_of(cfg)
-    print(f"specray: serving {cfg.model_id} ({cfg.mode}, chain {cfg.engine.chain.label}, "
-          f"{cfg.engine.slots} slots) at {url}/v1  [ready in {time.perf_counter() - t0:.1f}s]", flush=True)
+    if cfg.arms:
+        arms = ", ".join(f"{a.name}={a.chain_config(cfg.engine.chain).label}@{a.weight:g}" for a in resolve_arms(cfg))
+        what = f"arms {arms}"
+    else:
+        what = f"chain {cfg.engine.chain.label}"
+    print(f"specray: serving {cfg.model_id} ({cfg.mode}, {what}, "
+          f"{cfg.engine.slots} slots per replica) at {url}/v1  [ready in {time.perf_counter() - t0:.1f}s]",
+          flush=True)
     auth = " -H 'Authorization: Bearer <api key>'" if cfg.api_key else ""
     print(f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
           "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'", flush=True)

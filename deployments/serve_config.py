@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specray.engine.config import EngineConfig
 
+from .arms import ArmConfig
+
 Mode = Literal["colocated", "distributed"]
 
 #: the CLI's default: on a small CPU box the actor hop is pure overhead (see the report in
@@ -75,6 +77,16 @@ class ServeConfig(BaseModel):
         "or oversubscribed CPU box spinning threads slow decoding several-fold; {} keeps the process defaults",
     )
 
+    # ---- A/B arms (deployments/arms.py) ----------------------------------------------------------------
+    arms: list[ArmConfig] = Field(
+        default_factory=list, description="A/B arms, each its own engine deployment with its own chain, weight and "
+        "scaling; empty = one implicit arm `default` with engine.chain")
+    arm_salt: str = Field("specray", description="salt of the sticky user -> arm hash (change it to reshuffle users "
+                          "for a new experiment)")
+    stats_max_records: int = Field(
+        20000, ge=0, description="per-request records (timings, tokens, drafts) the ingress keeps per arm for "
+        "/v1/stats and `specray ab-report` (the oldest are dropped; totals are kept regardless)")
+
     # ---- reliability: limits, auth, actor supervision ----------------------------------------------
     api_key: str | None = Field(
         None, repr=False, description="if set, every endpoint except /health needs `Authorization: Bearer <key>` "
@@ -104,6 +116,12 @@ class ServeConfig(BaseModel):
     def _check(self) -> ServeConfig:
         if not self.route_prefix.startswith("/"):
             raise ValueError(f"route_prefix must start with '/', got {self.route_prefix!r}")
+        names = [a.name for a in self.arms]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"arm names must be unique, repeated: {dup}")
+        if self.arms and sum(a.weight for a in self.arms) <= 0:
+            raise ValueError("at least one arm needs a positive weight")
         return self
 
     @property

@@ -37,6 +37,16 @@ class TargetService:
         self.config = EngineConfig.model_validate(engine_config)
         self.model, self.ctx = open_target(self.config)
         self.runner = TargetRunner(self.ctx, record_margins=self.config.record_margins)
+        self.hidden_transport = None  # hidden rows for the companion's mtp / eagle3 heads
+        if self.config.hidden.enabled:
+            from specray.native.hidden import HiddenOutput
+            from specray.native.hidden_heads import target_taps
+
+            from .hidden_transport import make_transport
+
+            self.runner.hidden_out = HiddenOutput(self.ctx, target_taps(self.config))
+            self.hidden_transport = make_transport(self.config.hidden.transport,
+                                                   inline_below=self.config.hidden.inline_below_bytes)
         self._lock = threading.Lock()  # the context is not thread-safe; ping/counters don't need it
         self.calls = 0
 
@@ -54,6 +64,7 @@ class TargetService:
             "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")},
             "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
             "placement_group_id": ray.get_runtime_context().get_placement_group_id() if ray.is_initialized() else None,
+            "hidden_transport": self.hidden_transport.info() if self.hidden_transport is not None else None,
         }
 
     def ping(self) -> str:
@@ -78,15 +89,21 @@ class TargetService:
         items: list[StepItem],
         starts: list[tuple[int, SamplingParams, np.ndarray]] = (),
         releases: list[int] = (),
+        hidden_acks: list = (),
     ) -> tuple[StepOutput, float]:
-        """Releases, then starts, then one round. Returns (output, seconds spent in here)."""
+        """Releases, then starts, then one round. Returns (output, seconds spent in here). Hidden rows
+        (StepOutput.hidden) leave as a transport handle; hidden_acks free the transport's buffers."""
         t0 = time.perf_counter()
         with self._lock:
+            if hidden_acks and self.hidden_transport is not None:
+                self.hidden_transport.acknowledge(hidden_acks)
             for s in releases:
                 self.runner.release(s)
             for seq_id, params, prompt in starts:
                 self.runner.start(seq_id, params, prompt)
             out = self.runner.step(items) if items else StepOutput([], 0.0, 0, 0)
+            if out.hidden is not None and self.hidden_transport is not None:
+                out.hidden = self.hidden_transport.export(out.hidden)
             self.calls += 1
         return out, time.perf_counter() - t0
 
@@ -105,6 +122,8 @@ class TargetService:
             "sessions": len(r.sessions),
             # KV cells per slot (0 = empty): a finished or cancelled sequence leaves none
             "kv_cells": kv,
+            "hidden_rows": r.hidden_rows,
+            "hidden_transport": self.hidden_transport.info() if self.hidden_transport is not None else None,
         }
 
 
@@ -152,6 +171,7 @@ class RemoteTarget:
         self.timeout_s = timeout_s  # a step that takes longer counts as a hung actor (GetTimeoutError)
         self._starts: list[tuple[int, SamplingParams, np.ndarray]] = []
         self._releases: list[int] = []
+        self._hidden_acks: list = []  # CUDA-IPC hidden-row buffers the companion is done with
         self.hop = HopStats()
 
     def reset(self, actor, epoch: int) -> None:
@@ -161,6 +181,11 @@ class RemoteTarget:
         self.epoch = epoch
         self._starts = []
         self._releases = []
+        self._hidden_acks = []
+
+    def ack_hidden(self, acks: list) -> None:
+        """Hidden-row buffers the companion is done with; they go to the target with the next step."""
+        self._hidden_acks.extend(acks)
 
     def pending(self) -> bool:
         return bool(self._releases or self._starts)
@@ -177,8 +202,11 @@ class RemoteTarget:
     def step(self, items: list[StepItem]) -> StepOutput:
         starts, self._starts = self._starts, []
         releases, self._releases = self._releases, []
+        acks, self._hidden_acks = self._hidden_acks, []
         t0 = time.perf_counter()
-        out, inside = ray.get(self.actor.step.remote(items, starts, releases), timeout=self.timeout_s)
+        ref = self.actor.step.remote(items, starts, releases, acks) if acks else self.actor.step.remote(
+            items, starts, releases)
+        out, inside = ray.get(ref, timeout=self.timeout_s)
         self.hop.add(max(0.0, time.perf_counter() - t0 - inside))
         return out
 

@@ -1,6 +1,6 @@
 """Estimates of how likely a speculator's next draft tokens are accepted.
 
-Two layers, both learnt from verified drafts:
+Three layers, all learnt from judged drafts:
 
 - a per-position *profile*: P(token j accepted | tokens 0..j-1 accepted),
   pooled over all sequences of the speculator. Copy-style speculators are far
@@ -8,13 +8,21 @@ Two layers, both learnt from verified drafts:
   span starts matching it usually goes on matching, so the conditional rate
   rises with j. Each position is shrunk towards the pooled token rate, so
   positions seen rarely fall back to the geometric model.
+- a *state* table: the same profile (by position bucket) for each state of
+  the sequence's previous judged draft (none yet / missed at once / partly
+  accepted / wholly accepted) and the speculator's own `context` bucket
+  (e.g. the suffix match length). Measured on SmolLM2 over Spec-Bench, a
+  suffix draft right after a wholly accepted one keeps 99% of its tokens,
+  after a miss 78%: where a copied span runs, the next draft runs too.
+  Shrunk towards the profile.
 - a per-sequence *shift*: the sequence's own (recency-weighted) token rate
-  against the pooled one, applied to every position as an odds ratio, so a
-  sequence whose text stopped repeating gets shorter drafts at once.
+  against the pooled one, applied to every position as an odds ratio.
 
-A verified draft of k tokens with n accepted is n successes out of
+A judged draft of k tokens with n accepted is n successes out of
 min(k, n + 1) trials (tokens after the first rejection were never judged);
-position j was tried iff j <= n and j < k.
+position j was tried iff j <= n and j < k. A *censored* verdict (the
+chain checked a draft against the tokens the target emitted, and they ran
+out before the draft did) is n successes and no failure.
 
 >>> t = AcceptanceTracker(prior=0.5, prior_weight=2.0, seq_weight=4.0)
 >>> t.update(seq_id=0, n_drafted=4, n_accepted=4)
@@ -23,8 +31,14 @@ position j was tried iff j <= n and j < k.
 >>> t = AcceptanceTracker()
 >>> for _ in range(40):   # half the drafts miss at once, the other half copy 8 tokens
 ...     t.update(0, 8, 0); t.update(0, 8, 8)
->>> [round(float(p), 2) for p in t.prefix_probs(1, 4)]   # flat after the first token, not 0.5**j
-[0.52, 0.51, 0.51, 0.5]
+>>> [round(float(p), 2) for p in t.prefix_probs(1, 4)]   # a new sequence: flat after the first token
+[0.46, 0.46, 0.45, 0.45]
+>>> t = AcceptanceTracker()
+>>> for s in range(40):   # copied spans run on: runs of 4 accepted drafts, then runs of 4 misses
+...     for n in (8, 8, 8, 8, 0, 0, 0, 0): t.update(s, 8, n)
+>>> t.update(100, 8, 8); t.update(101, 8, 0)   # the next draft after a whole accept, and after a miss
+>>> round(float(t.prefix_probs(100, 1)[0]), 2), round(float(t.prefix_probs(101, 1)[0]), 2)
+(0.9, 0.01)
 """
 
 from __future__ import annotations
@@ -33,25 +47,64 @@ import numpy as np
 
 _EPS = 1e-3
 
+#: states of a sequence's previous judged draft (per speculator): none yet, then by how many of its
+#: tokens were accepted: 0, 1, 2-3, 4-7, 8+
+STATE_NONE = 0
+N_STATES = 6
+#: position buckets of the state table: 0, 1, 2-3, 4-7, 8-15, 16-31, 32-63, 64+
+N_POS_BUCKETS = 8
+#: a table cell keeps at most this many trials: old evidence fades, so the estimate follows the traffic
+CELL_CAP = 4096.0
+
 
 def _logit(p: float) -> float:
     p = min(max(p, _EPS), 1 - _EPS)
     return float(np.log(p / (1 - p)))
 
 
+def pos_buckets(length: int) -> np.ndarray:
+    """Bucket of each position 0..length-1: 0, 1, 2-3, 4-7, ... (log2), capped.
+
+    >>> pos_buckets(9).tolist()
+    [0, 1, 2, 2, 3, 3, 3, 3, 4]
+    """
+    j = np.arange(length)
+    b = np.zeros(length, dtype=np.int64)
+    b[1:] = np.floor(np.log2(j[1:])).astype(np.int64) + 1
+    return np.minimum(b, N_POS_BUCKETS - 1)
+
+
+def next_state(n_accepted: int) -> int:
+    """State after a judged draft with n_accepted tokens accepted.
+
+    >>> [next_state(n) for n in (0, 1, 2, 3, 4, 8, 50)]
+    [1, 2, 3, 3, 4, 5, 5]
+    """
+    if n_accepted <= 0:
+        return 1
+    return min(2 + int(np.log2(n_accepted)), N_STATES - 1)
+
+
 class AcceptanceTracker:
     def __init__(self, prior: float = 0.6, prior_weight: float = 2.0, seq_weight: float = 4.0,
-                 recent_decay: float = 0.9, position_weight: float = 4.0, max_positions: int = 256) -> None:
+                 recent_decay: float = 0.9, position_weight: float = 4.0, state_weight: float = 8.0,
+                 max_positions: int = 256, n_contexts: int = 8) -> None:
         self.prior = prior
         self.prior_weight = prior_weight
         self.seq_weight = seq_weight
         self.recent_decay = recent_decay  # old per-seq evidence fades: a sequence's text changes
         self.position_weight = position_weight  # pseudo-trials of the pooled rate at each position
+        self.state_weight = state_weight  # pseudo-trials of the profile in each state cell
+        self.n_contexts = n_contexts
         self.global_acc = 0.0
         self.global_trials = 0.0
         self.pos_acc = np.zeros(max_positions)
         self.pos_trials = np.zeros(max_positions)
+        # [state, context, position bucket]
+        self.state_acc = np.zeros((N_STATES, n_contexts, N_POS_BUCKETS))
+        self.state_trials = np.zeros((N_STATES, n_contexts, N_POS_BUCKETS))
         self._seq: dict[int, list[float]] = {}
+        self._state: dict[int, int] = {}
 
     def global_rate(self) -> float:
         return (self.global_acc + self.prior * self.prior_weight) / (self.global_trials + self.prior_weight)
@@ -61,18 +114,48 @@ class AcceptanceTracker:
         acc, trials = self._seq.get(seq_id, (0.0, 0.0))
         return (acc + g * self.seq_weight) / (trials + self.seq_weight)
 
-    def update(self, seq_id: int, n_drafted: int, n_accepted: int) -> None:
+    def state(self, seq_id: int) -> int:
+        return self._state.get(seq_id, STATE_NONE)
+
+    def update(self, seq_id: int, n_drafted: int, n_accepted: int, censored: bool = False,
+               context: int = 0) -> None:
+        """One judged draft of seq_id: n_accepted of its n_drafted tokens kept (censored: the judgement
+        stopped after n_accepted matching tokens without a rejection)."""
         if n_drafted <= 0:
             return
-        trials = min(n_drafted, n_accepted + 1)
+        n_accepted = min(n_accepted, n_drafted)
+        trials = n_accepted if censored else min(n_drafted, n_accepted + 1)
+        if trials <= 0:
+            return
         self.global_acc += n_accepted
         self.global_trials += trials
         m = min(trials, len(self.pos_trials))
         self.pos_trials[:m] += 1
         self.pos_acc[: min(n_accepted, m)] += 1
+        ctx = min(max(int(context), 0), self.n_contexts - 1)
+        st = self.state(seq_id)
+        b = pos_buckets(trials)
+        np.add.at(self.state_trials[st, ctx], b, 1.0)
+        np.add.at(self.state_acc[st, ctx], b[:n_accepted], 1.0)
+        self._fade(st, ctx)
         s = self._seq.setdefault(seq_id, [0.0, 0.0])
         s[0] = s[0] * self.recent_decay + n_accepted
         s[1] = s[1] * self.recent_decay + trials
+        self._state[seq_id] = next_state(n_accepted)
+
+    def _fade(self, st: int, ctx: int) -> None:
+        cell_t, cell_a = self.state_trials[st, ctx], self.state_acc[st, ctx]
+        over = cell_t > CELL_CAP
+        if over.any():
+            scale = np.where(over, CELL_CAP / np.maximum(cell_t, 1.0), 1.0)
+            cell_t *= scale
+            cell_a *= scale
+        if self.pos_trials[0] > CELL_CAP:
+            scale = CELL_CAP / self.pos_trials[0]
+            self.pos_trials *= scale
+            self.pos_acc *= scale
+            self.global_acc *= scale
+            self.global_trials *= scale
 
     def position_profile(self, length: int) -> np.ndarray:
         """Pooled P(token j accepted | 0..j-1 accepted), j = 0..length-1."""
@@ -83,14 +166,45 @@ class AcceptanceTracker:
         prof[:m] = (self.pos_acc[:m] + w * g) / (self.pos_trials[:m] + w)
         return prof
 
-    def prefix_probs(self, seq_id: int, length: int) -> np.ndarray:
+    def conditional(self, seq_id: int, length: int, context: int = 0) -> np.ndarray:
+        """P(token j accepted | 0..j-1 accepted) for seq_id's next draft, j = 0..length-1."""
+        prof = self.position_profile(length)
+        ctx = min(max(int(context), 0), self.n_contexts - 1)
+        st = self.state(seq_id)
+        b = pos_buckets(length)
+        acc, trials = self.state_acc[st, ctx][b], self.state_trials[st, ctx][b]
+        w = self.state_weight
+        cond = np.clip((acc + w * prof) / (trials + w), _EPS, 1 - _EPS)
+        shift = _logit(self.rate(seq_id)) - _logit(self.global_rate())
+        return 1.0 / (1.0 + np.exp(-(np.log(cond / (1 - cond)) + shift)))
+
+    def prefix_probs(self, seq_id: int, length: int, context: int = 0) -> np.ndarray:
         """P(first j+1 draft tokens all accepted), j = 0..length-1."""
         if length <= 0:
             return np.zeros(0)
-        prof = np.clip(self.position_profile(length), _EPS, 1 - _EPS)
-        shift = _logit(self.rate(seq_id)) - _logit(self.global_rate())
-        cond = 1.0 / (1.0 + np.exp(-(np.log(prof / (1 - prof)) + shift)))
-        return np.cumprod(cond)
+        return np.cumprod(self.conditional(seq_id, length, context))
 
     def end(self, seq_id: int) -> None:
         self._seq.pop(seq_id, None)
+        self._state.pop(seq_id, None)
+
+
+def judge(draft: np.ndarray, emitted: np.ndarray) -> tuple[int, bool]:
+    """How a draft fares against the tokens the target emitted after the same history: (tokens it
+    gets accepted, censored). Censored: every emitted token matched and the draft goes on, so its
+    tail is unjudged. Exact for greedy and for coupled sampling (a draft token is accepted iff it
+    equals the token the target samples at its position).
+
+    >>> judge(np.array([5, 6, 7]), np.array([5, 9]))
+    (1, False)
+    >>> judge(np.array([5, 6, 7]), np.array([5, 6]))
+    (2, True)
+    >>> judge(np.array([5, 6]), np.array([5, 6, 8]))
+    (2, False)
+    """
+    n = min(len(draft), len(emitted))
+    if n == 0:
+        return 0, len(draft) > 0
+    neq = np.flatnonzero(np.asarray(draft[:n]) != np.asarray(emitted[:n]))
+    m = int(neq[0]) if len(neq) else n
+    return m, (m == len(emitted) and m < len(draft))

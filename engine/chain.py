@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .acceptance import AcceptanceTracker
+from .acceptance import AcceptanceTracker, judge
 from .config import ChainConfig
 from .planner import plan_draft_lengths
 from .speculator import EMPTY_DRAFT, DraftRequest, Speculator, SpeculatorStats
@@ -41,6 +41,10 @@ class Proposal:
     tokens: np.ndarray = field(default_factory=lambda: EMPTY_DRAFT)
     prefix_probs: np.ndarray = field(default_factory=lambda: np.zeros(0))
     asked: tuple[str, ...] = ()  # speculators that drafted for it this round
+    # every asked speculator's whole draft (before any cut) and its context bucket: after the round each
+    # is judged against the tokens the target emitted, so every speculator learns, sent or not
+    drafts: dict[str, np.ndarray] = field(default_factory=dict)
+    contexts: dict[str, int] = field(default_factory=dict)
 
     def cut(self, n: int) -> None:
         self.tokens = self.tokens[:n]
@@ -69,6 +73,36 @@ class Pricing:
     rng: np.random.Generator | None = None
 
 
+#: a speculator's own context buckets (Speculator.draft_context) kept apart by the acceptance estimate;
+#: each is split 3 ways by agreement with the other speculators' drafts
+CONTEXT_OWN_BUCKETS = 4
+
+
+def draft_value(prefix_probs: np.ndarray, pricing: Pricing | None) -> float:
+    """What a draft is worth to its sequence, in tokens: expected accepted tokens of its best prefix minus
+    the tokens the round's extra verify time would have produced at the round's plain rate. Without
+    pricing, expected accepted tokens of the whole draft. The cost policy picks the draft worth most,
+    so a long draft of shaky tokens does not beat a short sure one.
+
+    >>> pp = np.array([0.9, 0.8, 0.3])
+    >>> round(draft_value(pp, None), 2)
+    2.0
+    >>> flat = Pricing(cost=lambda n: 0.010 + 0.005 * (n - 1), base_tokens=1, n_decoding=1)
+    >>> round(draft_value(pp, flat), 2)   # 2 tokens: 1.7 expected - 2 x 0.5 tokens of time
+    0.7
+    """
+    if len(prefix_probs) == 0:
+        return 0.0
+    gains = np.cumsum(prefix_probs)
+    if pricing is None:
+        return float(gains[-1])
+    base = pricing.cost(pricing.base_tokens)
+    if base <= 0:
+        return float(gains[-1])
+    extra = np.array([pricing.cost(pricing.base_tokens + k) for k in range(1, len(gains) + 1)]) - base
+    return float(max(0.0, np.max(gains - extra * pricing.n_decoding / base)))
+
+
 class Chain:
     def __init__(self, config: ChainConfig, factory: Callable[[str, dict | None], Speculator]) -> None:
         self.config = config
@@ -83,7 +117,7 @@ class Chain:
         if spec is None:
             spec = self._factory(name, self.config.params.get(name))
             self.instances[name] = spec
-            self.trackers[name] = AcceptanceTracker()
+            self.trackers[name] = AcceptanceTracker(n_contexts=3 * CONTEXT_OWN_BUCKETS)
         return spec
 
     def validate(self, names: tuple[str, ...]) -> None:
@@ -105,6 +139,19 @@ class Chain:
         for name in names:
             self.instances[name].process(seq_id, tokens, pos)
 
+    # ---- hidden rows (mtp, eagle3: speculators with a `take_hidden` method) ----------------------------
+    def needs_hidden(self, names: tuple[str, ...]) -> bool:
+        """True if a speculator of `names` reads the target's hidden rows (the target then returns them)."""
+        return any(hasattr(self.instances.get(n), "take_hidden") for n in names)
+
+    def hidden(self, record) -> None:
+        """A round's hidden rows (engine/hidden_rows.py HiddenRows, or a transport handle) for every speculator
+        that reads them; they pair them with the process() calls that follow."""
+        for spec in self.instances.values():
+            take = getattr(spec, "take_hidden", None)
+            if take is not None:
+                take(record)
+
     # ---- drafting ------------------------------------------------------------------
     def propose(
         self, requests: list[SeqDraftRequest], policy: str | None = None, pricing: Pricing | None = None
@@ -122,6 +169,7 @@ class Chain:
         if policy == "cost":  # free speculators first: a model draft must beat what they offer
             names_in_order.sort(key=lambda n: isinstance(self.instances[n], ModelSpeculator))
         best_score = [-1.0] * len(requests)
+        unscored: list[tuple[int, str]] = []  # drafts to score once every free speculator has drafted
         for name in names_in_order:
             idx = [i for i in pending if name in requests[i].chain]
             if policy == "first":
@@ -131,27 +179,48 @@ class Chain:
             spec = self.instances[name]
             n_max = {i: requests[i].n_max for i in idx}
             if policy == "cost" and pricing is not None and isinstance(spec, ModelSpeculator):
+                self._score(props, unscored, best_score, policy, pricing)
                 n_max = self._price(name, spec, idx, requests, best_score, pricing)
                 idx = [i for i in idx if i in n_max]
                 if not idx:
                     continue
             drafts = spec.draft([DraftRequest(requests[i].seq_id, requests[i].history, n_max[i]) for i in idx])
-            tracker = self.trackers[name]
             for i, d in zip(idx, drafts):
                 props[i].asked += (name,)
                 if len(d) == 0:
                     continue
+                props[i].drafts[name] = d
+                props[i].contexts[name] = spec.draft_context(requests[i].seq_id)
                 if policy == "first":
                     if props[i].speculator is None:
                         props[i].speculator, props[i].tokens = name, d
-                        props[i].prefix_probs = tracker.prefix_probs(requests[i].seq_id, len(d))
+                        props[i].prefix_probs = self.trackers[name].prefix_probs(
+                            props[i].seq_id, len(d), props[i].contexts[name])
                     continue
-                pp = tracker.prefix_probs(requests[i].seq_id, len(d))
-                score = tracker.rate(requests[i].seq_id) * len(d) if policy == "expected" else float(pp.sum())
-                if score > best_score[i]:
-                    best_score[i] = score
-                    props[i].speculator, props[i].tokens, props[i].prefix_probs = name, d, pp
+                unscored.append((i, name))
+        self._score(props, unscored, best_score, policy, pricing)
         return props
+
+    def _score(self, props: list[Proposal], unscored: list[tuple[int, str]], best_score: list[float],
+               policy: str, pricing: Pricing | None) -> None:
+        """Score the drafts in `unscored` (then empty it), keeping each sequence's best. A draft's context
+        for the acceptance estimate is its speculator's own bucket and whether another speculator's draft
+        for the sequence starts with the same token (agree), another token (disagree) or there is none:
+        two speculators that agree are right more often than either alone, and when they disagree at
+        most one of them is."""
+        for i, name in unscored:
+            p = props[i]
+            d = p.drafts[name]
+            others = [o for n, o in p.drafts.items() if n != name]
+            agree = 0 if not others else (1 if any(o[0] == d[0] for o in others) else 2)
+            p.contexts[name] = min(p.contexts[name], CONTEXT_OWN_BUCKETS - 1) * 3 + agree
+            tracker = self.trackers[name]
+            pp = tracker.prefix_probs(p.seq_id, len(d), p.contexts[name])
+            score = tracker.rate(p.seq_id) * len(d) if policy == "expected" else draft_value(pp, pricing)
+            if score > best_score[i]:
+                best_score[i] = score
+                p.speculator, p.tokens, p.prefix_probs = name, d, pp
+        unscored.clear()
 
     def _price(
         self, name: str, spec: ModelSpeculator, idx: list[int], requests: list[SeqDraftRequest],
@@ -167,7 +236,7 @@ class Chain:
         probs: list[np.ndarray] = []
         for i in idx:
             pp = tracker.prefix_probs(requests[i].seq_id, min(requests[i].n_max, spec.max_steps))
-            if len(pp) and float(pp.sum()) > best_score[i]:
+            if len(pp) and draft_value(pp, pricing) > best_score[i]:
                 cands.append(i)
                 probs.append(pp)
         if not cands:
@@ -181,7 +250,8 @@ class Chain:
         lengths = plan_draft_lengths(probs, pricing.base_tokens, pricing.cost, n_decoding=pricing.n_decoding,
                                      extra_seconds=extra)
         # a draft cut this short must still beat the free one, or its time is wasted
-        chosen = {i: k for i, k, pp in zip(cands, lengths, probs) if k > 0 and float(pp[:k].sum()) > best_score[i]}
+        chosen = {i: k for i, k, pp in zip(cands, lengths, probs)
+                  if k > 0 and draft_value(pp[:k], pricing) > best_score[i]}
         if not chosen and pricing.explore and pricing.rng is not None and pricing.rng.random() < pricing.explore:
             # keep measuring the model's acceptance, but cheaply: a 1-token draft for a sequence whose draft
             # cache is current (a long catch-up would cost more than the draft); while the speculator has
@@ -191,13 +261,24 @@ class Chain:
                 chosen = {cands[j]: 1}
         return chosen
 
-    def accept(self, prop: Proposal, n_drafted: int, n_accepted: int) -> None:
-        """Tell every speculator asked for this sequence how its round went."""
+    def accept(self, prop: Proposal, n_drafted: int, n_accepted: int, emitted: np.ndarray | None = None) -> None:
+        """Tell every speculator asked for this sequence how its round went.
+
+        emitted: the tokens the target produced this round (accepted draft tokens + the next one). With
+        them every asked speculator's whole draft is judged, sent or not (a draft the planner cut to
+        nothing still learns from the one token every round emits); without, only the sent draft.
+        """
         for name in prop.asked:
             winner = name == prop.speculator and n_drafted > 0
             self.instances[name].accept(prop.seq_id, n_drafted, n_accepted, winner)
-            if winner:
-                self.trackers[name].update(prop.seq_id, n_drafted, n_accepted)
+            tracker = self.trackers[name]
+            if emitted is not None:
+                d = prop.drafts.get(name)
+                if d is not None and len(d):
+                    m, censored = judge(d, emitted)
+                    tracker.update(prop.seq_id, len(d), m, censored, prop.contexts.get(name, 0))
+            elif winner:
+                tracker.update(prop.seq_id, n_drafted, n_accepted)
 
     def stats(self) -> dict[str, SpeculatorStats]:
         return {name: spec.stats for name, spec in self.instances.items()}

@@ -27,7 +27,11 @@ class ChainConfig(BaseModel):
         "draft length; cost: highest expected accepted tokens, then cut to the length that maximises "
         "expected tokens per second given the measured verify cost (never slower than plain decoding)",
     )
-    n_max: int = Field(16, ge=0, le=256, description="cap on draft tokens per sequence per round")
+    n_max: int = Field(
+        64, ge=0, le=256,
+        description="cap on draft tokens per sequence per round (the cost policy cuts each draft to what pays; "
+        "long copies of 48-64 tokens are where n-gram drafts win most)",
+    )
     explore: float = Field(
         0.03, ge=0.0, le=1.0,
         description="cost policy: share of rounds in which a draft the planner would drop is still sent "
@@ -78,6 +82,40 @@ class DraftModelConfig(BaseModel):
     threads: int | None = Field(None, ge=1, description="CPU threads of the draft context (None: the engine's)")
 
 
+HiddenTransportName = Literal["object_store", "inline", "cuda_ipc"]
+
+
+class HiddenStateConfig(BaseModel):
+    """Hidden-state speculators (`mtp`, `eagle3`): their heads and how the target's hidden rows reach them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mtp: bool = Field(
+        False, description="load the target's own NextN (MTP) head for the `mtp` speculator (the target GGUF must "
+        "carry NextN layers: <arch>.nextn_predict_layers > 0)")
+    eagle3_model: str | None = Field(
+        None, description=".gguf path of an EAGLE-3 draft for this target (architecture eagle3) for the `eagle3` "
+        "speculator; None: no `eagle3`")
+    transport: HiddenTransportName = Field(
+        "object_store",
+        description="distributed mode: how hidden rows go from the target actor to the companion: object_store "
+        "(the target ray.put()s each round's rows, the reference goes to the companion, the router never copies "
+        "them), cuda_ipc (a CUDA IPC handle of a device buffer, same node, GPUs only: without CUDA it falls back "
+        "to object_store and says why in the actors' info), inline (by value inside the step result and the "
+        "companion call: two copies through the router, a baseline); co-located mode always passes them "
+        "in-process without a copy")
+    inline_below_bytes: int = Field(
+        0, ge=0, description="object_store / cuda_ipc: a round's rows smaller than this go by value instead (a "
+        "ray.put costs ~1.5 ms however small the object; 0: never)")
+    n_ctx: int | None = Field(
+        None, ge=64, description="head context cells shared by all slots (None: the target's n_ctx + 16 per slot)")
+    threads: int | None = Field(None, ge=1, description="CPU threads of the head contexts (None: the engine's)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mtp or bool(self.eagle3_model)
+
+
 class EngineConfig(BaseModel):
     """Everything the in-process engine (target context + round scheduler) needs."""
 
@@ -110,5 +148,8 @@ class EngineConfig(BaseModel):
         default_factory=DraftModelConfig, description="draft model for the `draft` speculator (in-process when "
         "co-located, in the companion actor when distributed)"
     )
+    hidden: HiddenStateConfig = Field(
+        default_factory=HiddenStateConfig, description="hidden-state speculators mtp / eagle3 (in-process when "
+        "co-located, in the companion actor when distributed)")
     calibrate: bool = Field(True, description="measure verify cost by batch size at start (cost policy)")
     record_margins: bool = Field(False, description="record top-2 logit margins of emitted tokens (bench)")

@@ -218,13 +218,19 @@ class Scheduler:
             toks = np.empty(1 + len(prop.tokens), dtype=np.int32)
             toks[0] = s.last_token
             toks[1:] = prop.tokens
-            items.append(StepItem(s.slot, toks, s.n_past, len(prop.tokens), True))
+            items.append(StepItem(s.slot, toks, s.n_past, len(prop.tokens), True, self._needs_hidden(s)))
         for s, n in chunks:
             end = s.n_prefilled + n
             last = end == len(s.req.prompt_tokens)
-            items.append(StepItem(s.slot, s.req.prompt_tokens[s.n_prefilled : end], s.n_prefilled, 0, last))
+            items.append(StepItem(s.slot, s.req.prompt_tokens[s.n_prefilled : end], s.n_prefilled, 0, last,
+                                  self._needs_hidden(s)))
 
         out = self.target.step(items)
+        if out.hidden is not None:  # before _mirror: process() pairs each commit with its rows
+            try:
+                self.chain.hidden(out.hidden)
+            except Exception:
+                log.exception("speculator hidden rows failed")
         self.stats.target_seconds += out.decode_seconds
         for size in out.batch_sizes:
             # one observation per decode; split rounds attribute time evenly
@@ -234,7 +240,7 @@ class Scheduler:
         for s, prop, res, it in zip(decoding, proposals, out.results[: len(decoding)], items):
             n_drafted = len(prop.tokens)
             try:
-                self.chain.accept(prop, n_drafted, res.n_accepted)
+                self.chain.accept(prop, n_drafted, res.n_accepted, res.tokens)
             except Exception:
                 log.exception("speculator accept failed")
             self._mirror(s, it.tokens[: 1 + res.n_accepted], it.pos0)
@@ -267,6 +273,10 @@ class Scheduler:
 
     def target_budget(self) -> int:
         return self.config.n_batch
+
+    def _needs_hidden(self, s: Sequence) -> bool:
+        """The target returns hidden rows only for sequences whose chain has a hidden-state speculator."""
+        return bool(s.chain) and self.chain.needs_hidden(s.chain)
 
     def _mirror(self, s: Sequence, tokens: np.ndarray, pos: int) -> None:
         """Tell the sequence's speculators what the target committed (model speculators mirror it into

@@ -165,6 +165,11 @@ class Speculator(ABC):
         self._last_draft_len.pop(seq_id, None)
         self._end(seq_id)
 
+    def draft_context(self, seq_id: int) -> int:
+        """A small bucket (0..7) describing seq_id's last draft, for the chain's acceptance estimate
+        (e.g. how long a match it copies); 0 when the speculator has nothing to say."""
+        return 0
+
     def get_state(self) -> Any:
         """Optional: a picklable snapshot of shared (cross-request) state."""
         return None

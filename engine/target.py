@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .hidden_rows import pack_rows
 from .sampling import SamplingParams
 from .verify import verify_greedy, verify_sampled_coupled
 
@@ -39,6 +40,7 @@ class StepItem:
     pos0: int  # KV position of tokens[0]
     n_draft: int = 0
     sample: bool = True  # False for a prompt chunk that is not the prompt's last
+    hidden: bool = False  # a hidden-state speculator (mtp, eagle3) needs the committed rows' hidden states
 
     @property
     def n_commit(self) -> int:
@@ -61,6 +63,9 @@ class StepOutput:
     n_decodes: int
     batch_sizes: list[int] = field(default_factory=list)  # tokens per llama_decode
     seqs_per_decode: list[int] = field(default_factory=list)
+    # hidden rows of the committed tokens of items with hidden=True (engine/hidden_rows.py HiddenRows); in the
+    # target actor, replaced by its transport's handle (deployments/hidden_transport.py)
+    hidden: Any = None
 
 
 @dataclass
@@ -91,6 +96,10 @@ class TargetRunner:
     def __init__(self, ctx: TargetContext, record_margins: bool = False) -> None:
         self.ctx = ctx
         self.record_margins = record_margins
+        # hidden-row taps (specray.native.hidden.HiddenOutput), set when a hidden-state speculator is configured;
+        # switched on only for decodes holding an item with hidden=True
+        self.hidden_out = None
+        self.hidden_rows = 0  # hidden rows returned (committed tokens of hidden=True items)
         self.sessions: dict[int, _Session] = {}
         self.rounds = 0
         self.multi_seq_decodes = 0  # decodes that held rows of >= 2 sequences
@@ -116,15 +125,23 @@ class TargetRunner:
         groups = self._pack(items)
         t_decode = 0.0
         sizes, seqs = [], []
+        hidden_entries: list | None = [] if self.hidden_out is not None and any(it.hidden for it in items) else None
+        # rows are a view into llama.cpp's buffer: copied if another decode of this step follows
+        keep_rows = (lambda a: a.copy()) if len(groups) > 1 else (lambda a: a)
         for group in groups:
             batch = self.ctx.batch
             batch.clear()
             for it in group:
                 n_logits = it.n_draft + 1 if it.sample else 0
                 batch.add_seq(it.seq_id, it.tokens, it.pos0, n_logits)
+            want_rows = hidden_entries is not None and any(it.hidden for it in group)
+            if self.hidden_out is not None:
+                self.hidden_out.set_enabled(want_rows)
             t0 = time.perf_counter()
             logits = self.ctx.decode(batch)
             t_decode += time.perf_counter() - t0
+            rows_all = self.hidden_out.rows(batch.n_tokens) if want_rows else None
+            first_row = 0
             sizes.append(batch.n_tokens)
             seqs.append(len(group))
             self.step_decodes += 1
@@ -136,8 +153,12 @@ class TargetRunner:
             for it in group:
                 sess = self.sessions[it.seq_id]
                 sess.push(it.tokens[: it.n_commit])
+                it_row, first_row = first_row, first_row + len(it.tokens)
                 if not it.sample:
                     results[it.seq_id] = StepResult(it.seq_id, np.zeros(0, dtype=np.int32))
+                    if rows_all is not None and it.hidden:
+                        rows_it = keep_rows(rows_all[it_row : it_row + len(it.tokens)])
+                        hidden_entries.append((it.seq_id, it.pos0, it.tokens, rows_it))
                     continue
                 k = it.n_draft
                 rows = logits[row : row + k + 1]
@@ -158,10 +179,17 @@ class TargetRunner:
                 out[n_acc] = verdict.next_token
                 margins = top2_margin(rows[: n_acc + 1]) if self.record_margins else None
                 results[it.seq_id] = StepResult(it.seq_id, out, n_acc, margins)
+                if rows_all is not None and it.hidden:  # the committed tokens' rows: context + accepted draft
+                    n_kept = it.n_commit + n_acc
+                    rows_it = keep_rows(rows_all[it_row : it_row + n_kept])
+                    hidden_entries.append((it.seq_id, it.pos0, it.tokens[:n_kept], rows_it))
         self.rounds += 1
-        return StepOutput(
-            [results[it.seq_id] for it in items], t_decode, sum(sizes), len(groups), sizes, seqs
-        )
+        out = StepOutput([results[it.seq_id] for it in items], t_decode, sum(sizes), len(groups), sizes, seqs)
+        if hidden_entries:
+            h = self.hidden_out
+            out.hidden = pack_rows(self.rounds, h.taps, h.tap_widths, hidden_entries)
+            self.hidden_rows += out.hidden.n_rows
+        return out
 
     def measure_decode_costs(
         self, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), reps: int = 3, prefix: int = 64,

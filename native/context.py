@@ -37,6 +37,7 @@ class Context:
         kv_unified: bool | None = None,
         swa_full: bool = True,
         exact: bool = False,
+        ctx_type: int = 0,
     ) -> None:
         lib.ensure_backend()
         self.model = model
@@ -58,6 +59,7 @@ class Context:
         params.kv_unified = kv_unified
         params.no_perf = True
         params.swa_full = swa_full
+        params.ctx_type = ctx_type  # 1 = LLAMA_CONTEXT_TYPE_MTP: runs the model's NextN head (native/mtp_backend.py)
         self.ptr = llama_cpp.llama_init_from_model(model.ptr, params)
         if not self.ptr:
             raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max})")

@@ -36,6 +36,7 @@ class Model:
         use_extra_bufts: bool | None = None,
         chat_template: str | None = None,
         vocab_only: bool = False,
+        load_mtp: bool = False,
     ) -> None:
         lib.ensure_backend()
         self.name = path_or_alias
@@ -52,6 +53,8 @@ class Model:
         self.use_extra_bufts = use_extra_bufts
         params.vocab_only = vocab_only  # tokenizer + chat template only (router process of a deployment)
         self.vocab_only = vocab_only
+        params.load_mtp = load_mtp  # NextN (MTP) blocks: only an MTP context (the `mtp` speculator) runs them
+        self.load_mtp = load_mtp
         self.ptr = llama_cpp.llama_model_load_from_file(self.path.encode(), params)
         if not self.ptr:
             raise RuntimeError(f"llama.cpp could not load model {self.path}")

@@ -57,6 +57,12 @@ def concurrent_prompts() -> list[str]:
     return spec_bench_prompts(N_CONCURRENT)
 
 
+#: Ray's Prometheus endpoint of this node (http://127.0.0.1:METRICS_PORT/metrics; tests/serve/test_ab.py
+#: scrapes it); workers push their metrics every second instead of every 10 s
+METRICS_PORT = int(os.environ.get("SPECRAY_TEST_METRICS_PORT", 0)) or _free_port()
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+
+
 @pytest.fixture(scope="session")
 def ray_serve():
     """One local Ray + Serve for the whole run; yields the HTTP base URL (no route prefix)."""
@@ -64,7 +70,7 @@ def ray_serve():
     from ray import serve
 
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-             namespace="specray-tests")
+             namespace="specray-tests", _metrics_export_port=METRICS_PORT)
     port = int(os.environ.get("SPECRAY_TEST_PORT", 0)) or _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:

@@ -59,7 +59,9 @@ def test_distributed_replica_gets_a_strict_pack_group_of_three_bundles():
     colo = replica_options(load_serve_config({"mode": "colocated"}))
     assert "placement_group_bundles" not in colo
     auto = replica_options(load_serve_config({"autoscaling": {"min_replicas": 1, "max_replicas": 3}}))
-    assert auto["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3} and "num_replicas" not in auto
+    # the LLM default signal is filled in: ongoing requests per replica against its slots (engine.slots = 4)
+    assert auto["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 4}
+    assert "num_replicas" not in auto
 
 
 def test_cli_flags_override_the_config_file(tmp_path):

@@ -1,0 +1,270 @@
+"""Hidden-state speculators (mtp, eagle3) across actors: the companion's side and the router's proxy.
+
+Distributed mode. The target actor returns each round's hidden rows as a
+transport handle (deployments/hidden_transport.py) inside its step result; the
+scheduler hands it to the chain (`Chain.hidden`), i.e. to the router's
+`CompanionHiddenProxy`, which only keeps the handle. Like the `draft` proxy, it
+buffers what the scheduler tells it, IN ORDER (sequences ended and begun, round
+records, committed tokens), and sends it with the round's draft requests in ONE
+companion call (`CompanionService.hidden_round`). The companion opens each
+record (object store: a shared-memory get; the router never copied the rows)
+and replays the events into the real speculator (engine/speculators/mtp.py,
+eagle3.py), whose RowStash checks every commit against its rows' sequence,
+positions and token ids, then drafts all slots in one batched head decode per
+step. If no draft is asked for a while, the buffer is flushed every
+`FLUSH_RECORDS` records so the object store does not hold many rounds' rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from specray.engine.config import EngineConfig
+from specray.engine.cost import DecodeCostModel
+from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE, DraftRequest
+from specray.engine.speculators.draft_base import ModelSpeculator
+from specray.engine.speculators.registry import make_params
+
+from .hidden_transport import HiddenReceiver
+
+log = logging.getLogger("specray.companion.hidden")
+
+#: records buffered by the proxy before it sends them without a draft request
+FLUSH_RECORDS = 16
+HIDDEN_SPECULATORS = ("mtp", "eagle3")
+
+
+class HiddenCompanion:
+    """The companion's hidden-state heads and speculators (one speculator per name and parameter set)."""
+
+    def __init__(self, cfg: EngineConfig, target_vocab) -> None:
+        from specray.native.hidden_heads import open_hidden_heads
+
+        self.heads = open_hidden_heads(cfg, target_vocab, target_n_ctx=cfg.n_ctx)
+        self.builders = self.heads.builders() if self.heads is not None else {}
+        self.receiver = HiddenReceiver()
+        self.speculators: dict[tuple[str, str], object] = {}
+        self._lock = threading.Lock()  # head contexts are not thread-safe
+        self.calls = 0
+        self.inside_seconds = 0.0
+        self.unsynced = 0
+        self.open_failures = 0
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.builders)
+
+    def _speculator(self, name: str, params: dict):
+        key = (name, repr(sorted(params.items())))
+        spec = self.speculators.get(key)
+        if spec is None:
+            if name not in self.builders:
+                raise ValueError(f"the companion has no {name} head (engine.hidden)")
+            spec = self.speculators[key] = self.builders[name](make_params(name, params))
+        return spec
+
+    def round(self, payload: dict) -> dict:
+        """events: ordered ("end", seq) | ("begin", seq) | ("rows", handle) | ("commit", seq, pos, tokens);
+        requests: [(seq, last_token, history_len, n_max)]. Returns drafts, unsynced sequences, time inside,
+        step costs and acks (CUDA buffers done with)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            self.calls += 1
+            spec = self._speculator(payload["name"], payload.get("params") or {})
+            for ev in payload.get("events", ()):
+                kind = ev[0]
+                if kind == "rows":
+                    try:
+                        record = self.receiver.open_handle(ev[1])
+                    except Exception:
+                        # e.g. the target actor died and its objects with it: the commits of these rows then
+                        # find none and their sequences stop drafting; the companion itself is fine
+                        self.open_failures += 1
+                        log.exception("could not open a round's hidden rows")
+                        continue
+                    spec.take_hidden(record)
+                elif kind == "commit":
+                    spec.process(ev[1], np.asarray(ev[3], dtype=TOKEN_DTYPE), ev[2])
+                elif kind == "begin":
+                    spec.begin(ev[1], EMPTY_DRAFT)
+                elif kind == "end":
+                    spec.end(ev[1])
+            reqs, where, unsynced = [], [], []
+            for i, (seq, last, n_hist, n_max) in enumerate(payload.get("requests", ())):
+                committed = spec.committed(seq)
+                if len(committed) != n_hist - 1:
+                    unsynced.append(seq)
+                    continue
+                reqs.append(DraftRequest(seq, np.append(committed, np.int32(last)).astype(TOKEN_DTYPE), n_max))
+                where.append(i)
+            drafts = [EMPTY_DRAFT] * len(payload.get("requests", ()))
+            if reqs:
+                for i, d in zip(where, spec.draft(reqs)):
+                    drafts[i] = d
+            self.unsynced += len(unsynced)
+            costs = spec.step_cost.table()
+            acks = self.receiver.take_acks()
+        inside = time.perf_counter() - t0
+        self.inside_seconds += inside
+        return {"drafts": drafts, "unsynced": unsynced, "inside_s": inside, "step_costs": costs, "acks": acks}
+
+    def state(self, name: str, seq_ids: list[int]) -> dict:
+        """Per sequence: committed tokens, head KV tokens and pos_max, and (audit on) the rows received by
+        position: {seq: {"committed", "kv_tokens", "pos_max", "audit": {pos: (token, row)}}}."""
+        with self._lock:
+            out: dict = {}
+            for (n, _), spec in self.speculators.items():
+                if n != name:
+                    continue
+                for s in seq_ids:
+                    if s in spec.seqs:
+                        out[s] = {"committed": spec.committed(s), "kv_tokens": spec.kv_tokens(s),
+                                  "pos_max": spec.backend.pos_max(s), "lost": spec.seqs[s].lost,
+                                  "audit": dict(spec.audit.get(s, {}))}
+            return out
+
+    def counters(self) -> dict:
+        d = {"hidden_calls": self.calls, "hidden_inside_seconds": self.inside_seconds,
+             "hidden_unsynced": self.unsynced, "hidden_open_failures": self.open_failures}
+        for (name, _), spec in self.speculators.items():
+            for k, v in spec.counters.__dict__.items():
+                d[f"{name}_{k}"] = d.get(f"{name}_{k}", 0) + v
+        d |= {f"hidden_transport_{k}": v for k, v in self.receiver.stats.to_dict().items()}
+        return d
+
+    def decode_costs(self) -> dict[str, dict[int, float]]:
+        return {name: head.decode_costs() for name, head in (("mtp", self.heads.mtp), ("eagle3", self.heads.eagle3))
+                if head is not None} if self.heads is not None else {}
+
+    def close(self) -> None:
+        self.receiver.close()
+        if self.heads is not None:
+            self.heads.close()
+
+
+class CompanionHiddenProxy(ModelSpeculator):
+    """The router's `mtp` / `eagle3` speculator: buffers events in order, one companion call per drafting round.
+
+    `client` is a CompanionClient; `ack_sink(acks)` (optional) takes CUDA-IPC buffer acks back to the target."""
+
+    def __init__(self, name: str, params, client, cost_table: dict[int, float] | None = None,
+                 ack_sink: Callable[[list], None] | None = None) -> None:
+        super().__init__()
+        self.name = name
+        self.params = params
+        self.max_steps = params.n_max
+        self.client = client
+        self.ack_sink = ack_sink
+        self.step_cost = DecodeCostModel(cost_table or None, ema=0.1)
+        self.hop_seconds = 0.0
+        self.calls = 0
+        self.failed_calls = 0
+        self.unsynced = 0
+        self.flushes = 0
+        self._epoch: dict[int, int] = {}
+        self._drafted_len: dict[int, int] = {}
+        self._events: list[tuple] = []
+        self._records = 0
+
+    # ---- cost (as CompanionDraftProxy) -------------------------------------------------------------------
+    def draft_seconds(self, n_seqs: int, n_steps: int) -> float:
+        n = max(1, n_seqs)
+        return self.hop_seconds + self.step_cost.cost(2 * n) + max(0, n_steps - 1) * self.step_cost.cost(n)
+
+    def catchup_seconds(self, seq_id: int, history: np.ndarray) -> float:
+        rows = len(history) - self._drafted_len.get(seq_id, 0) + 1
+        return max(0.0, self.step_cost.cost(rows) - self.step_cost.cost(2)) if rows > 2 else 0.0
+
+    # ---- events ------------------------------------------------------------------------------------------
+    def _begin(self, seq_id: int, prompt: np.ndarray) -> None:
+        self._drafted_len.pop(seq_id, None)
+        self._events.append(("begin", seq_id))
+        self._epoch[seq_id] = self.client.epoch
+
+    def _end(self, seq_id: int) -> None:
+        self._epoch.pop(seq_id, None)
+        self._drafted_len.pop(seq_id, None)
+        self._events.append(("end", seq_id))
+
+    def take_hidden(self, handle) -> None:
+        self._events.append(("rows", handle))
+        self._records += 1
+        if self._records >= FLUSH_RECORDS:
+            self.flush()
+
+    def process(self, seq_id: int, tokens: np.ndarray, pos: int) -> None:
+        if self._epoch.get(seq_id) == self.client.epoch:
+            self._events.append(("commit", seq_id, int(pos), np.asarray(tokens, dtype=TOKEN_DTYPE).copy()))
+
+    def _send(self, requests: list) -> dict | None:
+        payload = {"name": self.name, "params": self.params.model_dump(), "events": self._events,
+                   "requests": requests}
+        self._events, self._records = [], 0
+        self.calls += 1
+        res = self.client.call("hidden_round", payload, default=None)
+        if res is None:  # down or failed: its replacement starts empty (new epoch)
+            self.failed_calls += 1
+            return None
+        if res.get("acks") and self.ack_sink is not None:
+            self.ack_sink(res["acks"])
+        return res
+
+    def flush(self) -> bool:
+        """Send what is buffered without asking for drafts (bounds the rows held in the object store)."""
+        if not self._events:
+            return True
+        self.flushes += 1
+        return self._send([]) is not None
+
+    # ---- drafting ----------------------------------------------------------------------------------------
+    def _draft_one(self, req: DraftRequest) -> np.ndarray:  # pragma: no cover - draft() is batched
+        return self.draft([req])[0]
+
+    def draft(self, requests: list[DraftRequest]) -> list[np.ndarray]:
+        t0 = time.perf_counter()
+        epoch = self.client.epoch
+        out = [EMPTY_DRAFT] * len(requests)
+        sent, idx = [], []
+        for i, r in enumerate(requests):
+            self.stats.calls += 1
+            if r.n_max > 0 and len(r.history) and self._epoch.get(r.seq_id) == epoch:
+                sent.append((r.seq_id, int(r.history[-1]), len(r.history), int(r.n_max)))
+                idx.append(i)
+                self._drafted_len[r.seq_id] = len(r.history)
+        if sent:
+            res = self._send(sent)
+            if res is not None:
+                wall = time.perf_counter() - t0
+                self.hop_seconds += 0.2 * (max(0.0, wall - res["inside_s"]) - self.hop_seconds)
+                self.step_cost = DecodeCostModel({int(k): v for k, v in res["step_costs"].items()}, ema=0.1)
+                self.unsynced += len(res["unsynced"])
+                for i, d in zip(idx, res["drafts"]):
+                    d = np.asarray(d, dtype=TOKEN_DTYPE)[: requests[i].n_max]
+                    if len(d):
+                        self.stats.drafts_generated += 1
+                        out[i] = d
+        self.stats.time_draft_s += time.perf_counter() - t0
+        return out
+
+    def counters(self) -> dict:
+        return {"calls": self.calls, "failed_calls": self.failed_calls, "unsynced": self.unsynced,
+                "flushes": self.flushes, "hop_ms": 1000 * self.hop_seconds, "buffered_events": len(self._events)}
+
+
+def hidden_proxy_builders(client, config: EngineConfig, ack_sink=None) -> dict[str, Callable]:
+    """Router-side builders for the hidden-state speculators the companion has heads for."""
+    if not config.hidden.enabled:
+        return {}
+    costs = (client.sup.info or {}).get("hidden_decode_costs") or {}
+    names = [n for n, on in (("mtp", config.hidden.mtp), ("eagle3", bool(config.hidden.eagle3_model))) if on]
+
+    def builder(name: str):
+        table = {int(k): v for k, v in (costs.get(name) or {}).items()}
+        return lambda p: CompanionHiddenProxy(name, p, client, table, ack_sink)
+
+    return {n: builder(n) for n in names}

@@ -1,0 +1,84 @@
+"""How the chain learns acceptance: every asked speculator's draft is judged against the emitted tokens,
+the estimate is conditioned on the previous verdict, and the cost policy prefers a sure short draft."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specray.engine.acceptance import AcceptanceTracker, judge, next_state
+from specray.engine.chain import Chain, Pricing, SeqDraftRequest, draft_value
+from specray.engine.config import ChainConfig
+from specray.engine.speculator import DraftRequest, Speculator
+
+
+class Fixed(Speculator):
+    """Drafts a fixed token list (what a test wants it to propose)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        super().__init__()
+        self.tokens = np.array(tokens, dtype=np.int32)
+
+    def _draft_one(self, req: DraftRequest) -> np.ndarray:
+        return self.tokens
+
+
+def chain_of(specs: dict[str, Speculator], policy: str = "cost") -> Chain:
+    return Chain(ChainConfig(speculators=list(specs), policy=policy, n_max=16), lambda name, params: specs[name])
+
+
+def test_judge_counts_accepted_prefix_and_censoring():
+    assert judge(np.array([1, 2, 3]), np.array([1, 2, 9])) == (2, False)
+    assert judge(np.array([1, 2, 3]), np.array([1, 2])) == (2, True)  # tokens ran out first
+    assert judge(np.array([4]), np.array([5])) == (0, False)
+    assert judge(np.array([1, 2]), np.array([1, 2, 3])) == (2, False)  # whole draft accepted
+
+
+def test_a_draft_that_was_not_sent_still_learns_from_the_emitted_tokens():
+    good, bad = Fixed([7, 8, 9]), Fixed([5, 5, 5])
+    chain = chain_of({"good": good, "bad": bad})
+    for _ in range(30):
+        [prop] = chain.propose([SeqDraftRequest(0, ("good", "bad"), np.array([1, 2, 3], np.int32), 3)])
+        prop.cut(0)  # the planner sent nothing: the round emits one token
+        chain.accept(prop, 0, 0, np.array([7], np.int32))
+    # nothing was verified, yet the first token of each is judged: `good` is right, `bad` wrong
+    assert chain.trackers["good"].prefix_probs(0, 1)[0] > 0.9
+    assert chain.trackers["bad"].prefix_probs(0, 1)[0] < 0.1
+    # the speculators' own stats count only what was sent
+    assert good.stats.drafts_chosen == 0 and bad.stats.drafts_chosen == 0
+
+
+def test_the_cost_policy_prefers_a_sure_short_draft_to_a_long_shaky_one():
+    price = Pricing(cost=lambda n: 0.010 + 0.006 * (n - 1), base_tokens=1, n_decoding=1)
+    sure = np.array([0.97, 0.95])
+    shaky = np.array([0.6, 0.45, 0.35, 0.3, 0.25, 0.2])
+    assert shaky.sum() > sure.sum()  # by expected accepted tokens alone the long one would win
+    assert draft_value(sure, price) > draft_value(shaky, price)
+    assert draft_value(np.array([0.3]), price) == 0.0  # not worth its verify time at all
+
+
+def test_estimate_follows_the_previous_verdict():
+    t = AcceptanceTracker()
+    for s in range(30):  # spans that copy: after a wholly accepted draft the next one is too
+        for n in (8, 8, 8, 0, 0, 0):
+            t.update(s, 8, n)
+    t.update(1000, 8, 8)
+    t.update(1001, 8, 0)
+    assert t.prefix_probs(1000, 4)[-1] > 0.5 > 0.1 > t.prefix_probs(1001, 1)[0]
+    assert next_state(0) != next_state(8)
+
+
+def test_censored_verdicts_add_no_failures():
+    t = AcceptanceTracker(prior=0.5)
+    for _ in range(50):
+        t.update(0, 8, 1, censored=True)  # one token matched, then the judgement stopped
+    assert t.global_rate() > 0.95
+    assert t.pos_trials[1] == 0  # position 1 was never judged
+
+
+@pytest.mark.parametrize("policy", ["first", "expected", "cost"])
+def test_every_policy_records_the_drafts_it_asked_for(policy):
+    chain = chain_of({"a": Fixed([3, 4]), "b": Fixed([3, 9])}, policy)
+    [prop] = chain.propose([SeqDraftRequest(0, ("a", "b"), np.array([1, 2], np.int32), 4)])
+    assert prop.speculator in ("a", "b")
+    assert set(prop.drafts) == set(prop.asked)
