@@ -102,10 +102,11 @@ class ConfigResult:
     tie_divergences: int = 0
     identical: int = 0
     compared: int = 0
+    steal_seconds: float = 0.0  # CPU time the hypervisor gave to others while this ran (/proc/stat steal)
 
     def add(self, other: "ConfigResult") -> None:
-        for k in ("tokens", "seconds", "prefill_seconds", "sequences", "loaded_seconds", "loaded_tokens", "drafts", "drafted", "accepted", "mismatches", "tie_divergences",
-                  "identical", "compared"):
+        for k in ("tokens", "seconds", "prefill_seconds", "sequences", "loaded_seconds", "loaded_tokens", "drafts",
+                  "drafted", "accepted", "mismatches", "tie_divergences", "identical", "compared", "steal_seconds"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
     @property
@@ -172,7 +173,7 @@ class BenchReport:
                 "acceptance_rate": r.acceptance_rate, "speedup": speedup, "e2e_tokens_per_s": r.e2e_tokens_per_s,
                 "e2e_speedup": e2e, "tokens": r.tokens, "seconds": r.seconds, "prefill_seconds": r.prefill_seconds,
                 "drafts": r.drafts, "drafted_tokens": r.drafted,
-                "accepted_tokens": r.accepted}
+                "accepted_tokens": r.accepted, "steal_seconds": r.steal_seconds}
 
     def table(self) -> str:
         js = self.to_json()
@@ -192,7 +193,30 @@ class BenchReport:
                     f"{(f'{e2e:.2f}x' if e2e is not None else '-'):>7}"
                     f"{row['mean_acceptance_length']:>11.2f}{row['acceptance_rate']:>9.2f}{mm!s:>9}{ties!s:>6}"
                 )
+        lines.extend(self.steal_warnings())
         return "\n".join(lines)
+
+    def steal_warnings(self) -> list[str]:
+        """A line per configuration whose run lost more than 2% of its time to the hypervisor (its
+        figures are suspect: the host ran other machines' work on these cores)."""
+        out = []
+        for cfg in self.configs:
+            steal = sum(self.results[c][cfg].steal_seconds for c in self.categories)
+            wall = sum(self.results[c][cfg].seconds for c in self.categories)
+            if wall > 0 and steal / wall > 0.02:
+                out.append(f"warning: {cfg}: {steal:.1f} s of {wall:.1f} s stolen by the host "
+                           f"({100 * steal / wall:.0f}%); its figures are unreliable, run again")
+        return out
+
+
+def cpu_steal_seconds() -> float:
+    """CPU seconds the hypervisor has stolen from this machine since boot (0 where /proc/stat says nothing)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" and len(fields) > 8 else 0.0
+    except (OSError, ValueError):
+        return 0.0
 
 
 def measure_batch_variance(engine: LocalEngine, prefix_tokens: np.ndarray, n: int | tuple[int, ...] = 8) -> float:
@@ -284,10 +308,14 @@ def run_bench(
         cat_prompts = [p for p in prompts if p.category == cat]
         tokens = [engine.prompt_tokens(p.prompt, p.messages) for p in cat_prompts]
         report.results[cat] = {c: ConfigResult(c) for c in report.configs}
-        # configurations interleaved per group of `slots` prompts: a load change on the machine
-        # then hits every configuration alike instead of whichever ran at that moment
-        for g in range(0, len(tokens), slots):
-            group = tokens[g : g + slots]
+        # configurations interleaved per group of prompts, so a load change on the machine hits every
+        # configuration alike: one prompt at a time with one slot; with several slots the whole
+        # category at once, queued, so a finished sequence's slot is refilled as on a loaded server
+        # (closed groups of `slots` prompts would measure mostly batches emptying out, and a config
+        # that finishes some sequences sooner would leave the all-slots-busy window sooner)
+        step = 1 if slots == 1 else len(tokens)
+        for g in range(0, len(tokens), step):
+            group = tokens[g : g + step]
             base_seqs = None
             for c in report.configs:
                 if c == "llama_cpp":
@@ -323,9 +351,11 @@ def _run_config(engine: LocalEngine, chain: Chain, name: str, prompts: list[np.n
             for t in prompts]
     st = engine.scheduler.stats
     before = (st.prefill_seconds, st.loaded_seconds, st.loaded_tokens)
+    steal0 = cpu_steal_seconds()
     t0 = time.perf_counter()
     seqs = engine.run(reqs)
     r = ConfigResult(name, seconds=time.perf_counter() - t0, prefill_seconds=st.prefill_seconds - before[0],
+                     steal_seconds=cpu_steal_seconds() - steal0,
                      loaded_seconds=st.loaded_seconds - before[1], loaded_tokens=st.loaded_tokens - before[2])
     for s in seqs:
         r.sequences += 1 if s.generated else 0
@@ -348,6 +378,7 @@ class _PlainLlama:
 
     def run(self, prompts: list[np.ndarray], max_tokens: int) -> ConfigResult:
         r = ConfigResult("llama_cpp")
+        steal0 = cpu_steal_seconds()
         t0 = time.perf_counter()
         for toks in prompts:
             self.llm.reset()
@@ -364,6 +395,7 @@ class _PlainLlama:
             r.tokens += n
             r.sequences += 1 if n else 0
         r.seconds = time.perf_counter() - t0
+        r.steal_seconds = cpu_steal_seconds() - steal0
         return r
 
 

@@ -29,9 +29,10 @@ import numpy as np
 import ray
 
 from specray.engine.config import EngineConfig
-from specray.engine.cost import DecodeCostModel
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE, DraftRequest
-from specray.engine.speculators.draft_base import DraftParams, ModelSpeculator
+from specray.engine.speculators.draft_base import DraftParams
+
+from .companion_proxy import CompanionProxy
 from specray.engine.speculators.registry import Factory, speculator_factory
 
 #: speculator names that run in the companion
@@ -188,51 +189,29 @@ def needs_companion(chain: tuple[str, ...] | list[str]) -> bool:
     return any(n in MODEL_SPECULATORS for n in chain)
 
 
-class CompanionDraftProxy(ModelSpeculator):
-    """The router's `draft` speculator: buffers begin/process/end, one companion call per round that drafts.
-
-    `client` is a CompanionClient (call(method, payload, default=...) and `epoch`)."""
+class CompanionDraftProxy(CompanionProxy):
+    """The router's `draft` speculator: buffers begin/process/end, one companion call per round that drafts."""
 
     name = "draft"
 
     def __init__(self, params: DraftParams | None, client, cost_table: dict[int, float] | None = None) -> None:
-        super().__init__()
-        self.params = params or DraftParams()
-        self.max_steps = self.params.n_max
-        self.client = client
-        self.step_cost = DecodeCostModel(cost_table or None, ema=0.1)
-        self.hop_seconds = 0.0  # EMA of the call's time outside the companion
-        self.calls = 0
-        self.failed_calls = 0
-        self.unsynced = 0
-        self._epoch: dict[int, int] = {}  # companion generation each sequence began on
-        self._drafted_len: dict[int, int] = {}  # history length at each sequence's last draft request
+        super().__init__(params or DraftParams(), client, cost_table)
         self._ends: list[int] = []
         self._begins: list[int] = []
         self._commits: list[tuple[int, int, np.ndarray]] = []
 
-    def draft_seconds(self, n_seqs: int, n_steps: int) -> float:
-        n = max(1, n_seqs)
-        return self.hop_seconds + self.step_cost.cost(2 * n) + max(0, n_steps - 1) * self.step_cost.cost(n)
-
-    def catchup_seconds(self, seq_id: int, history: np.ndarray) -> float:
-        rows = len(history) - self._drafted_len.get(seq_id, 0) + 1
-        return max(0.0, self.step_cost.cost(rows) - self.step_cost.cost(2)) if rows > 2 else 0.0
-
     def _begin(self, seq_id: int, prompt: np.ndarray) -> None:
         self._drop(seq_id)
-        self._drafted_len.pop(seq_id, None)
+        super()._begin(seq_id, prompt)
         self._begins.append(seq_id)
-        self._epoch[seq_id] = self.client.epoch
 
     def process(self, seq_id: int, tokens: np.ndarray, pos: int) -> None:
-        if self._epoch.get(seq_id) == self.client.epoch:
+        if self._current(seq_id):
             self._commits.append((seq_id, int(pos), np.asarray(tokens, dtype=TOKEN_DTYPE).copy()))
 
     def _end(self, seq_id: int) -> None:
         self._drop(seq_id)
-        self._epoch.pop(seq_id, None)
-        self._drafted_len.pop(seq_id, None)
+        super()._end(seq_id)
         if seq_id not in self._ends:
             self._ends.append(seq_id)
 
@@ -241,54 +220,21 @@ class CompanionDraftProxy(ModelSpeculator):
         self._commits = [c for c in self._commits if c[0] != seq_id]
         self._begins = [s for s in self._begins if s != seq_id]
 
-    def _draft_one(self, req: DraftRequest) -> np.ndarray:  # pragma: no cover - draft() is batched
-        return self.draft([req])[0]
-
-    def draft(self, requests: list[DraftRequest]) -> list[np.ndarray]:
-        t0 = time.perf_counter()
-        epoch = self.client.epoch
-        out = [EMPTY] * len(requests)
-        sent, idx = [], []
-        for i, r in enumerate(requests):
-            self.stats.calls += 1
-            if r.n_max > 0 and len(r.history) and self._epoch.get(r.seq_id) == epoch:
-                sent.append((r.seq_id, int(r.history[-1]), len(r.history), int(r.n_max)))
-                idx.append(i)
-                self._drafted_len[r.seq_id] = len(r.history)
-        if sent:
-            payload = {"params": self.params.model_dump(), "ends": self._ends, "begins": self._begins,
-                       "commits": self._commits, "requests": sent}
-            self._ends, self._begins, self._commits = [], [], []
-            self.calls += 1
-            res = self.client.call("round", payload, default=None)
-            if res is None:  # down or failed: the companion is being replaced (new epoch)
-                self.failed_calls += 1
-            else:
-                wall = time.perf_counter() - t0
-                self.hop_seconds += 0.2 * (max(0.0, wall - res["inside_s"]) - self.hop_seconds)
-                self.step_cost = DecodeCostModel({int(k): v for k, v in res["step_costs"].items()}, ema=0.1)
-                self.unsynced += len(res["unsynced"])
-                for i, d in zip(idx, res["drafts"]):
-                    d = np.asarray(d, dtype=TOKEN_DTYPE)[: requests[i].n_max]
-                    if len(d):
-                        self.stats.drafts_generated += 1
-                        out[i] = d
-        self.stats.time_draft_s += time.perf_counter() - t0
-        return out
+    def _send(self, requests: list) -> dict | None:
+        payload = {"params": self.params.model_dump(), "ends": self._ends, "begins": self._begins,
+                   "commits": self._commits, "requests": requests}
+        self._ends, self._begins, self._commits = [], [], []
+        return self._call("round", payload)
 
     def flush(self) -> bool:
         """Send what is buffered (begun/ended sequences, commits) without asking for drafts, e.g. before
         inspecting the companion's mirror. False if the companion could not take it."""
         if not (self._ends or self._begins or self._commits):
             return True
-        payload = {"params": self.params.model_dump(), "ends": self._ends, "begins": self._begins,
-                   "commits": self._commits, "requests": []}
-        self._ends, self._begins, self._commits = [], [], []
-        return self.client.call("round", payload, default=None) is not None
+        return self._send([]) is not None
 
     def counters(self) -> dict:
-        return {"calls": self.calls, "failed_calls": self.failed_calls, "unsynced": self.unsynced,
-                "hop_ms": 1000 * self.hop_seconds, "buffered_commits": len(self._commits)}
+        return super().counters() | {"buffered_commits": len(self._commits)}
 
 
 def companion_speculator_factory(client, config: EngineConfig, ack_sink=None) -> Factory:

@@ -25,11 +25,10 @@ from collections.abc import Callable
 import numpy as np
 
 from specray.engine.config import EngineConfig
-from specray.engine.cost import DecodeCostModel
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE, DraftRequest
-from specray.engine.speculators.draft_base import ModelSpeculator
 from specray.engine.speculators.registry import make_params
 
+from .companion_proxy import CompanionProxy
 from .hidden_transport import HiddenReceiver
 
 log = logging.getLogger("specray.companion.hidden")
@@ -147,48 +146,27 @@ class HiddenCompanion:
             self.heads.close()
 
 
-class CompanionHiddenProxy(ModelSpeculator):
+class CompanionHiddenProxy(CompanionProxy):
     """The router's `mtp` / `eagle3` speculator: buffers events in order, one companion call per drafting round.
 
-    `client` is a CompanionClient; `ack_sink(acks)` (optional) takes CUDA-IPC buffer acks back to the target."""
+    `ack_sink(acks)` (optional) takes CUDA-IPC buffer acks back to the target."""
 
     def __init__(self, name: str, params, client, cost_table: dict[int, float] | None = None,
                  ack_sink: Callable[[list], None] | None = None) -> None:
-        super().__init__()
+        super().__init__(params, client, cost_table)
         self.name = name
-        self.params = params
-        self.max_steps = params.n_max
-        self.client = client
         self.ack_sink = ack_sink
-        self.step_cost = DecodeCostModel(cost_table or None, ema=0.1)
-        self.hop_seconds = 0.0
-        self.calls = 0
-        self.failed_calls = 0
-        self.unsynced = 0
         self.flushes = 0
-        self._epoch: dict[int, int] = {}
-        self._drafted_len: dict[int, int] = {}
         self._events: list[tuple] = []
         self._records = 0
 
-    # ---- cost (as CompanionDraftProxy) -------------------------------------------------------------------
-    def draft_seconds(self, n_seqs: int, n_steps: int) -> float:
-        n = max(1, n_seqs)
-        return self.hop_seconds + self.step_cost.cost(2 * n) + max(0, n_steps - 1) * self.step_cost.cost(n)
-
-    def catchup_seconds(self, seq_id: int, history: np.ndarray) -> float:
-        rows = len(history) - self._drafted_len.get(seq_id, 0) + 1
-        return max(0.0, self.step_cost.cost(rows) - self.step_cost.cost(2)) if rows > 2 else 0.0
-
     # ---- events ------------------------------------------------------------------------------------------
     def _begin(self, seq_id: int, prompt: np.ndarray) -> None:
-        self._drafted_len.pop(seq_id, None)
+        super()._begin(seq_id, prompt)
         self._events.append(("begin", seq_id))
-        self._epoch[seq_id] = self.client.epoch
 
     def _end(self, seq_id: int) -> None:
-        self._epoch.pop(seq_id, None)
-        self._drafted_len.pop(seq_id, None)
+        super()._end(seq_id)
         self._events.append(("end", seq_id))
 
     def take_hidden(self, handle) -> None:
@@ -198,19 +176,15 @@ class CompanionHiddenProxy(ModelSpeculator):
             self.flush()
 
     def process(self, seq_id: int, tokens: np.ndarray, pos: int) -> None:
-        if self._epoch.get(seq_id) == self.client.epoch:
+        if self._current(seq_id):
             self._events.append(("commit", seq_id, int(pos), np.asarray(tokens, dtype=TOKEN_DTYPE).copy()))
 
     def _send(self, requests: list) -> dict | None:
         payload = {"name": self.name, "params": self.params.model_dump(), "events": self._events,
                    "requests": requests}
         self._events, self._records = [], 0
-        self.calls += 1
-        res = self.client.call("hidden_round", payload, default=None)
-        if res is None:  # down or failed: its replacement starts empty (new epoch)
-            self.failed_calls += 1
-            return None
-        if res.get("acks") and self.ack_sink is not None:
+        res = self._call("hidden_round", payload)
+        if res is not None and res.get("acks") and self.ack_sink is not None:
             self.ack_sink(res["acks"])
         return res
 
@@ -221,39 +195,8 @@ class CompanionHiddenProxy(ModelSpeculator):
         self.flushes += 1
         return self._send([]) is not None
 
-    # ---- drafting ----------------------------------------------------------------------------------------
-    def _draft_one(self, req: DraftRequest) -> np.ndarray:  # pragma: no cover - draft() is batched
-        return self.draft([req])[0]
-
-    def draft(self, requests: list[DraftRequest]) -> list[np.ndarray]:
-        t0 = time.perf_counter()
-        epoch = self.client.epoch
-        out = [EMPTY_DRAFT] * len(requests)
-        sent, idx = [], []
-        for i, r in enumerate(requests):
-            self.stats.calls += 1
-            if r.n_max > 0 and len(r.history) and self._epoch.get(r.seq_id) == epoch:
-                sent.append((r.seq_id, int(r.history[-1]), len(r.history), int(r.n_max)))
-                idx.append(i)
-                self._drafted_len[r.seq_id] = len(r.history)
-        if sent:
-            res = self._send(sent)
-            if res is not None:
-                wall = time.perf_counter() - t0
-                self.hop_seconds += 0.2 * (max(0.0, wall - res["inside_s"]) - self.hop_seconds)
-                self.step_cost = DecodeCostModel({int(k): v for k, v in res["step_costs"].items()}, ema=0.1)
-                self.unsynced += len(res["unsynced"])
-                for i, d in zip(idx, res["drafts"]):
-                    d = np.asarray(d, dtype=TOKEN_DTYPE)[: requests[i].n_max]
-                    if len(d):
-                        self.stats.drafts_generated += 1
-                        out[i] = d
-        self.stats.time_draft_s += time.perf_counter() - t0
-        return out
-
     def counters(self) -> dict:
-        return {"calls": self.calls, "failed_calls": self.failed_calls, "unsynced": self.unsynced,
-                "flushes": self.flushes, "hop_ms": 1000 * self.hop_seconds, "buffered_events": len(self._events)}
+        return super().counters() | {"flushes": self.flushes, "buffered_events": len(self._events)}
 
 
 def hidden_proxy_builders(client, config: EngineConfig, ack_sink=None) -> dict[str, Callable]:

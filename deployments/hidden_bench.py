@@ -109,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="object_store runs: also with rows under BYTES sent by value (0: never; default: 0)")
     p.add_argument("--json", default=None, help="write the rows as JSON to this path")
     args = p.parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     import ray
 
     from specray.native.synthetic_gguf import MtpTargetSpec, write_eagle3_draft, write_mtp_target
@@ -117,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="specray-hidden-bench-")
     paths = {"mtp": write_mtp_target(os.path.join(tmp, "mtp.gguf"), MtpTargetSpec(mtp_head="copy_last")),
              "eagle3": write_eagle3_draft(os.path.join(tmp, "eagle3.gguf"))}
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_WAIT_POLICY": "passive"}})
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     rows = []
     print(f"{'kind':7} {'transport':12} {'seqs':>4} {'rounds':>6} {'round ms':>9} {'KiB/round':>9} "
           f"{'put ms':>7} {'get ms':>7} {'share':>6} {'tok/s':>7} {'accept':>6}")

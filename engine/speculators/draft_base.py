@@ -16,17 +16,22 @@ from pydantic import BaseModel, ConfigDict, Field
 from specray.engine.speculator import Speculator
 
 
-class DraftParams(BaseModel):
-    """Parameters of the `draft` speculator (llama.cpp's --draft-max/-min/-p-min defaults)."""
+class ModelDraftParams(BaseModel):
+    """What every model speculator takes (llama.cpp's --draft-max/-min/-p-min defaults)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    n_max: int = Field(3, ge=1, le=64, description="draft steps (draft-model tokens) per sequence per round at most")
+    n_max: int = Field(3, ge=1, le=64, description="draft steps (model decodes) per sequence per round at most")
     n_min: int = Field(0, ge=0, le=64, description="drafts shorter than this many tokens are dropped")
     p_min: float = Field(
         0.0, ge=0.0, le=1.0,
-        description="a sequence stops drafting when the draft model's probability of its next token is below this",
+        description="a sequence stops drafting when the model's probability of its next token is below this",
     )
+
+
+class DraftParams(ModelDraftParams):
+    """Parameters of the `draft` speculator (a separate draft model)."""
+
     window: int = Field(
         16, ge=1, le=256, description="cross-vocab: draft-vocab tokens at the end of the text retokenised per round"
     )

@@ -34,28 +34,21 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from specray.engine.cost import DecodeCostModel
 from specray.engine.hidden_rows import ROW_DTYPE, HiddenRows, RowMismatch, RowStash, Tap, mtp_input_rows
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE, DraftRequest
 
 from .draft import _Tokens
-from .draft_base import ModelSpeculator
+from .draft_base import ModelDraftParams, ModelSpeculator
 
 log = logging.getLogger("specray.hidden")
 
 
-class HiddenDraftParams(BaseModel):
-    """Parameters of a hidden-state speculator (llama.cpp's --draft-max/-min/-p-min defaults)."""
+class HiddenDraftParams(ModelDraftParams):
+    """Parameters of a hidden-state speculator (mtp, eagle3)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    n_max: int = Field(3, ge=1, le=64, description="draft steps (head decodes) per sequence per round at most")
-    n_min: int = Field(0, ge=0, le=64, description="drafts shorter than this many tokens are dropped")
-    p_min: float = Field(
-        0.0, ge=0.0, le=1.0,
-        description="a sequence stops drafting when the head's probability of its next token is below this")
     audit: bool = Field(
         False, description="keep every row received, by sequence and position (tests and diagnostics; memory grows "
         "with the context)")

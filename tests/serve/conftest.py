@@ -15,9 +15,6 @@ import pytest
 
 from ..conftest import spec_bench_prompts
 
-# the in-process reference engine: OpenMP threads that sleep instead of spinning (the deployment sets the
-# same for its workers through ServeConfig.worker_env); only effective if llama.cpp is not loaded yet
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 # aggressive parameters: short answers still get drafts, and some get rejected
 SPEC_PARAMS = {

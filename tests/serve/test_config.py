@@ -55,7 +55,9 @@ def test_distributed_replica_gets_a_strict_pack_group_of_three_bundles():
     assert opts["placement_group_strategy"] == "STRICT_PACK"
     assert opts["placement_group_bundles"] == [{"CPU": 0.2}, {"CPU": 0.5}, {"CPU": 0.1}]
     assert opts["ray_actor_options"]["num_cpus"] == 0.2  # a subset of bundle 0
-    assert opts["ray_actor_options"]["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "passive"}}
+    assert "runtime_env" not in opts["ray_actor_options"]  # no worker_env by default
+    env = replica_options(load_serve_config({"mode": "distributed", "worker_env": {"OMP_WAIT_POLICY": "passive"}}))
+    assert env["ray_actor_options"]["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "passive"}}
     colo = replica_options(load_serve_config({"mode": "colocated"}))
     assert "placement_group_bundles" not in colo
     auto = replica_options(load_serve_config({"autoscaling": {"min_replicas": 1, "max_replicas": 3}}))
