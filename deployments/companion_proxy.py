@@ -35,7 +35,8 @@ class CompanionProxy(ModelSpeculator):
         self.client = client
         self.step_cost = DecodeCostModel(cost_table or None, ema=0.1)
         self.hop_seconds = 0.0  # EMA of a call's time outside the companion
-        self.calls = 0
+        self.calls = 0  # every companion call, flushes included
+        self.draft_calls = 0  # calls that asked for drafts: at most one per round
         self.failed_calls = 0
         self.unsynced = 0
         self._epoch: dict[int, int] = {}  # companion generation each sequence began on
@@ -90,6 +91,7 @@ class CompanionProxy(ModelSpeculator):
                 idx.append(i)
                 self._drafted_len[r.seq_id] = len(r.history)
         if sent:
+            self.draft_calls += 1
             res = self._send(sent)
             if res is not None:
                 wall = time.perf_counter() - t0
@@ -105,5 +107,5 @@ class CompanionProxy(ModelSpeculator):
         return out
 
     def counters(self) -> dict:
-        return {"calls": self.calls, "failed_calls": self.failed_calls, "unsynced": self.unsynced,
+        return {"calls": self.calls, "draft_calls": self.draft_calls, "failed_calls": self.failed_calls, "unsynced": self.unsynced,
                 "hop_ms": 1000 * self.hop_seconds}
