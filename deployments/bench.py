@@ -103,10 +103,14 @@ class ConfigResult:
     identical: int = 0
     compared: int = 0
     steal_seconds: float = 0.0  # CPU time the hypervisor gave to others while this ran (/proc/stat steal)
+    rounds: int = 0  # scheduler rounds (draft -> verify -> accept), for the time split per round
+    draft_seconds: float = 0.0  # time in speculators' draft calls (model drafting included)
+    verify_seconds: float = 0.0  # time in target decodes (verification and prompt rows)
 
     def add(self, other: "ConfigResult") -> None:
         for k in ("tokens", "seconds", "prefill_seconds", "sequences", "loaded_seconds", "loaded_tokens", "drafts",
-                  "drafted", "accepted", "mismatches", "tie_divergences", "identical", "compared", "steal_seconds"):
+                  "drafted", "accepted", "mismatches", "tie_divergences", "identical", "compared", "steal_seconds",
+                  "rounds", "draft_seconds", "verify_seconds"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
     @property
@@ -173,7 +177,10 @@ class BenchReport:
                 "acceptance_rate": r.acceptance_rate, "speedup": speedup, "e2e_tokens_per_s": r.e2e_tokens_per_s,
                 "e2e_speedup": e2e, "tokens": r.tokens, "seconds": r.seconds, "prefill_seconds": r.prefill_seconds,
                 "drafts": r.drafts, "drafted_tokens": r.drafted,
-                "accepted_tokens": r.accepted, "steal_seconds": r.steal_seconds}
+                "accepted_tokens": r.accepted, "steal_seconds": r.steal_seconds, "rounds": r.rounds,
+                "round_ms": 1000 * r.seconds / r.rounds if r.rounds else None,
+                "draft_ms_per_round": 1000 * r.draft_seconds / r.rounds if r.rounds else None,
+                "verify_ms_per_round": 1000 * r.verify_seconds / r.rounds if r.rounds else None}
 
     def table(self) -> str:
         js = self.to_json()
@@ -181,7 +188,7 @@ class BenchReport:
         for cat in self.categories + ["overall"]:
             lines.append(f"\n== {cat} ==")
             lines.append(f"{'config':<34}{'tok/s':>8}{'speedup':>9}{'e2e':>7}{'accept_len':>11}{'acc_rate':>9}"
-                         f"{'mismatch':>9}{'ties':>6}")
+                         f"{'mismatch':>9}{'ties':>6}{'round_ms':>9}{'draft':>7}{'verify':>7}")
             for cfg in self.configs:
                 entry = js["configs"][cfg]
                 row = entry["overall"] if cat == "overall" else entry["categories"][cat]
@@ -192,6 +199,7 @@ class BenchReport:
                     f"{cfg:<34}{row['tokens_per_s']:>8.1f}{(f'{sp:.2f}x' if sp is not None else '-'):>9}"
                     f"{(f'{e2e:.2f}x' if e2e is not None else '-'):>7}"
                     f"{row['mean_acceptance_length']:>11.2f}{row['acceptance_rate']:>9.2f}{mm!s:>9}{ties!s:>6}"
+                    f"{_ms(row['round_ms']):>9}{_ms(row['draft_ms_per_round']):>7}{_ms(row['verify_ms_per_round']):>7}"
                 )
         lines.extend(self.steal_warnings())
         return "\n".join(lines)
@@ -207,6 +215,10 @@ class BenchReport:
                 out.append(f"warning: {cfg}: {steal:.1f} s of {wall:.1f} s stolen by the host "
                            f"({100 * steal / wall:.0f}%); its figures are unreliable, run again")
         return out
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
 
 
 def cpu_steal_seconds() -> float:
@@ -350,13 +362,16 @@ def _run_config(engine: LocalEngine, chain: Chain, name: str, prompts: list[np.n
     reqs = [GenerationRequest(prompt_tokens=t, max_tokens=max_tokens, chain=tuple(parse_chain(name)))
             for t in prompts]
     st = engine.scheduler.stats
-    before = (st.prefill_seconds, st.loaded_seconds, st.loaded_tokens)
+    before = (st.prefill_seconds, st.loaded_seconds, st.loaded_tokens, st.rounds, st.draft_seconds,
+              st.target_seconds)
     steal0 = cpu_steal_seconds()
     t0 = time.perf_counter()
     seqs = engine.run(reqs)
     r = ConfigResult(name, seconds=time.perf_counter() - t0, prefill_seconds=st.prefill_seconds - before[0],
                      steal_seconds=cpu_steal_seconds() - steal0,
-                     loaded_seconds=st.loaded_seconds - before[1], loaded_tokens=st.loaded_tokens - before[2])
+                     loaded_seconds=st.loaded_seconds - before[1], loaded_tokens=st.loaded_tokens - before[2],
+                     rounds=st.rounds - before[3], draft_seconds=st.draft_seconds - before[4],
+                     verify_seconds=st.target_seconds - before[5])
     for s in seqs:
         r.sequences += 1 if s.generated else 0
         r.tokens += len(s.generated)

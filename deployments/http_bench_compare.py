@@ -160,14 +160,17 @@ def table(report: dict) -> str:
         lines.append(f"HTTP bench: {m.get('model')}, chain {m.get('chain')}, {m.get('prompts')} prompts x "
                      f"{m.get('max_tokens')} max tokens, slots {m.get('slots')}")
     lines.append(f"{'mode':<14}{'streams':>8}{'tok/s':>9}{'vs colo':>9}{'vs in-proc':>11}{'hop p50':>9}"
-                 f"{'hop p95':>9}{'rounds':>8}{'seqs/dec':>9}{'acc_len':>8}{'ttft ms':>9}{'errors':>7}")
+                 f"{'hop p95':>9}{'rounds':>8}{'round ms':>9}{'draft':>7}{'verify':>7}{'seqs/dec':>9}{'acc_len':>8}"
+                 f"{'ttft ms':>9}{'errors':>7}")
     for r in report["rows"]:
         hop = r.get("hop") or {}
         lines.append(
             f"{r['label']:<14}{r['streams']:>8}{_f(r['tokens_per_s'], '.1f'):>9}{_f(r['vs_colocated'], '.2f', 'x'):>9}"
             f"{_f(r['vs_in_process'], '.2f', 'x'):>11}"
             f"{_f(hop.get('p50_ms'), '.2f'):>9}{_f(hop.get('p95_ms'), '.2f'):>9}"
-            f"{r['rounds']:>8}{_f(r['mean_seqs_per_decode'], '.2f'):>9}{r['mean_acceptance_length']:>8.2f}"
+            f"{r['rounds']:>8}{_f(r.get('round_ms'), '.1f'):>9}{_f(r.get('draft_ms_per_round'), '.1f'):>7}"
+            f"{_f(r.get('target_ms_per_round'), '.1f'):>7}"
+            f"{_f(r['mean_seqs_per_decode'], '.2f'):>9}{r['mean_acceptance_length']:>8.2f}"
             f"{_f(r['mean_ttft_ms'], '.0f'):>9}{r['n_errors']:>7}"
         )
     s = report["summary"]
@@ -176,7 +179,8 @@ def table(report: dict) -> str:
     verdict = "n/a" if s["met"] is None else ("met" if s["met"] else "NOT met")
     lines.append(f"distributed vs colocated: {', '.join(parts)}  (target >= {s['target_ratio']}x at "
                  f"{s['at_streams']} streams: {verdict}); hop = router-side wall time of the target call minus "
-                 "the actor's own time, ms")
+                 "the actor's own time, ms; round/draft/verify = ms per round: the whole round, the speculators' "
+                 "drafting (companion call included), the target's own decode time")
     return "\n".join(lines)
 
 

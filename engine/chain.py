@@ -20,6 +20,7 @@ Policies:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -69,13 +70,17 @@ class Pricing:
     cost: Callable[[int], float]  # seconds of a target decode of n tokens
     base_tokens: int  # tokens the round's target batch holds without drafts
     n_decoding: int  # sequences that emit a token this round anyway
-    explore: float = 0.0  # chance that a model draft the price rules out is made anyway (1 token), to learn
-    rng: np.random.Generator | None = None
+    # share of the round time a model speculator may spend on drafts the price rules out (1 token, catch-up
+    # included), so its acceptance keeps being measured (ChainConfig.model_explore); saved up, then spent
+    explore: float = 0.0
 
 
 #: a speculator's own context buckets (Speculator.draft_context) kept apart by the acceptance estimate;
 #: each is split 3 ways by agreement with the other speculators' drafts
 CONTEXT_OWN_BUCKETS = 4
+
+#: exploring time a model speculator may save up (seconds): enough for a long prompt's catch-up
+EXPLORE_BUDGET_CAP = 2.0
 
 
 def draft_value(prefix_probs: np.ndarray, pricing: Pricing | None) -> float:
@@ -109,6 +114,8 @@ class Chain:
         self._factory = factory
         self.instances: dict[str, Speculator] = {}
         self.trackers: dict[str, AcceptanceTracker] = {}
+        self.explore_budget: dict[str, float] = {}  # model speculator -> seconds it may spend exploring
+        self._exploring: set[str] = set()  # model speculators asked for an exploring draft this round
         for name in config.speculators:
             self.speculator(name)  # fail fast on unknown names / bad params
 
@@ -184,7 +191,11 @@ class Chain:
                 idx = [i for i in idx if i in n_max]
                 if not idx:
                     continue
+            t0 = time.perf_counter()
             drafts = spec.draft([DraftRequest(requests[i].seq_id, requests[i].history, n_max[i]) for i in idx])
+            if name in self._exploring:  # an exploring draft is charged what it took, not what it was priced at
+                self._exploring.discard(name)
+                self.explore_budget[name] -= time.perf_counter() - t0
             for i, d in zip(idx, drafts):
                 props[i].asked += (name,)
                 if len(d) == 0:
@@ -252,13 +263,20 @@ class Chain:
         # a draft cut this short must still beat the free one, or its time is wasted
         chosen = {i: k for i, k, pp in zip(cands, lengths, probs)
                   if k > 0 and draft_value(pp[:k], pricing) > best_score[i]}
-        if not chosen and pricing.explore and pricing.rng is not None and pricing.rng.random() < pricing.explore:
-            # keep measuring the model's acceptance, but cheaply: a 1-token draft for a sequence whose draft
-            # cache is current (a long catch-up would cost more than the draft); while the speculator has
-            # hardly been measured at all, the cheapest catch-up is paid
+        if not chosen and pricing.explore > 0:
+            # keep measuring the model's acceptance, within a time budget: each round saves `explore` x its
+            # plain decode time; a 1-token draft (the cheapest catch-up of the candidates, the draft step and
+            # its verify row) is made once the savings cover it. Exploring thus costs at most that share of
+            # the time, however long the catch-up (a whole prompt for a sequence never drafted)
+            base = pricing.cost(pricing.base_tokens)
+            budget = min(EXPLORE_BUDGET_CAP, self.explore_budget.get(name, 0.0) + pricing.explore * base)
             j = min(range(len(cands)), key=lambda c: catchup[c])
-            if catchup[j] <= share or tracker.global_trials < 16:
+            price = catchup[j] + spec.draft_seconds(1, 1) + pricing.cost(pricing.base_tokens + 1) - base
+            if price <= budget:
                 chosen = {cands[j]: 1}
+                budget -= pricing.cost(pricing.base_tokens + 1) - base  # the verify row; propose() charges the rest
+                self._exploring.add(name)
+            self.explore_budget[name] = budget
         return chosen
 
     def accept(self, prop: Proposal, n_drafted: int, n_accepted: int, emitted: np.ndarray | None = None) -> None:

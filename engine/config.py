@@ -34,8 +34,14 @@ class ChainConfig(BaseModel):
     )
     explore: float = Field(
         0.03, ge=0.0, le=1.0,
-        description="cost policy: share of rounds in which a draft the planner would drop is still sent "
-        "with one token, so acceptance estimates keep learning (worst-case cost ~explore x one verify row)",
+        description="cost policy: share of rounds in which a free speculator's draft the planner would drop is "
+        "still sent with one token, so acceptance estimates keep learning (worst case ~explore x one verify row)",
+    )
+    model_explore: float = Field(
+        0.01, ge=0.0, le=1.0,
+        description="cost policy: share of round time a model speculator (draft, mtp, eagle3) may spend on "
+        "1-token drafts its price rules out, catch-up of its draft cache included, so its acceptance keeps "
+        "being measured; the time is saved up round by round, then spent",
     )
 
     @field_validator("speculators", mode="before")

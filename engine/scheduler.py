@@ -309,8 +309,7 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             # model drafts are priced before they are made (cost policy): never slower than no draft
-            pricing = Pricing(price, base_tokens, len(decoding), self.config.chain.explore,
-                              self._explore_rng)
+            pricing = Pricing(price, base_tokens, len(decoding), self.config.chain.model_explore)
             props = self.chain.propose(reqs, pricing=pricing)
         except Exception as e:  # degrade to plain decoding, disable the culprit
             self.stats.speculator_failures += 1

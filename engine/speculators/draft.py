@@ -121,6 +121,7 @@ class _SeqState:
     committed: _Tokens = field(default_factory=_Tokens)  # target tokens the target committed (via process)
     text: TextMirror | None = None  # cross-vocab: the sequence's text and its draft-vocab tokens
     text_cursor: HistoryCursor = field(default_factory=HistoryCursor)  # history the text mirror was built from
+    drafted_at: int = -1  # history length at the last draft call (-1: never drafted)
 
 
 @dataclass
@@ -281,6 +282,7 @@ class DraftSpeculator(ModelSpeculator):
         out = [EMPTY_DRAFT] * len(requests)
         runs: list[tuple[int, np.ndarray, int]] = []
         drafting: list[tuple[int, DraftRequest, _SeqState, int, list[int]]] = []
+        steady: set[int] = set()  # sequences drafted in a recent round (their catch-up is the steady state's)
         for i, req in enumerate(requests):
             self.stats.calls += 1
             h = np.asarray(req.history, dtype=TOKEN_DTYPE)
@@ -291,6 +293,9 @@ class DraftSpeculator(ModelSpeculator):
                 self.counters.unsynced += 1  # process() was not wired for this sequence: take the history
                 st.committed.truncate(0)
                 st.committed.extend(h[:-1])
+            if 0 <= st.drafted_at and len(h) - st.drafted_at <= self.max_steps + 2:
+                steady.add(req.seq_id)
+            st.drafted_at = len(h)
             want = self._wanted(st, h)
             if len(want) == 0:
                 continue
@@ -300,9 +305,10 @@ class DraftSpeculator(ModelSpeculator):
             cap = min(p.n_max, req.n_max + (1 if self.translator is not None else 0))
             drafting.append((i, req, st, cap, []))
         active = list(drafting)
-        if drafting:  # the steady state: a sequence caught up after a long pause does not count
-            rows = sum(min(len(r[1]), 8) for r in runs)
-            self.catchup_per_seq += 0.1 * (rows / len(drafting) - self.catchup_per_seq)
+        steady_runs = [r for r in runs if r[0] in steady]
+        if steady_runs:  # the steady state: a sequence caught up after a pause (an exploring draft) does not count
+            rows = sum(len(r[1]) for r in steady_runs)
+            self.catchup_per_seq += 0.1 * (rows / len(steady_runs) - self.catchup_per_seq)
         decode_s = 0.0
         try:
             while runs:

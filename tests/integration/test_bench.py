@@ -47,6 +47,10 @@ def test_figures_add_up(report):
             assert r.compared == 2 if cat == "copy" else r.compared == 1
             assert r.identical + r.mismatches + r.tie_divergences == r.compared
             assert r.accepted <= r.drafted
+            # the time split per round: drafting and verification are parts of the round's wall time
+            assert r.rounds > 0 and 0 < r.verify_seconds and 0 < r.draft_seconds
+            assert r.draft_seconds + r.verify_seconds < r.seconds
+        assert none.rounds > 0 and none.draft_seconds < report.results[cat]["suffix"].draft_seconds
     # the repetitive prompts are drafted for and (mostly) accepted
     copy = report.results["copy"]["suffix"]
     assert copy.drafts > 0 and copy.accepted > 0, copy

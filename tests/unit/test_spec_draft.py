@@ -218,8 +218,11 @@ def test_stats_and_cost():
     s, b = spec()
     s.draft([req(0, SCRIPT[:5]), req(1, SCRIPT[:5], n_max=0)])
     assert s.stats.calls == 2 and s.stats.drafts_generated == 1
-    # the first step also decodes the catch-up rows (here the whole 5-token history): learnt per call
-    assert 2.0 < s.catchup_per_seq < 5.0
+    # the first step also decodes the catch-up rows: learnt from sequences drafted in a recent round only
+    # (a first draft's whole-history catch-up is priced apart, by catchup_seconds)
+    assert s.catchup_per_seq == 2.0
+    s.draft([req(0, SCRIPT[:8])])  # 3 tokens later: the draft matched, one row to decode before drafting
+    assert 1.0 < s.catchup_per_seq < 2.0
     c = s.step_cost.cost
     first = c(round(s.catchup_per_seq))
     assert s.draft_seconds(1, 3) == pytest.approx(s.overhead_seconds + first + 2 * c(1))
