@@ -107,5 +107,5 @@ class CompanionProxy(ModelSpeculator):
         return out
 
     def counters(self) -> dict:
-        return {"calls": self.calls, "draft_calls": self.draft_calls, "failed_calls": self.failed_calls, "unsynced": self.unsynced,
-                "hop_ms": 1000 * self.hop_seconds}
+        return {"calls": self.calls, "draft_calls": self.draft_calls, "failed_calls": self.failed_calls,
+                "unsynced": self.unsynced, "hop_ms": 1000 * self.hop_seconds}

@@ -191,10 +191,11 @@ class Chain:
                 idx = [i for i in idx if i in n_max]
                 if not idx:
                     continue
+            exploring = name in self._exploring
+            self._exploring.discard(name)
             t0 = time.perf_counter()
             drafts = spec.draft([DraftRequest(requests[i].seq_id, requests[i].history, n_max[i]) for i in idx])
-            if name in self._exploring:  # an exploring draft is charged what it took, not what it was priced at
-                self._exploring.discard(name)
+            if exploring:  # an exploring draft is charged what it took, not what it was priced at
                 self.explore_budget[name] -= time.perf_counter() - t0
             for i, d in zip(idx, drafts):
                 props[i].asked += (name,)
