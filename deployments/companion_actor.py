@@ -29,10 +29,10 @@ import numpy as np
 import ray
 
 from specray.engine.config import EngineConfig
-from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE, DraftRequest
+from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE
 from specray.engine.speculators.draft_base import DraftParams
 
-from .companion_proxy import CompanionProxy
+from .companion_proxy import CompanionProxy, answer_draft_requests
 from specray.engine.speculators.registry import Factory, speculator_factory
 
 #: speculator names that run in the companion
@@ -130,19 +130,8 @@ class CompanionService:
                 spec.begin(seq, EMPTY)
             for seq, pos, toks in payload.get("commits", ()):
                 spec.process(seq, np.asarray(toks, dtype=TOKEN_DTYPE), pos)
-            reqs, where, unsynced = [], [], []
-            for i, (seq, last, n_hist, n_max) in enumerate(payload.get("requests", ())):
-                committed = spec.committed(seq)
-                if len(committed) != n_hist - 1:
-                    unsynced.append(seq)
-                    continue
-                reqs.append(DraftRequest(seq, np.append(committed, np.int32(last)).astype(TOKEN_DTYPE), n_max))
-                where.append(i)
-            drafts = [EMPTY] * len(payload.get("requests", ()))
-            if reqs:
-                self.rounds += 1
-                for i, d in zip(where, spec.draft(reqs)):
-                    drafts[i] = d
+            drafts, unsynced, drafted = answer_draft_requests(spec, payload.get("requests", ()))
+            self.rounds += 1 if drafted else 0
             self.unsynced += len(unsynced)
             costs = spec.step_cost.table()
         inside = time.perf_counter() - t0

@@ -25,10 +25,10 @@ from collections.abc import Callable
 import numpy as np
 
 from specray.engine.config import EngineConfig
-from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE, DraftRequest
+from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE
 from specray.engine.speculators.registry import make_params
 
-from .companion_proxy import CompanionProxy
+from .companion_proxy import CompanionProxy, answer_draft_requests
 from .hidden_transport import HiddenReceiver
 
 log = logging.getLogger("specray.companion.hidden")
@@ -93,18 +93,7 @@ class HiddenCompanion:
                     spec.begin(ev[1], EMPTY_DRAFT)
                 elif kind == "end":
                     spec.end(ev[1])
-            reqs, where, unsynced = [], [], []
-            for i, (seq, last, n_hist, n_max) in enumerate(payload.get("requests", ())):
-                committed = spec.committed(seq)
-                if len(committed) != n_hist - 1:
-                    unsynced.append(seq)
-                    continue
-                reqs.append(DraftRequest(seq, np.append(committed, np.int32(last)).astype(TOKEN_DTYPE), n_max))
-                where.append(i)
-            drafts = [EMPTY_DRAFT] * len(payload.get("requests", ()))
-            if reqs:
-                for i, d in zip(where, spec.draft(reqs)):
-                    drafts[i] = d
+            drafts, unsynced, _ = answer_draft_requests(spec, payload.get("requests", ()))
             self.unsynced += len(unsynced)
             costs = spec.step_cost.table()
             acks = self.receiver.take_acks()

@@ -109,3 +109,23 @@ class CompanionProxy(ModelSpeculator):
     def counters(self) -> dict:
         return {"calls": self.calls, "draft_calls": self.draft_calls, "failed_calls": self.failed_calls,
                 "unsynced": self.unsynced, "hop_ms": 1000 * self.hop_seconds}
+
+
+def answer_draft_requests(spec, requests) -> tuple[list[np.ndarray], list[int], bool]:
+    """The companion's side of a round's draft requests [(seq, last token, history length, n_max)]: each
+    sequence's history is what `spec` mirrored (`committed`) plus the last token; a request whose history
+    length does not match gets no draft and its sequence is listed as unsynced. (drafts, unsynced, drafted:
+    whether `spec` was asked at all)."""
+    reqs, where, unsynced = [], [], []
+    for i, (seq, last, n_hist, n_max) in enumerate(requests):
+        committed = spec.committed(seq)
+        if len(committed) != n_hist - 1:
+            unsynced.append(seq)
+            continue
+        reqs.append(DraftRequest(seq, np.append(committed, np.int32(last)).astype(TOKEN_DTYPE), n_max))
+        where.append(i)
+    drafts = [EMPTY_DRAFT] * len(requests)
+    if reqs:
+        for i, d in zip(where, spec.draft(reqs)):
+            drafts[i] = d
+    return drafts, unsynced, bool(reqs)

@@ -10,7 +10,6 @@ its probability, and KV removal.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import llama_cpp
@@ -23,6 +22,7 @@ from specray.engine.vocab import VocabMismatch, VocabMismatchError, vocab_mismat
 
 from .context import Context
 from .model import Model
+from .slot_backend import SlotBackend, top_token_probs
 
 
 class ModelTextVocab:
@@ -53,25 +53,13 @@ class TargetText:
     skip: frozenset[int]
 
 
-def top_token_probs(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Argmax of each row and its softmax probability (over the whole vocabulary)."""
-    top = logits.argmax(axis=1)
-    m = logits[np.arange(len(top)), top]
-    z = np.exp(logits - m[:, None]).sum(axis=1)
-    return top.astype(np.int32), (1.0 / z).astype(np.float64)
-
-
-class LlamaDraftBackend:
+class LlamaDraftBackend(SlotBackend):
     """DraftBackend over a native Context (not thread-safe; the speculator's caller serialises)."""
 
     def __init__(self, model: Model, ctx: Context) -> None:
-        self.model = model
-        self.ctx = ctx
-        self.n_batch = ctx.n_batch
+        super().__init__(model, ctx)
         self.vocab = ModelTextVocab(model)
         self.prefix: tuple[int, ...] = (model.bos,) if model.add_bos and model.bos >= 0 else ()
-        self._costs: dict[int, float] = {}
-        self.n_decodes = 0
         self.rows = 0
 
     def decode(self, runs: list[tuple[int, np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -110,51 +98,15 @@ class LlamaDraftBackend:
         flush()
         return top, prob
 
-    def seq_rm(self, seq_id: int, p0: int) -> None:
-        self.ctx.seq_rm(seq_id, p0, -1)
-
-    def pos_max(self, seq_id: int) -> int:
-        return self.ctx.seq_pos_max(seq_id)
-
-    def is_eog(self, token: int) -> bool:
-        return self.model.is_eog(token)
-
-    def decode_costs(self) -> dict[int, float]:
-        return dict(self._costs)
-
     def measure_decode_costs(self, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 16), reps: int = 3,
-                             prefix: int = 64, seq_id: int = 0) -> dict[int, float]:
-        """Seconds per draft decode of n rows (n sequences drafting one token each), median of reps.
-
-        Every row belongs to its own sequence after a `prefix`-token context, as in a draft step."""
-        n_seq = max(1, min(self.ctx.n_seq_max, max(sizes)))
+                             prefix: int = 64) -> dict[int, float]:
+        """Seconds per draft decode of n rows (n sequences drafting one token each), median of reps."""
         ids = (np.arange(prefix, dtype=np.int32) * 7 + 100) % 1000 + 10
-        seqs = list(range(n_seq))
-        for s in seqs:
-            self.ctx.clear_seq(s)
-        self.decode([(s, ids, 0) for s in seqs])
-        out: dict[int, float] = {}
         b = self.ctx.batch
-        for n in sizes:
-            if n > self.n_batch:
-                continue
-            times = []
-            for _ in range(reps + 1):
-                b.clear()
-                for j in range(n):
-                    # more rows than sequences: the extra rows extend the sequences further
-                    s, depth = seqs[j % n_seq], j // n_seq
-                    b.add_seq(s, ids[j % prefix : j % prefix + 1], prefix + depth, 1)
-                t0 = time.perf_counter()
-                self.ctx.decode(b)
-                times.append(time.perf_counter() - t0)
-                for s in seqs:
-                    self.ctx.seq_rm(s, prefix, -1)
-            out[n] = float(np.median(times[1:]))
-        for s in seqs:
-            self.ctx.clear_seq(s)
-        self._costs = out
-        return out
+        return self._measure_step_costs(
+            sizes, reps, prefix,
+            prime=lambda seqs: self.decode([(s, ids, 0) for s in seqs]), clear=b.clear,
+            add_row=lambda s, i, pos: b.add_seq(s, ids[i : i + 1], pos, 1), run=lambda: self.ctx.decode(b))
 
 
 def draft_n_ctx(cfg: DraftModelConfig, target_n_ctx: int, slots: int, cross_vocab: bool) -> int:

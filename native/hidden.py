@@ -15,7 +15,6 @@ embedding row together, and read back the head's logits and output rows.
 from __future__ import annotations
 
 import ctypes
-import time
 
 import llama_cpp
 import numpy as np
@@ -25,6 +24,7 @@ from specray.engine.hidden_rows import ROW_DTYPE, TAP_NEXTN, Tap
 from . import ext, lib
 from .context import Context, DecodeError
 from .model import Model
+from .slot_backend import SlotBackend, top_token_probs
 
 #: architectures whose trunk graph outputs h_nextn (src/models/*.cpp setting res->t_h_nextn)
 NEXTN_ARCHS = frozenset({
@@ -183,15 +183,7 @@ class PairBatch:
             pass
 
 
-def top_token_probs(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Argmax of each row and its softmax probability."""
-    top = logits.argmax(axis=1)
-    m = logits[np.arange(len(top)), top]
-    z = np.exp(logits - m[:, None]).sum(axis=1)
-    return top.astype(np.int32), (1.0 / z).astype(np.float64)
-
-
-class PairHead:
+class PairHead(SlotBackend):
     """A head context fed (token, row) pairs, one sequence per slot (the HiddenBackend of hidden_base.py).
 
     Its own output row per output pair (h_nextn of the head: masked, outputs only) is what the next draft step
@@ -200,15 +192,11 @@ class PairHead:
     taps: tuple[Tap, ...] = ()
 
     def __init__(self, model: Model, ctx: Context, width: int) -> None:
-        self.model = model
-        self.ctx = ctx
-        self.n_batch = ctx.n_batch
+        super().__init__(model, ctx)
         self.width = width
         self.batch = PairBatch(ctx)
         ext.llama_set_embeddings_nextn(ctx.ptr, True, True)  # the head's own output row, for output pairs
         self.n_out_embd = int(ext.llama_model_n_embd_out(model.ptr))
-        self._costs: dict[int, float] = {}
-        self.n_decodes = 0
         self.pairs = 0
 
     def encode(self, rows: np.ndarray) -> np.ndarray:
@@ -254,49 +242,16 @@ class PairHead:
         flush()
         return top, prob, hid
 
-    def seq_rm(self, seq_id: int, p0: int) -> None:
-        self.ctx.seq_rm(seq_id, p0, -1)
-
-    def pos_max(self, seq_id: int) -> int:
-        return self.ctx.seq_pos_max(seq_id)
-
-    def is_eog(self, token: int) -> bool:
-        return self.model.is_eog(token)
-
-    def decode_costs(self) -> dict[int, float]:
-        return dict(self._costs)
-
     def measure_decode_costs(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16), reps: int = 3,
                              prefix: int = 32) -> dict[int, float]:
         """Seconds per head decode of n pairs (n sequences, one pair each, after a `prefix`-pair context)."""
-        n_seq = max(1, min(self.ctx.n_seq_max, max(sizes)))
         ids = (np.arange(prefix, dtype=np.int32) * 7 + 100) % 1000 + 10
         rows = np.zeros((prefix, self.width), dtype=ROW_DTYPE)
-        seqs = list(range(n_seq))
-        for s in seqs:
-            self.ctx.clear_seq(s)
-        self.decode([(s, ids, 0, rows) for s in seqs])
-        out: dict[int, float] = {}
         b = self.batch
-        for n in sizes:
-            if n > self.n_batch:
-                continue
-            times = []
-            for _ in range(reps + 1):
-                b.clear()
-                for j in range(n):
-                    s, depth = seqs[j % n_seq], j // n_seq
-                    b.add_pairs(s, ids[j % prefix : j % prefix + 1], prefix + depth, rows[:1], 1)
-                t0 = time.perf_counter()
-                b.process()
-                times.append(time.perf_counter() - t0)
-                for s in seqs:
-                    self.ctx.seq_rm(s, prefix, -1)
-            out[n] = float(np.median(times[1:]))
-        for s in seqs:
-            self.ctx.clear_seq(s)
-        self._costs = out
-        return out
+        return self._measure_step_costs(
+            sizes, reps, prefix,
+            prime=lambda seqs: self.decode([(s, ids, 0, rows) for s in seqs]), clear=b.clear,
+            add_row=lambda s, i, pos: b.add_pairs(s, ids[i : i + 1], pos, rows[:1], 1), run=b.process)
 
     def info(self) -> dict:
         return {"model": self.model.name, "description": self.model.description, "taps": list(self.taps),

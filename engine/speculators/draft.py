@@ -42,7 +42,7 @@ from specray.engine.cost import DecodeCostModel
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE, DraftRequest
 
 from ._util import HistoryCursor
-from .draft_base import DraftParams, ModelSpeculator
+from .draft_base import DraftParams, ModelSpeculator, SlotMirror
 from .draft_text import TextMirror, TextVocab, to_target_tokens
 
 log = logging.getLogger("specray.draft")
@@ -137,7 +137,7 @@ class DraftCounters:
     failures: int = 0  # draft decodes that failed (e.g. draft context full): no drafts that call
 
 
-class DraftSpeculator(ModelSpeculator):
+class DraftSpeculator(SlotMirror, ModelSpeculator):
     name = "draft"
 
     def __init__(self, params: DraftParams | None, backend: DraftBackend, translator: Translator | None = None) -> None:
@@ -212,16 +212,6 @@ class DraftSpeculator(ModelSpeculator):
             end = pos + len(tokens)
             keep = min(st.kv.n, pos + common_prefix(kv[pos:end], tokens)) if st.kv.n > pos else st.kv.n
             self._truncate_kv(seq_id, st, keep)
-
-    def committed(self, seq_id: int) -> np.ndarray:
-        """The target tokens mirrored for seq_id (what the target's KV cache holds)."""
-        st = self.seqs.get(seq_id)
-        return st.committed.view().copy() if st else np.zeros(0, dtype=TOKEN_DTYPE)
-
-    def kv_tokens(self, seq_id: int) -> np.ndarray:
-        """Draft-vocab tokens in the draft KV cache for seq_id, by position."""
-        st = self.seqs.get(seq_id)
-        return st.kv.view().copy() if st else np.zeros(0, dtype=TOKEN_DTYPE)
 
     def _truncate_kv(self, seq_id: int, st: _SeqState, keep: int) -> None:
         if keep < st.kv.n:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from abc import abstractmethod
 
+import numpy as np
+
 from pydantic import BaseModel, ConfigDict, Field
 
-from specray.engine.speculator import Speculator
+from specray.engine.speculator import TOKEN_DTYPE, Speculator
 
 
 class ModelDraftParams(BaseModel):
@@ -59,3 +61,21 @@ class ModelSpeculator(Speculator):
         state (a model drafts lazily: a sequence not drafted for a while, or never, must be caught up,
         up to a whole prompt)."""
         return 0.0
+
+
+class SlotMirror:
+    """Accessors of a model speculator that mirrors each sequence into its own KV cache: `self.seqs` maps a
+    sequence id to its state, with the target tokens mirrored (`committed`) and the tokens in the cache
+    (`kv`: draft-vocab tokens for a draft model, head input tokens for a head), both token buffers."""
+
+    seqs: dict
+
+    def committed(self, seq_id: int) -> np.ndarray:
+        """The target tokens mirrored for seq_id (what the target's KV cache holds)."""
+        st = self.seqs.get(seq_id)
+        return st.committed.view().copy() if st else np.zeros(0, dtype=TOKEN_DTYPE)
+
+    def kv_tokens(self, seq_id: int) -> np.ndarray:
+        """Tokens in this speculator's KV cache for seq_id, by position."""
+        st = self.seqs.get(seq_id)
+        return st.kv.view().copy() if st else np.zeros(0, dtype=TOKEN_DTYPE)

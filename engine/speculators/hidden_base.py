@@ -40,8 +40,8 @@ from specray.engine.cost import DecodeCostModel
 from specray.engine.hidden_rows import ROW_DTYPE, HiddenRows, RowMismatch, RowStash, Tap, mtp_input_rows
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE, DraftRequest
 
-from .draft import _Tokens
-from .draft_base import ModelDraftParams, ModelSpeculator
+from .draft import _Tokens, common_prefix
+from .draft_base import ModelDraftParams, ModelSpeculator, SlotMirror
 
 log = logging.getLogger("specray.hidden")
 
@@ -108,7 +108,7 @@ class HiddenCounters:
     failures: int = 0  # head decodes that failed
 
 
-class HiddenStateSpeculator(ModelSpeculator):
+class HiddenStateSpeculator(SlotMirror, ModelSpeculator):
     """Base of mtp and eagle3; subclasses set `name` and `pos_offset`."""
 
     #: KV position of the pair whose token is x_q, minus q (MTP 0, EAGLE-3 -1)
@@ -203,10 +203,7 @@ class HiddenStateSpeculator(ModelSpeculator):
         if p0 < 0:  # EAGLE-3: the first token has no pair (nothing before it)
             toks, inp, p0 = toks[-p0:], inp[-p0:], 0
         # pairs the KV already holds (the last draft's seed) are not decoded again
-        keep = 0
-        kv = st.kv.view()
-        while keep < len(toks) and p0 + keep < st.kv.n and kv[p0 + keep] == toks[keep]:
-            keep += 1
+        keep = common_prefix(st.kv.view()[p0:], toks) if st.kv.n > p0 else 0
         if st.kv.n > p0 + keep:
             self.backend.seq_rm(seq_id, p0 + keep)
             st.kv.truncate(p0 + keep)
@@ -215,15 +212,6 @@ class HiddenStateSpeculator(ModelSpeculator):
                 self._lose(seq_id, st, f"pairs queued up to {st.queued_end()}, next pair at {p0 + keep}")
                 return
             st.queue.append((toks[keep:].copy(), p0 + keep, inp[keep:]))
-
-    def committed(self, seq_id: int) -> np.ndarray:
-        st = self.seqs.get(seq_id)
-        return st.committed.view().copy() if st else np.zeros(0, dtype=TOKEN_DTYPE)
-
-    def kv_tokens(self, seq_id: int) -> np.ndarray:
-        """Head input tokens in the head's KV cache, by position."""
-        st = self.seqs.get(seq_id)
-        return st.kv.view().copy() if st else np.zeros(0, dtype=TOKEN_DTYPE)
 
     # ---- drafting -----------------------------------------------------------------------------------
     def _draft_one(self, req: DraftRequest) -> np.ndarray:  # pragma: no cover - draft() is batched

@@ -1,0 +1,78 @@
+"""What the companion's per-slot contexts share: the draft model (draft_backend.py) and the MTP / EAGLE-3
+heads (hidden.py) each hold one sequence per slot, remove KV by slot, and price their draft steps with
+decode costs measured as a draft step runs: one row per sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from .context import Context
+from .model import Model
+
+
+def top_token_probs(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Argmax of each row and its softmax probability (over the whole vocabulary)."""
+    top = logits.argmax(axis=1)
+    m = logits[np.arange(len(top)), top]
+    z = np.exp(logits - m[:, None]).sum(axis=1)
+    return top.astype(np.int32), (1.0 / z).astype(np.float64)
+
+
+class SlotBackend:
+    """A llama context with one sequence per slot (not thread-safe; the speculator's caller serialises)."""
+
+    def __init__(self, model: Model, ctx: Context) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.n_batch = ctx.n_batch
+        self._costs: dict[int, float] = {}
+        self.n_decodes = 0
+
+    def seq_rm(self, seq_id: int, p0: int) -> None:
+        self.ctx.seq_rm(seq_id, p0, -1)
+
+    def pos_max(self, seq_id: int) -> int:
+        return self.ctx.seq_pos_max(seq_id)
+
+    def is_eog(self, token: int) -> bool:
+        return self.model.is_eog(token)
+
+    def decode_costs(self) -> dict[int, float]:
+        return dict(self._costs)
+
+    def _measure_step_costs(
+        self, sizes: tuple[int, ...], reps: int, prefix: int,
+        prime: Callable[[list[int]], None], clear: Callable[[], None],
+        add_row: Callable[[int, int, int], None], run: Callable[[], None],
+    ) -> dict[int, float]:
+        """Seconds per decode of n rows, median of reps: every row extends its own sequence after a
+        `prefix`-long context, as in a draft step (more rows than slots extend the sequences further).
+        prime(seqs) fills the prefix; add_row(seq, i, pos) adds the row of prefix item i at pos."""
+        n_seq = max(1, min(self.ctx.n_seq_max, max(sizes)))
+        seqs = list(range(n_seq))
+        for s in seqs:
+            self.ctx.clear_seq(s)
+        prime(seqs)
+        out: dict[int, float] = {}
+        for n in sizes:
+            if n > self.n_batch:
+                continue
+            times = []
+            for _ in range(reps + 1):  # the first run warms up buffers for this size
+                clear()
+                for j in range(n):
+                    add_row(seqs[j % n_seq], j % prefix, prefix + j // n_seq)
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+                for s in seqs:
+                    self.ctx.seq_rm(s, prefix, -1)
+            out[n] = float(np.median(times[1:]))
+        for s in seqs:
+            self.ctx.clear_seq(s)
+        self._costs = out
+        return out
