@@ -97,8 +97,7 @@ class LocalEngine:
         self.runner = TargetRunner(self.ctx, record_margins=config.record_margins)
         cost = DecodeCostModel()
         if config.calibrate:
-            cost = DecodeCostModel(self.runner.measure_decode_costs(),
-                                   attn_seconds=self.runner.measure_attention_cost(), ref_cells=64)
+            cost = DecodeCostModel.calibrated(self.runner.calibrate_cost())
         self.draft_model = open_draft(config, self.model, self.ctx)
         self.hidden_heads = open_hidden(config, self.model, self.ctx, self.runner)
         self.speculator_factory = local_speculator_factory(self.draft_model, self.hidden_heads)

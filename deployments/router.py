@@ -160,7 +160,7 @@ class RouterCore:
         self.rel = ReliabilityStats()
         self.observer = None  # metrics.EngineMetrics (set by the replica): told on the round thread
         self._cv = threading.Condition()
-        table: dict[int, float] | None = None
+        cost = DecodeCostModel()  # replaced by a measured one when ecfg.calibrate
         if cfg.mode == "colocated":
             from specray.engine.target import TargetRunner
 
@@ -175,7 +175,7 @@ class RouterCore:
             n_ctx_seq = self.ctx.n_ctx_seq
             kv_unified = self.ctx.kv_unified
             if ecfg.calibrate:
-                table = self.runner.measure_decode_costs()
+                cost = DecodeCostModel.calibrated(self.runner.calibrate_cost())
         else:
             import ray
 
@@ -202,8 +202,7 @@ class RouterCore:
             n_ctx_seq = self.target_info["n_ctx_seq"]
             kv_unified = self.target_info["kv_unified"]
             if ecfg.calibrate:
-                raw = ray.get(self.target_sup.handle.measure_decode_costs.remote())
-                table = {int(k): v for k, v in raw.items()}
+                cost = DecodeCostModel.calibrated(ray.get(self.target_sup.handle.calibrate_cost.remote()))
         # as LocalEngine: a sequence may use n_ctx_seq cells; with a unified KV cache all slots share n_ctx
         self.n_ctx = n_ctx_total
         self.n_ctx_seq = n_ctx_seq
@@ -216,7 +215,7 @@ class RouterCore:
 
             factory = local_speculator_factory(self.draft_model, self.hidden_heads)
         self.chain = Chain(ecfg.chain, factory)
-        self.scheduler = Scheduler(ecfg, target, self.model, self.chain, n_ctx_seq, DecodeCostModel(table),
+        self.scheduler = Scheduler(ecfg, target, self.model, self.chain, n_ctx_seq, cost,
                                    shared_cells=n_ctx_total if kv_unified else None)
         self.streams: dict[str, _Stream] = {}
         self.lock = threading.Lock()  # guards every scheduler call (held by the round thread)
@@ -629,6 +628,7 @@ class RouterCore:
                 "disabled_speculators": sorted(s.disabled_speculators),
                 "speculators": {k: asdict(v) for k, v in self.chain.stats().items()},
                 "cost_table": self.scheduler.cost.table(),
+                "attention_ns_per_token_cell": self.scheduler.cost.attn_seconds * 1e9,
                 "round_failures": self.rel.round_failures,
                 "reliability": asdict(self.rel),
                 "last_error": self.last_error,

@@ -70,9 +70,9 @@ class TargetService:
     def ping(self) -> str:
         return "ok"
 
-    def measure_decode_costs(self) -> dict[int, float]:
+    def calibrate_cost(self) -> dict:
         with self._lock:
-            return self.runner.measure_decode_costs()
+            return self.runner.calibrate_cost()
 
     def start_many(self, starts: list[tuple[int, SamplingParams, np.ndarray]]) -> None:
         with self._lock:

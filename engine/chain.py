@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .acceptance import AcceptanceTracker, judge
+from .calibration import PrefixCalibration
 from .config import ChainConfig
 from .planner import plan_draft_lengths
 from .speculator import EMPTY_DRAFT, DraftRequest, Speculator, SpeculatorStats
@@ -40,7 +41,8 @@ class Proposal:
     seq_id: int
     speculator: str | None  # None: no draft
     tokens: np.ndarray = field(default_factory=lambda: EMPTY_DRAFT)
-    prefix_probs: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    prefix_probs: np.ndarray = field(default_factory=lambda: np.zeros(0))  # calibrated
+    raw_probs: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the tracker's, scored after the verdict
     asked: tuple[str, ...] = ()  # speculators that drafted for it this round
     # every asked speculator's whole draft (before any cut) and its context bucket: after the round each
     # is judged against the tokens the target emitted, so every speculator learns, sent or not
@@ -50,6 +52,7 @@ class Proposal:
     def cut(self, n: int) -> None:
         self.tokens = self.tokens[:n]
         self.prefix_probs = self.prefix_probs[:n]
+        self.raw_probs = self.raw_probs[:n]
         if n == 0:
             self.speculator = None
 
@@ -114,6 +117,7 @@ class Chain:
         self._factory = factory
         self.instances: dict[str, Speculator] = {}
         self.trackers: dict[str, AcceptanceTracker] = {}
+        self.calibrations: dict[str, PrefixCalibration] = {}  # per speculator: its tracker's bias by position
         self.explore_budget: dict[str, float] = {}  # model speculator -> seconds it may spend exploring
         self._exploring: set[str] = set()  # model speculators asked for an exploring draft this round
         for name in config.speculators:
@@ -125,6 +129,7 @@ class Chain:
             spec = self._factory(name, self.config.params.get(name))
             self.instances[name] = spec
             self.trackers[name] = AcceptanceTracker(n_contexts=3 * CONTEXT_OWN_BUCKETS)
+            self.calibrations[name] = PrefixCalibration()
         return spec
 
     def validate(self, names: tuple[str, ...]) -> None:
@@ -206,8 +211,8 @@ class Chain:
                 if policy == "first":
                     if props[i].speculator is None:
                         props[i].speculator, props[i].tokens = name, d
-                        props[i].prefix_probs = self.trackers[name].prefix_probs(
-                            props[i].seq_id, len(d), props[i].contexts[name])
+                        props[i].raw_probs, props[i].prefix_probs = self.estimate(
+                            name, props[i].seq_id, len(d), props[i].contexts[name])
                     continue
                 unscored.append((i, name))
         self._score(props, unscored, best_score, policy, pricing)
@@ -226,12 +231,11 @@ class Chain:
             others = [o for n, o in p.drafts.items() if n != name]
             agree = 0 if not others else (1 if any(o[0] == d[0] for o in others) else 2)
             p.contexts[name] = min(p.contexts[name], CONTEXT_OWN_BUCKETS - 1) * 3 + agree
-            tracker = self.trackers[name]
-            pp = tracker.prefix_probs(p.seq_id, len(d), p.contexts[name])
-            score = tracker.rate(p.seq_id) * len(d) if policy == "expected" else draft_value(pp, pricing)
+            raw, pp = self.estimate(name, p.seq_id, len(d), p.contexts[name])
+            score = self.trackers[name].rate(p.seq_id) * len(d) if policy == "expected" else draft_value(pp, pricing)
             if score > best_score[i]:
                 best_score[i] = score
-                p.speculator, p.tokens, p.prefix_probs = name, d, pp
+                p.speculator, p.tokens, p.prefix_probs, p.raw_probs = name, d, pp, raw
         unscored.clear()
 
     def _price(
@@ -243,11 +247,10 @@ class Chain:
         paying: the draft steps (shared among the sequences drafting together) plus, per sequence, the
         catch-up of a draft cache that lags (up to its whole prompt), spread over the rounds the sequence
         has left, since it is paid once. {request index: n_max}."""
-        tracker = self.trackers[name]
         cands: list[int] = []
         probs: list[np.ndarray] = []
         for i in idx:
-            pp = tracker.prefix_probs(requests[i].seq_id, min(requests[i].n_max, spec.max_steps))
+            _, pp = self.estimate(name, requests[i].seq_id, min(requests[i].n_max, spec.max_steps))
             if len(pp) and draft_value(pp, pricing) > best_score[i]:
                 cands.append(i)
                 probs.append(pp)
@@ -280,6 +283,11 @@ class Chain:
             self.explore_budget[name] = budget
         return chosen
 
+    def estimate(self, name: str, seq_id: int, length: int, context: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(raw, calibrated) P(first j+1 tokens of name's next draft for seq_id all accepted), j < length."""
+        raw = self.trackers[name].prefix_probs(seq_id, length, context)
+        return raw, self.calibrations[name].apply(raw)
+
     def accept(self, prop: Proposal, n_drafted: int, n_accepted: int, emitted: np.ndarray | None = None) -> None:
         """Tell every speculator asked for this sequence how its round went.
 
@@ -290,6 +298,8 @@ class Chain:
         for name in prop.asked:
             winner = name == prop.speculator and n_drafted > 0
             self.instances[name].accept(prop.seq_id, n_drafted, n_accepted, winner)
+            if winner and len(prop.raw_probs) >= n_drafted:
+                self.calibrations[name].update(prop.raw_probs[:n_drafted], n_accepted)
             tracker = self.trackers[name]
             if emitted is not None:
                 d = prop.drafts.get(name)

@@ -28,6 +28,9 @@ from __future__ import annotations
 import bisect
 import threading
 
+#: KV cells the calibration's decodes attend (TargetRunner.measure_decode_costs' prefix)
+CALIBRATION_PREFIX = 64
+
 
 class DecodeCostModel:
     def __init__(self, seconds_by_n: dict[int, float] | None = None, ema: float = 0.05,
@@ -40,6 +43,12 @@ class DecodeCostModel:
         self.attn_seconds = max(0.0, float(attn_seconds))  # per token per KV cell beyond ref_cells
         self.ref_cells = ref_cells  # cells the table's measurements attended
         self._lock = threading.Lock()
+
+    @classmethod
+    def calibrated(cls, measured: dict) -> DecodeCostModel:
+        """From TargetRunner.calibrate_cost()'s answer (possibly through Ray: keys may arrive as strings)."""
+        table = {int(n): float(s) for n, s in measured["table"].items()}
+        return cls(table, attn_seconds=measured["attn_seconds"], ref_cells=CALIBRATION_PREFIX)
 
     def table(self) -> dict[int, float]:
         return dict(zip(self._ns, self._secs))

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .cost import CALIBRATION_PREFIX
 from .hidden_rows import pack_rows
 from .sampling import SamplingParams
 from .verify import verify_greedy, verify_sampled_coupled
@@ -191,8 +192,13 @@ class TargetRunner:
             self.hidden_rows += out.hidden.n_rows
         return out
 
+    def calibrate_cost(self) -> dict:
+        """What the cost model starts from: {"table": seconds by batch size, "attn_seconds": per token x KV
+        cell}. Uses slot 0, which must be idle."""
+        return {"table": self.measure_decode_costs(), "attn_seconds": self.measure_attention_cost()}
+
     def measure_decode_costs(
-        self, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), reps: int = 3, prefix: int = 64,
+        self, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), reps: int = 3, prefix: int = CALIBRATION_PREFIX,
         seq_id: int = 0,
     ) -> dict[int, float]:
         """Seconds per decode of n tokens after a short prefix (median of reps).
@@ -221,28 +227,26 @@ class TargetRunner:
         self.ctx.clear_seq(seq_id)
         return out
 
-    def measure_attention_cost(self, short: int = 64, long: int = 512, sizes: tuple[int, ...] = (1, 4, 16),
-                               reps: int = 3, seq_id: int = 0) -> float:
+    def measure_attention_cost(self, short: int = CALIBRATION_PREFIX, long: int = 512,
+                               sizes: tuple[int, ...] = (1, 4, 16), reps: int = 3, seq_id: int = 0) -> float:
         """Seconds per (token x KV cell): what a longer context adds to a decode of n tokens.
 
         Uses seq_id's slot, which must be idle; it is cleared afterwards.
         """
         long = min(long, self.ctx.n_ctx_seq - max(sizes) - 1)
-        if long <= short:
+        sizes = tuple(n for n in sizes if n <= self.ctx.n_batch)
+        if long <= short or not sizes:
             return 0.0
         ids = (np.arange(long + max(sizes), dtype=np.int32) * 7 + 100) % 1000 + 10
         batch = self.ctx.batch
-        slopes = []
-        for n in sizes:
-            if n > self.ctx.n_batch:
-                continue
-            t = {}
-            for prefix in (short, long):
-                self.ctx.clear_seq(seq_id)
-                for c0 in range(0, prefix, self.ctx.n_batch):
-                    batch.clear()
-                    batch.add_seq(seq_id, ids[c0 : min(prefix, c0 + self.ctx.n_batch)], c0, 1)
-                    self.ctx.decode(batch)
+        t: dict[tuple[int, int], float] = {}
+        for prefix in (short, long):  # each prefix is prefilled once; every size decodes after it
+            self.ctx.clear_seq(seq_id)
+            for c0 in range(0, prefix, self.ctx.n_batch):
+                batch.clear()
+                batch.add_seq(seq_id, ids[c0 : min(prefix, c0 + self.ctx.n_batch)], c0, 1)
+                self.ctx.decode(batch)
+            for n in sizes:
                 times = []
                 for _ in range(reps + 1):
                     batch.clear()
@@ -251,8 +255,8 @@ class TargetRunner:
                     self.ctx.decode(batch)
                     times.append(time.perf_counter() - t0)
                     self.ctx.seq_rm(seq_id, prefix, -1)
-                t[prefix] = float(np.median(times[1:]))
-            slopes.append(max(0.0, t[long] - t[short]) / (n * (long - short)))
+                t[prefix, n] = float(np.median(times[1:]))
+        slopes = [max(0.0, t[long, n] - t[short, n]) / (n * (long - short)) for n in sizes]
         self.ctx.clear_seq(seq_id)
         return float(np.median(slopes)) if slopes else 0.0
 

@@ -114,7 +114,7 @@ def server(request, ray_serve):
     args = {"mode": mode, "engine": ENGINE, "replica_cpus": 0.2, "target_cpus": 0.4, "companion_cpus": 0.1,
             "ingress_cpus": 0.1, "app_name": f"specray-{mode}", "route_prefix": f"/{mode}"}
     if mode == "distributed":
-        args["engine"] = ENGINE | {"calibrate": True}  # exercises the actor's measure_decode_costs
+        args["engine"] = ENGINE | {"calibrate": True}  # exercises the actor's calibrate_cost
     t0 = time.perf_counter()
     serve.run(build_app(args), name=f"specray-{mode}", route_prefix=f"/{mode}")
     print(f"\n{mode}: deployed in {time.perf_counter() - t0:.1f}s")

@@ -56,6 +56,9 @@ def test_health_models_stats(http, server):
         assert pg and pl["target"]["placement_group_id"] == pg == pl["companion"]["placement_group_id"]
         assert st["target"]["where"] == "actor"
         assert st["companion"]["calls"] == 0  # model-free chain: the companion is not called per round
+        # calibrated in the target actor (ENGINE there has calibrate on): the batch-size table from 1 to 32
+        # rows and what attending a longer context adds, which the verify price of a long sequence needs
+        assert {1, 8, 32} <= {int(n) for n in st["cost_table"]} and st["attention_ns_per_token_cell"] > 0
 
 
 @pytest.mark.parametrize("prompt", COMPLETION_PROMPTS)

@@ -1,5 +1,6 @@
 """How the chain learns acceptance: every asked speculator's draft is judged against the emitted tokens,
-the estimate is conditioned on the previous verdict, and the cost policy prefers a sure short draft."""
+the estimate is conditioned on the previous verdict, the cost policy prefers a sure short draft, and a sent
+draft's verdict calibrates the estimate by position."""
 
 from __future__ import annotations
 
@@ -82,3 +83,36 @@ def test_every_policy_records_the_drafts_it_asked_for(policy):
     [prop] = chain.propose([SeqDraftRequest(0, ("a", "b"), np.array([1, 2], np.int32), 4)])
     assert prop.speculator in ("a", "b")
     assert set(prop.drafts) == set(prop.asked)
+
+
+def test_a_long_draft_that_breaks_its_promise_shrinks_the_next_estimate():
+    spec = Fixed(list(range(100, 132)))
+    chain = chain_of({"s": spec})
+    chain.config.n_max = 32
+    history = np.array([1, 2, 3], np.int32)
+    for _ in range(12):  # short drafts, always accepted: the tracker extrapolates that to long ones
+        [prop] = chain.propose([SeqDraftRequest(0, ("s",), history, 4)])
+        chain.accept(prop, len(prop.tokens), len(prop.tokens), np.arange(100, 105, dtype=np.int32))
+    [prop] = chain.propose([SeqDraftRequest(0, ("s",), history, 32)])
+    assert len(prop.tokens) == 32 and prop.prefix_probs.sum() > 16  # promised: over half of it
+    chain.accept(prop, 32, 3, np.array([100, 101, 102, 7], np.int32))  # delivered: 3
+    [prop] = chain.propose([SeqDraftRequest(1, ("s",), history, 32)])  # a fresh sequence: no per-seq shift
+    raw, calibrated = prop.raw_probs, prop.prefix_probs
+    # the tracker alone still expects much of a long draft; the calibration remembers the miss at the
+    # positions it happened and leaves the early ones (accepted every time) alone
+    assert raw[8:].mean() > 0.3
+    assert calibrated[8:].mean() < 0.5 * raw[8:].mean()
+    assert calibrated[0] >= 0.95 * raw[0]
+    assert np.all(np.diff(calibrated) <= 0) and calibrated.max() < 1
+    f = chain.calibrations["s"].factors()
+    assert f[0] >= 1.0 > 0.5 > f[5]  # position bucket 16-31 shrunk hard, position 0 not
+
+
+def test_only_sent_drafts_calibrate():
+    chain = chain_of({"a": Fixed([3, 4]), "b": Fixed([3, 9])})
+    [prop] = chain.propose([SeqDraftRequest(0, ("a", "b"), np.array([1, 2], np.int32), 2)])
+    sent = prop.speculator
+    chain.accept(prop, 2, 0, np.array([5], np.int32))
+    other = "b" if sent == "a" else "a"
+    assert chain.calibrations[sent].predicted.sum() > 0 and chain.calibrations[sent].realised.sum() == 0
+    assert chain.calibrations[other].predicted.sum() == 0  # judged for the tracker, not scored here
