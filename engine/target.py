@@ -198,8 +198,8 @@ class TargetRunner:
         return {"table": self.measure_decode_costs(), "attn_seconds": self.measure_attention_cost()}
 
     def measure_decode_costs(
-        self, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), reps: int = 3, prefix: int = CALIBRATION_PREFIX,
-        seq_id: int = 0,
+        self, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), reps: int = 3,
+        prefix: int = CALIBRATION_PREFIX, seq_id: int = 0,
     ) -> dict[int, float]:
         """Seconds per decode of n tokens after a short prefix (median of reps).
 
