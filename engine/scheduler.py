@@ -232,9 +232,12 @@ class Scheduler:
             except Exception:
                 log.exception("speculator hidden rows failed")
         self.stats.target_seconds += out.decode_seconds
-        for size in out.batch_sizes:
-            # one observation per decode; split rounds attribute time evenly
-            self.cost.observe(size, out.decode_seconds / max(1, len(out.batch_sizes)), cells)
+        if not n_prefill:
+            # the table prices verify rows, each with a logits row; prompt rows have none (a large vocabulary's
+            # output layer is a big share of a row: Gemma's 262k), so a prefill round would underprice them
+            for size in out.batch_sizes:
+                # one observation per decode; split rounds attribute time evenly
+                self.cost.observe(size, out.decode_seconds / max(1, len(out.batch_sizes)), cells)
 
         events: list[Event] = []
         for s, prop, res, it in zip(decoding, proposals, out.results[: len(decoding)], items):

@@ -82,3 +82,13 @@ def test_bad_speculator_params_name_the_field(smollm2):
                                                           params={"ngram_mod": {"n_match": 0}}))
     with pytest.raises(ValueError, match="ngram_mod.*n_match"):
         LocalEngine(cfg, model=smollm2)
+
+
+def test_prefill_rounds_do_not_teach_the_verify_cost_table(engine):
+    # prompt rows carry no logits, verify rows do: a prefill round's time per row would underprice drafts
+    table = dict(engine.scheduler.cost.table())
+    prompt = "Repeat after me: " + " ".join(f"item {i}," for i in range(150))
+    seq = engine.generate(prompt=prompt, max_tokens=4, chain=())
+    assert seq.n_prefilled > 256  # prefilled in chunks of up to 256 rows (prefill_chunk)
+    learnt = engine.scheduler.cost.table()
+    assert set(learnt) - set(table) <= {1}  # only the 1-row decode rounds were observed
