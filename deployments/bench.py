@@ -144,6 +144,8 @@ class BenchReport:
     configs: list[str]
     categories: list[str]
     results: dict[str, dict[str, ConfigResult]] = field(default_factory=dict)  # cat -> config -> result
+    # cat -> repeat -> config -> result (`results` sums them); one entry per --repeats pass
+    repeat_results: dict[str, list[dict[str, ConfigResult]]] = field(default_factory=dict)
     tie_bound: float = 0.0
     batch_variance: float = 0.0
     meta: dict = field(default_factory=dict)
@@ -163,10 +165,27 @@ class BenchReport:
             if "none" in self.configs:
                 for cat in self.categories:
                     base_total.add(self.results[cat]["none"])
+            overall = self._row(total, base_total if "none" in self.configs else None)
+            if "none" in self.configs:
+                for cat in self.categories:
+                    cats[cat]["speedup_per_repeat"] = self.repeat_speedups(cfg, [cat])
+                overall["speedup_per_repeat"] = self.repeat_speedups(cfg, self.categories)
             entry = {"mismatches": total.mismatches, "tie_divergences": total.tie_divergences,
                      "identical": total.identical, "compared": total.compared, "categories": cats,
-                     "overall": self._row(total, base_total if "none" in self.configs else None)}
+                     "overall": overall}
             out["configs"][cfg] = entry
+        return out
+
+    def repeat_speedups(self, cfg: str, categories: list[str]) -> list[float]:
+        """Speedup vs `none` of each --repeats pass over `categories` (their spread shows the noise)."""
+        out = []
+        n_rep = min((len(self.repeat_results.get(c, [])) for c in categories), default=0)
+        for rep in range(n_rep):
+            r, base = ConfigResult(cfg), ConfigResult("none")
+            for cat in categories:
+                r.add(self.repeat_results[cat][rep][cfg])
+                base.add(self.repeat_results[cat][rep]["none"])
+            out.append(r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0)
         return out
 
     @staticmethod
@@ -185,18 +204,22 @@ class BenchReport:
     def table(self) -> str:
         js = self.to_json()
         lines = []
+        spread = max((len(v) for v in self.repeat_results.values()), default=0) > 1
         for cat in self.categories + ["overall"]:
             lines.append(f"\n== {cat} ==")
-            lines.append(f"{'config':<34}{'tok/s':>8}{'speedup':>9}{'e2e':>7}{'accept_len':>11}{'acc_rate':>9}"
-                         f"{'mismatch':>9}{'ties':>6}{'round_ms':>9}{'draft':>7}{'verify':>7}")
+            lines.append(f"{'config':<34}{'tok/s':>8}{'speedup':>9}{'range' if spread else '':>12}{'e2e':>7}"
+                         f"{'accept_len':>11}{'acc_rate':>9}{'mismatch':>9}{'ties':>6}{'round_ms':>9}{'draft':>7}"
+                         f"{'verify':>7}")
             for cfg in self.configs:
                 entry = js["configs"][cfg]
                 row = entry["overall"] if cat == "overall" else entry["categories"][cat]
                 sp, e2e = row["speedup"], row["e2e_speedup"]
                 mm = entry["mismatches"] if cat == "overall" else ""
                 ties = entry["tie_divergences"] if cat == "overall" else ""
+                per_rep = row.get("speedup_per_repeat") or []
+                rng = f"{min(per_rep):.2f}-{max(per_rep):.2f}" if spread and per_rep else ""
                 lines.append(
-                    f"{cfg:<34}{row['tokens_per_s']:>8.1f}{(f'{sp:.2f}x' if sp is not None else '-'):>9}"
+                    f"{cfg:<34}{row['tokens_per_s']:>8.1f}{(f'{sp:.2f}x' if sp is not None else '-'):>9}{rng:>12}"
                     f"{(f'{e2e:.2f}x' if e2e is not None else '-'):>7}"
                     f"{row['mean_acceptance_length']:>11.2f}{row['acceptance_rate']:>9.2f}{mm!s:>9}{ties!s:>6}"
                     f"{_ms(row['round_ms']):>9}{_ms(row['draft_ms_per_round']):>7}{_ms(row['verify_ms_per_round']):>7}"
@@ -285,7 +308,13 @@ def run_bench(
     progress=print,
     draft_model: str | None = None,
     cross_vocab: bool = False,
+    repeats: int = 1,
 ) -> BenchReport:
+    """Run every configuration on `prompts`, `repeats` times. Each pass has its own chains (fresh
+    speculators: a second pass must not draft from what the first one generated) and runs the
+    configurations in the opposite order of the pass before, so a drift in machine speed cancels."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     if "none" not in configs:
         configs = ["none"] + configs
     cfg = EngineConfig(model=model, chat_template=chat_template, slots=slots, exact=exact, threads=threads,
@@ -293,8 +322,8 @@ def run_bench(
                                                                             n_max=n_max),
                        draft=DraftModelConfig(model=draft_model, cross_vocab=cross_vocab))
     engine = LocalEngine(cfg)
-    chains = {c: Chain(ChainConfig(speculators=parse_chain(c), policy=policy, n_max=n_max), engine.speculator_factory)
-              for c in configs}
+    chains = [{c: Chain(ChainConfig(speculators=parse_chain(c), policy=policy, n_max=n_max),
+                        engine.speculator_factory) for c in configs} for _ in range(repeats)]
     categories = list(dict.fromkeys(p.category for p in prompts))
     report = BenchReport(model=model, configs=list(configs), categories=categories)
     if llama_baseline and build_has_amx():
@@ -320,40 +349,51 @@ def run_bench(
         cat_prompts = [p for p in prompts if p.category == cat]
         tokens = [engine.prompt_tokens(p.prompt, p.messages) for p in cat_prompts]
         report.results[cat] = {c: ConfigResult(c) for c in report.configs}
-        # configurations interleaved per group of prompts, so a load change on the machine hits every
-        # configuration alike: one prompt at a time with one slot; with several slots the whole
-        # category at once, queued, so a finished sequence's slot is refilled as on a loaded server
-        # (closed groups of `slots` prompts would measure mostly batches emptying out, and a config
-        # that finishes some sequences sooner would leave the all-slots-busy window sooner)
-        step = 1 if slots == 1 else len(tokens)
-        for g in range(0, len(tokens), step):
-            group = tokens[g : g + step]
-            base_seqs = None
-            for c in report.configs:
-                if c == "llama_cpp":
-                    report.results[cat][c].add(llama.run(group, max_tokens))
-                    continue
-                r, seqs = _run_config(engine, chains[c], c, group, max_tokens)
-                if c == "none":
-                    base_seqs = seqs
-                elif base_seqs is not None:
-                    for b, s in zip(base_seqs, seqs):
-                        kind = classify_divergence(b.generated, s.generated, b.margins,
-                                                   0.0 if exact else report.tie_bound)
-                        r.compared += 1
-                        if kind == "identical":
-                            r.identical += 1
-                        elif kind == "mismatch":
-                            r.mismatches += 1
-                        else:
-                            r.tie_divergences += 1
-                report.results[cat][c].add(r)
+        report.repeat_results[cat] = []
+        for rep in range(repeats):
+            per_rep = {c: ConfigResult(c) for c in report.configs}
+            report.repeat_results[cat].append(per_rep)
+            order = report.configs if rep % 2 == 0 else report.configs[::-1]
+            # configurations interleaved per group of prompts, so a load change on the machine hits every
+            # configuration alike: one prompt at a time with one slot; with several slots the whole
+            # category at once, queued, so a finished sequence's slot is refilled as on a loaded server
+            # (closed groups of `slots` prompts would measure mostly batches emptying out, and a config
+            # that finishes some sequences sooner would leave the all-slots-busy window sooner)
+            step = 1 if slots == 1 else len(tokens)
+            for g in range(0, len(tokens), step):
+                group = tokens[g : g + step]
+                runs: dict[str, tuple[ConfigResult, list | None]] = {}
+                for c in order:
+                    if c == "llama_cpp":
+                        runs[c] = (llama.run(group, max_tokens), None)
+                    else:
+                        runs[c] = _run_config(engine, chains[rep][c], c, group, max_tokens)
+                base_seqs = runs["none"][1]
+                for c in report.configs:
+                    r, seqs = runs[c]
+                    if seqs is not None and c != "none":
+                        _compare(r, base_seqs, seqs, 0.0 if exact else report.tie_bound)
+                    per_rep[c].add(r)
+                    report.results[cat][c].add(r)
         for c in report.configs:
             r = report.results[cat][c]
             progress(f"{cat:<22} {c:<34} {r.tokens_per_s:7.1f} tok/s  accept_len {r.mean_acceptance_length:.2f}"
                      f"  identical {r.identical}/{r.compared}")
     engine.close()
     return report
+
+
+def _compare(r: ConfigResult, base_seqs: list, seqs: list, tie_bound: float) -> None:
+    """Count each sequence of `seqs` as identical to, tie-diverging from or mismatching `none`'s."""
+    for b, s in zip(base_seqs, seqs):
+        kind = classify_divergence(b.generated, s.generated, b.margins, tie_bound)
+        r.compared += 1
+        if kind == "identical":
+            r.identical += 1
+        elif kind == "mismatch":
+            r.mismatches += 1
+        else:
+            r.tie_divergences += 1
 
 
 def _run_config(engine: LocalEngine, chain: Chain, name: str, prompts: list[np.ndarray],
@@ -433,7 +473,7 @@ def main_bench(args) -> int:
                        threads=args.threads, n_ctx=args.n_ctx, chat_template=args.chat_template,
                        llama_baseline=not args.no_llama_baseline,
                        progress=lambda s: print(s, file=sys.stderr, flush=True),
-                       draft_model=args.draft_model, cross_vocab=args.cross_vocab)
+                       draft_model=args.draft_model, cross_vocab=args.cross_vocab, repeats=args.repeats)
     print(report.table())
     if args.json:
         write_json(report, args.json)

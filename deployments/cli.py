@@ -117,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--slots", type=int, default=None,
                        help="concurrent sequences (default: 1 in-process; with --http the largest --streams; with "
                             "--url the first server's slots, for the in-process row)")
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="in-process: run everything this many times, each pass with fresh speculators and the "
+                            "configurations in the opposite order of the pass before; figures sum the passes and "
+                            "a `range` column shows each pass's speedup, i.e. how much is noise (default: "
+                            "%(default)s)")
     bench.add_argument("--json", default=None, help="write the results as JSON to this path")
     bench.add_argument("--no-llama-baseline", action="store_true",
                        help="skip the plain llama_cpp.Llama generate reference row (in-process bench)")
@@ -276,6 +281,8 @@ def _cmd_bench(args) -> int:
             raise ValueError("--url benches running servers, --http starts its own: give one of them")
         if args.configs is not None:
             raise ValueError("--configs compares chains in-process; the HTTP bench runs one chain: use --spec")
+        if args.repeats != 1:
+            raise ValueError("--repeats is for the in-process bench; the HTTP bench runs each stream count once")
         from specray.deployments.http_bench_compare import main_http_bench
 
         return main_http_bench(args)
@@ -302,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    for flag in ("max_tokens", "threads", "n_ctx", "per_category", "slots", "num_prompts"):
+    for flag in ("max_tokens", "threads", "n_ctx", "per_category", "slots", "num_prompts", "repeats"):
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")

@@ -55,3 +55,23 @@ def test_figures_add_up(report):
     copy = report.results["copy"]["suffix"]
     assert copy.drafts > 0 and copy.accepted > 0, copy
     assert report.results["copy"]["none"].drafts == 0
+
+
+def test_repeats_are_independent_passes_in_alternating_order():
+    prompts = [BenchPrompt("chat", messages=[{"role": "user", "content": "Describe a quiet harbour at dawn."}])]
+    report = run_bench(model="smollm2-135m", configs=["suffix"], prompts=prompts, max_tokens=48, slots=1,
+                       exact=False, policy="cost", n_max=8, threads=2, n_ctx=1024, progress=lambda s: None,
+                       llama_baseline=False, repeats=2)
+    passes = report.repeat_results["chat"]
+    assert len(passes) == 2
+    for cfg in ("none", "suffix"):
+        assert report.results["chat"][cfg].tokens == sum(p[cfg].tokens for p in passes)
+        assert all(p[cfg].tokens > 0 for p in passes)
+    # each pass has fresh speculators: with the first pass's chain, the suffix tree shared across requests
+    # would hold this very answer and the second pass would draft nearly all of it
+    first, second = passes[0]["suffix"], passes[1]["suffix"]
+    assert second.accepted <= first.accepted + 8, (first.accepted, second.accepted)
+    row = report.to_json()["configs"]["suffix"]
+    assert len(row["categories"]["chat"]["speedup_per_repeat"]) == 2
+    assert all(s > 0 for s in row["overall"]["speedup_per_repeat"])
+    assert "range" in report.table()

@@ -92,10 +92,17 @@ def test_select_prompts_round_robin_over_categories():
     (["--streams", "2"], "--streams needs --url or --http"),
     (["--no-in-process"], "--no-in-process needs --url or --http"),
     (["--http", "--serve-modes", "sideways"], "--serve-modes"),
+    (["--http", "--repeats", "2"], "--repeats is for the in-process bench"),
 ])
 def test_bench_http_flag_errors(argv, message, capsys):
     assert cli.main(["bench", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_repeats_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--repeats", "0"])
+    assert "--repeats must be >= 1" in capsys.readouterr().err
 
 
 def test_bench_streams_must_be_positive():
