@@ -14,18 +14,30 @@ whether they were (j < n_accepted). Summed by position bucket (0, 1, 2-3,
 those positions. Learning is in tokens, so one big miss teaches at once, and
 a speculator that keeps its long promises (ngram_mod copying a document)
 keeps a factor near 1. The raw estimates are what is scored, so the factor
-measures the tracker's bias, not its own.
+measures the tracker's bias, not its own. Raising an estimate takes more
+evidence than lowering it (16 pseudo-tokens against 4): an over-promise costs
+a batch of rejected rows, an under-promise only a draft not sent, and one
+lucky 41-token copy had raised a bucket to 1.48x (SmolLM2, 4 slots), which
+the next long bets paid for.
 
 >>> c = PrefixCalibration(prior_tokens=4.0)
 >>> raw = 0.97 ** np.arange(1, 41)   # a 40-token draft promising 22.8 accepted tokens
 >>> c.update(raw, n_accepted=4)        # it delivered 4
 >>> [round(float(x), 2) for x in c.apply(raw)[[0, 3, 8, 39]]], round(float(c.apply(raw).sum()), 1)
-([0.98, 0.92, 0.32, 0.13], 11.6)
+([0.97, 0.9, 0.32, 0.13], 11.5)
 >>> c = PrefixCalibration()
 >>> for _ in range(50):
 ...     c.update(np.full(8, 0.5), n_accepted=8)   # underconfident: every token accepted
 >>> [round(float(x), 2) for x in c.apply(np.full(8, 0.5))[[0, 7]]]
-[0.93, 0.93]
+[0.8, 0.8]
+>>> c = PrefixCalibration()
+>>> c.update(np.full(8, 0.5), n_accepted=8)   # one draft's luck barely raises the estimate...
+>>> round(float(c.apply(np.full(8, 0.5))[0]), 2)
+0.52
+>>> c = PrefixCalibration()
+>>> c.update(np.full(8, 0.5), n_accepted=0)   # ...while one miss lowers it at once
+>>> round(float(c.apply(np.full(8, 0.5))[0]), 2)
+0.44
 """
 
 from __future__ import annotations
@@ -42,13 +54,14 @@ _P_MAX = 0.999
 
 
 class PrefixCalibration:
-    def __init__(self, prior_tokens: float = 4.0) -> None:
+    def __init__(self, prior_tokens: float = 4.0, raise_prior_tokens: float = 16.0) -> None:
         self.prior_tokens = prior_tokens  # pseudo-tokens at factor 1 in every bucket
+        self.raise_prior_tokens = raise_prior_tokens  # the same, where realised > predicted
         self.predicted = np.zeros(N_POS_BUCKETS)
         self.realised = np.zeros(N_POS_BUCKETS)
 
     def factors(self) -> np.ndarray:
-        k = self.prior_tokens
+        k = np.where(self.realised > self.predicted, self.raise_prior_tokens, self.prior_tokens)
         return np.clip((self.realised + k) / (self.predicted + k), FACTOR_MIN, FACTOR_MAX)
 
     def apply(self, raw: np.ndarray) -> np.ndarray:

@@ -93,6 +93,20 @@ def top2_margin(rows: np.ndarray) -> np.ndarray:
     return (part[:, 1] - part[:, 0]).astype(np.float32)
 
 
+def pooled_attention_slope(times: dict[tuple[int, int], float], short: int, long: int,
+                           sizes: tuple[int, ...]) -> float:
+    """Seconds per (token x KV cell) from decode times `times[prefix, n]` after a short and a long
+    prefix: the extra time summed over sizes, over the extra token-cells summed (never negative).
+
+    >>> t = {(64, 4): 0.030, (64, 16): 0.100, (768, 4): 0.035, (768, 16): 0.121}
+    >>> round(pooled_attention_slope(t, 64, 768, (4, 16)) * 1e6, 2)   # us per token-cell
+    1.85
+    """
+    dt = sum(times[long, n] - times[short, n] for n in sizes)
+    cells = sum(n * (long - short) for n in sizes)
+    return max(0.0, dt / cells) if cells > 0 else 0.0
+
+
 class TargetRunner:
     def __init__(self, ctx: TargetContext, record_margins: bool = False) -> None:
         self.ctx = ctx
@@ -228,10 +242,17 @@ class TargetRunner:
         return out
 
     def measure_attention_cost(self, short: int = CALIBRATION_PREFIX, long: int = 512,
-                               sizes: tuple[int, ...] = (1, 4, 16), reps: int = 3, seq_id: int = 0) -> float:
-        """Seconds per (token x KV cell): what a longer context adds to a decode of n tokens.
+                               sizes: tuple[int, ...] = (4, 8), reps: int = 5, seq_id: int = 0) -> float:
+        """Seconds per (token x KV cell): what each cell of a longer context adds to every token of a
+        decode, i.e. what a draft row pays beyond the table's price.
 
-        Uses seq_id's slot, which must be idle; it is cleared afterwards.
+        Timed after the short prefix, then after extending it to the long one, then after cutting it
+        back, each the fastest of `reps` decodes, and pooled over the batch sizes. Sizes of a few
+        rows, as draft rows come: one row's decode also pays the cells' read, which more rows share,
+        and large batches vary too much from run to run (SmolLM2, 16 rows: 83-137 ms). A slope per
+        size with a 1-token decode among them came out anywhere from 0 to 3x between start-ups.
+        Uses seq_id's slot, which must be idle (with a unified KV cache, the whole cache: every cell in
+        use is attended); it is cleared afterwards.
         """
         long = min(long, self.ctx.n_ctx_seq - max(sizes) - 1)
         sizes = tuple(n for n in sizes if n <= self.ctx.n_batch)
@@ -239,13 +260,15 @@ class TargetRunner:
             return 0.0
         ids = (np.arange(long + max(sizes), dtype=np.int32) * 7 + 100) % 1000 + 10
         batch = self.ctx.batch
-        t: dict[tuple[int, int], float] = {}
-        for prefix in (short, long):  # each prefix is prefilled once; every size decodes after it
-            self.ctx.clear_seq(seq_id)
-            for c0 in range(0, prefix, self.ctx.n_batch):
+
+        def prefill(start: int, end: int) -> None:
+            for c0 in range(start, end, self.ctx.n_batch):
                 batch.clear()
-                batch.add_seq(seq_id, ids[c0 : min(prefix, c0 + self.ctx.n_batch)], c0, 1)
+                batch.add_seq(seq_id, ids[c0 : min(end, c0 + self.ctx.n_batch)], c0, 1)
                 self.ctx.decode(batch)
+
+        def timed(prefix: int) -> dict[int, float]:
+            out = {}
             for n in sizes:
                 times = []
                 for _ in range(reps + 1):
@@ -255,10 +278,20 @@ class TargetRunner:
                     self.ctx.decode(batch)
                     times.append(time.perf_counter() - t0)
                     self.ctx.seq_rm(seq_id, prefix, -1)
-                t[prefix, n] = float(np.median(times[1:]))
-        slopes = [max(0.0, t[long, n] - t[short, n]) / (n * (long - short)) for n in sizes]
+                out[n] = min(times[1:])  # interference only ever slows a decode down
+            return out
+
         self.ctx.clear_seq(seq_id)
-        return float(np.median(slopes)) if slopes else 0.0
+        prefill(0, short)
+        before = timed(short)
+        prefill(short, long)
+        after_long = timed(long)
+        self.ctx.seq_rm(seq_id, short, -1)
+        again = timed(short)
+        self.ctx.clear_seq(seq_id)
+        t = {(long, n): after_long[n] for n in sizes}
+        t |= {(short, n): min(before[n], again[n]) for n in sizes}
+        return pooled_attention_slope(t, short, long, sizes)
 
     def _pack(self, items: list[StepItem]) -> list[list[StepItem]]:
         """Split items into decodes of at most n_batch tokens, keeping each item whole."""
