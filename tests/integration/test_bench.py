@@ -57,7 +57,7 @@ def test_figures_add_up(report):
     assert report.results["copy"]["none"].drafts == 0
 
 
-def test_repeats_are_independent_passes_in_alternating_order():
+def test_repeats_are_independent_passes():
     prompts = [BenchPrompt("chat", messages=[{"role": "user", "content": "Describe a quiet harbour at dawn."}])]
     report = run_bench(model="smollm2-135m", configs=["suffix"], prompts=prompts, max_tokens=48, slots=1,
                        exact=False, policy="cost", n_max=8, threads=2, n_ctx=1024, progress=lambda s: None,
