@@ -225,21 +225,24 @@ class TargetRunner:
         batch.clear()
         batch.add_seq(seq_id, ids[:prefix], 0, 1)
         self.ctx.decode(batch)
-        out: dict[int, float] = {}
-        for n in sizes:
-            if n > self.ctx.n_batch:
-                continue
-            times = []
-            for _ in range(reps + 1):  # first run warms up buffers for this size
-                batch.clear()
-                batch.add_seq(seq_id, ids[prefix : prefix + n], prefix, n)
-                t0 = time.perf_counter()
-                self.ctx.decode(batch)
-                times.append(time.perf_counter() - t0)
-                self.ctx.seq_rm(seq_id, prefix, -1)
-            out[n] = float(np.median(times[1:]))
+        out = {n: float(np.median(self._decode_times(seq_id, ids, prefix, n, reps)))
+               for n in sizes if n <= self.ctx.n_batch}
         self.ctx.clear_seq(seq_id)
         return out
+
+    def _decode_times(self, seq_id: int, ids: np.ndarray, prefix: int, n: int, reps: int) -> list[float]:
+        """Seconds of `reps` decodes of ids[prefix:prefix+n] after seq_id's first `prefix` cells, each
+        removed again; a first, untimed decode warms up the buffers for this size."""
+        batch = self.ctx.batch
+        times = []
+        for _ in range(reps + 1):
+            batch.clear()
+            batch.add_seq(seq_id, ids[prefix : prefix + n], prefix, n)
+            t0 = time.perf_counter()
+            self.ctx.decode(batch)
+            times.append(time.perf_counter() - t0)
+            self.ctx.seq_rm(seq_id, prefix, -1)
+        return times[1:]
 
     def measure_attention_cost(self, short: int = CALIBRATION_PREFIX, long: int = 512,
                                sizes: tuple[int, ...] = (4, 8), reps: int = 5, seq_id: int = 0) -> float:
@@ -268,18 +271,8 @@ class TargetRunner:
                 self.ctx.decode(batch)
 
         def timed(prefix: int) -> dict[int, float]:
-            out = {}
-            for n in sizes:
-                times = []
-                for _ in range(reps + 1):
-                    batch.clear()
-                    batch.add_seq(seq_id, ids[prefix : prefix + n], prefix, n)
-                    t0 = time.perf_counter()
-                    self.ctx.decode(batch)
-                    times.append(time.perf_counter() - t0)
-                    self.ctx.seq_rm(seq_id, prefix, -1)
-                out[n] = min(times[1:])  # interference only ever slows a decode down
-            return out
+            # the fastest: interference only ever slows a decode down
+            return {n: min(self._decode_times(seq_id, ids, prefix, n, reps)) for n in sizes}
 
         self.ctx.clear_seq(seq_id)
         prefill(0, short)
