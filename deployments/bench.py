@@ -27,6 +27,7 @@ from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig, p
 from specray.engine.request import GenerationRequest
 from specray.native.lib import build_has_amx
 
+from .bench_order import ORDERS, baseline_positions, run_order
 from .local_engine import LocalEngine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -146,6 +147,10 @@ class BenchReport:
     results: dict[str, dict[str, ConfigResult]] = field(default_factory=dict)  # cat -> config -> result
     # cat -> repeat -> config -> result (`results` sums them); one entry per --repeats pass
     repeat_results: dict[str, list[dict[str, ConfigResult]]] = field(default_factory=dict)
+    # cat -> config -> the `none` runs each configuration is measured against (its neighbours in the run
+    # order with --order sandwich; the group's one `none` run with --order alternate); same for each pass
+    baselines: dict[str, dict[str, ConfigResult]] = field(default_factory=dict)
+    repeat_baselines: dict[str, list[dict[str, ConfigResult]]] = field(default_factory=dict)
     tie_bound: float = 0.0
     batch_variance: float = 0.0
     meta: dict = field(default_factory=dict)
@@ -156,15 +161,14 @@ class BenchReport:
         for cfg in self.configs:
             cats = {}
             total = ConfigResult(cfg)
+            base_total = ConfigResult("none")
             for cat in self.categories:
                 r = self.results[cat][cfg]
-                base = self.results[cat].get("none")
+                base = self._baseline(cat, cfg)
                 total.add(r)
+                if base is not None:
+                    base_total.add(base)
                 cats[cat] = self._row(r, base)
-            base_total = ConfigResult("none")
-            if "none" in self.configs:
-                for cat in self.categories:
-                    base_total.add(self.results[cat]["none"])
             overall = self._row(total, base_total if "none" in self.configs else None)
             if "none" in self.configs:
                 for cat in self.categories:
@@ -176,6 +180,14 @@ class BenchReport:
             out["configs"][cfg] = entry
         return out
 
+    def _baseline(self, cat: str, cfg: str, rep: int | None = None) -> ConfigResult | None:
+        if rep is None:
+            by_cfg, results = self.baselines.get(cat, {}), self.results[cat]
+        else:
+            passes = self.repeat_baselines.get(cat, [])
+            by_cfg, results = passes[rep] if rep < len(passes) else {}, self.repeat_results[cat][rep]
+        return by_cfg.get(cfg, results.get("none"))
+
     def repeat_speedups(self, cfg: str, categories: list[str]) -> list[float]:
         """Speedup vs `none` of each --repeats pass over `categories` (their spread shows the noise)."""
         out = []
@@ -184,7 +196,7 @@ class BenchReport:
             r, base = ConfigResult(cfg), ConfigResult("none")
             for cat in categories:
                 r.add(self.repeat_results[cat][rep][cfg])
-                base.add(self.repeat_results[cat][rep]["none"])
+                base.add(self._baseline(cat, cfg, rep))
             out.append(r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0)
         return out
 
@@ -309,10 +321,14 @@ def run_bench(
     draft_model: str | None = None,
     cross_vocab: bool = False,
     repeats: int = 1,
+    order: str = "sandwich",
 ) -> BenchReport:
     """Run every configuration on `prompts`, `repeats` times. Each pass has its own chains (fresh
     speculators: a second pass must not draft from what the first one generated) and runs the
-    configurations in the opposite order of the pass before, so a drift in machine speed cancels."""
+    configurations in the opposite order of the pass and group before, so a drift in machine speed cancels;
+    `order` is `run_order`'s."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if "none" not in configs:
@@ -338,7 +354,7 @@ def run_bench(
     report.batch_variance = 0.0 if exact else measure_batch_variance(engine, np.tile(sample, 4), sizes)
     # an argmax flips only if the top-2 margin is below the two logits' combined drift
     report.tie_bound = 2.0 * report.batch_variance
-    report.meta = {"slots": slots, "max_tokens": max_tokens, "exact": exact, "policy": policy, "n_max": n_max,
+    report.meta = {"order": order, "slots": slots, "max_tokens": max_tokens, "exact": exact, "policy": policy, "n_max": n_max,
                    "threads": threads, "decode_cost_ms": {k: v * 1000 for k, v in engine.scheduler.cost.table().items()},
                    "attention_us_per_1k_token_cells": engine.scheduler.cost.attn_seconds * 1e9,
                    "python": platform.python_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -349,32 +365,37 @@ def run_bench(
         cat_prompts = [p for p in prompts if p.category == cat]
         tokens = [engine.prompt_tokens(p.prompt, p.messages) for p in cat_prompts]
         report.results[cat] = {c: ConfigResult(c) for c in report.configs}
-        report.repeat_results[cat] = []
+        report.baselines[cat] = {c: ConfigResult("none") for c in report.configs}
+        report.repeat_results[cat], report.repeat_baselines[cat] = [], []
         for rep in range(repeats):
             per_rep = {c: ConfigResult(c) for c in report.configs}
+            base_rep = {c: ConfigResult("none") for c in report.configs}
             report.repeat_results[cat].append(per_rep)
-            order = report.configs if rep % 2 == 0 else report.configs[::-1]
+            report.repeat_baselines[cat].append(base_rep)
             # configurations interleaved per group of prompts, so a load change on the machine hits every
             # configuration alike: one prompt at a time with one slot; with several slots the whole
             # category at once, queued, so a finished sequence's slot is refilled as on a loaded server
             # (closed groups of `slots` prompts would measure mostly batches emptying out, and a config
             # that finishes some sequences sooner would leave the all-slots-busy window sooner)
             step = 1 if slots == 1 else len(tokens)
-            for g in range(0, len(tokens), step):
+            for gi, g in enumerate(range(0, len(tokens), step)):
                 group = tokens[g : g + step]
-                runs: dict[str, tuple[ConfigResult, list | None]] = {}
-                for c in order:
+                sequence = run_order(report.configs, order, reverse=(rep + gi) % 2 == 1)
+                runs: list[tuple[str, ConfigResult, list | None]] = []
+                for c in sequence:
                     if c == "llama_cpp":
-                        runs[c] = (llama.run(group, max_tokens), None)
+                        runs.append((c, llama.run(group, max_tokens), None))
                     else:
-                        runs[c] = _run_config(engine, chains[rep][c], c, group, max_tokens)
-                base_seqs = runs["none"][1]
-                for c in report.configs:
-                    r, seqs = runs[c]
+                        runs.append((c, *_run_config(engine, chains[rep][c], c, group, max_tokens)))
+                base_seqs = next(seqs for c, _, seqs in runs if c == "none")
+                for i, (c, r, seqs) in enumerate(runs):
                     if seqs is not None and c != "none":
                         _compare(r, base_seqs, seqs, 0.0 if exact else report.tie_bound)
                     per_rep[c].add(r)
                     report.results[cat][c].add(r)
+                    for j in baseline_positions(sequence, i):
+                        base_rep[c].add(runs[j][1])
+                        report.baselines[cat][c].add(runs[j][1])
         for c in report.configs:
             r = report.results[cat][c]
             progress(f"{cat:<22} {c:<34} {r.tokens_per_s:7.1f} tok/s  accept_len {r.mean_acceptance_length:.2f}"
@@ -473,7 +494,8 @@ def main_bench(args) -> int:
                        threads=args.threads, n_ctx=args.n_ctx, chat_template=args.chat_template,
                        llama_baseline=not args.no_llama_baseline,
                        progress=lambda s: print(s, file=sys.stderr, flush=True),
-                       draft_model=args.draft_model, cross_vocab=args.cross_vocab, repeats=args.repeats)
+                       draft_model=args.draft_model, cross_vocab=args.cross_vocab, repeats=args.repeats,
+                       order=args.order)
     print(report.table())
     if args.json:
         write_json(report, args.json)

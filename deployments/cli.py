@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from specray.deployments.bench_order import ORDERS
 from specray.engine.config import ChainConfig
 
 DEFAULT_BENCH_CONFIGS = ["none", "ngram_simple", "ngram_mod", "suffix", "ngram_mod,suffix"]
@@ -122,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "configurations in the opposite order of the pass before; figures sum the passes and "
                             "a `range` column shows each pass's speedup, i.e. how much is noise (default: "
                             "%(default)s)")
+    bench.add_argument("--order", choices=ORDERS, default=None,
+                       help="in-process: run order per group of prompts. sandwich: `none` before and after every "
+                            "other configuration, each measured against its two neighbouring `none` runs, which "
+                            "cancels drift in machine speed slower than one run (seen here: identical runs drifting "
+                            "between 69 and 94 tok/s in ~30 s waves); about twice as long. alternate: each "
+                            "configuration once, the order reversed every group (default: sandwich)")
     bench.add_argument("--json", default=None, help="write the results as JSON to this path")
     bench.add_argument("--no-llama-baseline", action="store_true",
                        help="skip the plain llama_cpp.Llama generate reference row (in-process bench)")
@@ -283,6 +290,8 @@ def _cmd_bench(args) -> int:
             raise ValueError("--configs compares chains in-process; the HTTP bench runs one chain: use --spec")
         if args.repeats != 1:
             raise ValueError("--repeats is for the in-process bench; the HTTP bench runs each stream count once")
+        if args.order is not None:
+            raise ValueError("--order is for the in-process bench; the HTTP bench runs one chain")
         from specray.deployments.http_bench_compare import main_http_bench
 
         return main_http_bench(args)
@@ -293,6 +302,7 @@ def _cmd_bench(args) -> int:
     from specray.deployments.bench import main_bench
 
     args.configs = args.configs or list(DEFAULT_BENCH_CONFIGS)
+    args.order = args.order or "sandwich"
     args.slots = args.slots or 1
     return main_bench(args)
 

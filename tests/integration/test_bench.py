@@ -51,6 +51,11 @@ def test_figures_add_up(report):
             assert r.rounds > 0 and 0 < r.verify_seconds and 0 < r.draft_seconds
             assert r.draft_seconds + r.verify_seconds < r.seconds
         assert none.rounds > 0 and none.draft_seconds < report.results[cat]["suffix"].draft_seconds
+        # the default order runs `none` before and after each of the 3 other configurations, and measures
+        # each against its two neighbours
+        runs = report.results[cat]["suffix"].sequences
+        assert none.sequences == 4 * runs
+        assert report.baselines[cat]["suffix"].sequences == 2 * runs
     # the repetitive prompts are drafted for and (mostly) accepted
     copy = report.results["copy"]["suffix"]
     assert copy.drafts > 0 and copy.accepted > 0, copy

@@ -93,6 +93,7 @@ def test_select_prompts_round_robin_over_categories():
     (["--no-in-process"], "--no-in-process needs --url or --http"),
     (["--http", "--serve-modes", "sideways"], "--serve-modes"),
     (["--http", "--repeats", "2"], "--repeats is for the in-process bench"),
+    (["--http", "--order", "alternate"], "--order is for the in-process bench"),
 ])
 def test_bench_http_flag_errors(argv, message, capsys):
     assert cli.main(["bench", *argv]) == 2
@@ -103,6 +104,12 @@ def test_bench_repeats_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--repeats", "0"])
     assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_order_names_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--order", "random"])
+    assert "--order: invalid choice: 'random' (choose from" in capsys.readouterr().err
 
 
 def test_bench_streams_must_be_positive():

@@ -1,0 +1,48 @@
+"""The order in which `specray bench` runs its configurations on one group of prompts, and which `none`
+runs each configuration is measured against. Pure, so the CLI can offer the choices without loading
+llama.cpp."""
+
+from __future__ import annotations
+
+ORDERS = ("sandwich", "alternate")
+
+
+def run_order(configs: list[str], order: str, reverse: bool) -> list[str]:
+    """The run order of one group of prompts. `alternate`: each configuration once. `sandwich`: `none`
+    before and after every other configuration, so each is measured against its own neighbours and a
+    drift in machine speed slower than a run cancels (measured here: identical runs drifted between 69
+    and 94 tok/s in waves of ~30 s). `reverse` flips the order (alternating groups and passes).
+
+    >>> run_order(["none", "a", "b"], "alternate", reverse=False)
+    ['none', 'a', 'b']
+    >>> run_order(["none", "a", "b"], "sandwich", reverse=True)
+    ['none', 'b', 'none', 'a', 'none']
+    """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+    seq = configs[::-1] if reverse else list(configs)
+    if order == "alternate":
+        return seq
+    out = ["none"]
+    for c in seq:
+        if c != "none":
+            out += [c, "none"]
+    return out
+
+
+def baseline_positions(sequence: list[str], i: int) -> list[int]:
+    """Positions of the `none` runs that the run at position `i` is measured against: its neighbours
+    that are `none` runs (with `alternate` there is at most one, elsewhere in the group), or, for a
+    `none` run, itself.
+
+    >>> baseline_positions(["none", "a", "none", "b", "none"], 3)
+    [2, 4]
+    >>> baseline_positions(["b", "a", "none"], 0)
+    [2]
+    >>> baseline_positions(["none", "a", "none"], 2)
+    [2]
+    """
+    if sequence[i] == "none":
+        return [i]
+    near = [j for j in (i - 1, i + 1) if 0 <= j < len(sequence) and sequence[j] == "none"]
+    return near or [sequence.index("none")]

@@ -1,0 +1,59 @@
+"""`specray bench`'s run order, and speedups measured against each configuration's own `none` neighbours."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+
+from specray.deployments import bench_order
+from specray.deployments.bench import BenchReport, ConfigResult
+from specray.deployments.bench_order import baseline_positions, run_order
+
+
+def test_docstring_examples():
+    failed, attempted = doctest.testmod(bench_order)
+    assert attempted > 0 and failed == 0
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_sandwich_puts_none_next_to_every_other_configuration(reverse):
+    configs = ["none", "llama_cpp", "a", "a,b"]
+    seq = run_order(configs, "sandwich", reverse)
+    assert seq[0] == seq[-1] == "none" and seq.count("none") == 4
+    assert sorted(c for c in seq if c != "none") == ["a", "a,b", "llama_cpp"]
+    for i, c in enumerate(seq):
+        if c != "none":
+            assert [seq[j] for j in baseline_positions(seq, i)] == ["none", "none"]
+
+
+def test_unknown_order_is_refused():
+    with pytest.raises(ValueError, match="order must be one of sandwich, alternate"):
+        run_order(["none", "a"], "random", False)
+
+
+def _run(name: str, tok_s: float, tokens: int = 100) -> ConfigResult:
+    return ConfigResult(name, tokens=tokens, seconds=tokens / tok_s, loaded_tokens=tokens,
+                        loaded_seconds=tokens / tok_s)
+
+
+def test_speedup_is_against_the_neighbouring_none_runs():
+    """The machine slowed steadily from 90 to 70 tok/s while two configurations that do exactly what
+    `none` does ran: each is ~1.00x of its own neighbours, where against all `none` runs pooled the
+    first would look 7% faster and the second 6% slower."""
+    seq = ["none", "a", "none", "b", "none"]
+    runs = [_run(c, tok_s) for c, tok_s in zip(seq, (90, 85, 80, 75, 70))]
+    report = BenchReport(model="m", configs=["none", "a", "b"], categories=["cat"])
+    report.results["cat"] = {c: ConfigResult(c) for c in report.configs}
+    report.baselines["cat"] = {c: ConfigResult("none") for c in report.configs}
+    for i, (c, r) in enumerate(zip(seq, runs)):
+        report.results["cat"][c].add(r)
+        for j in baseline_positions(seq, i):
+            report.baselines["cat"][c].add(runs[j])
+    js = report.to_json()["configs"]
+    assert js["none"]["categories"]["cat"]["speedup"] == pytest.approx(1.0)
+    for c in ("a", "b"):
+        assert js[c]["categories"]["cat"]["speedup"] == pytest.approx(1.0, abs=0.01)
+        assert js[c]["overall"]["speedup"] == pytest.approx(1.0, abs=0.01)
+    pooled = report.results["cat"]["none"].tokens_per_s
+    assert 85 / pooled > 1.06 and 75 / pooled < 0.95
