@@ -24,7 +24,7 @@ import numpy as np
 
 from specray.engine.chain import Chain
 from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig, parse_chain
-from specray.engine.request import GenerationRequest
+from specray.engine.request import GenerationRequest, SpecCounters
 from specray.native.lib import build_has_amx
 
 from .bench_order import ORDERS, baseline_positions, run_order
@@ -107,12 +107,18 @@ class ConfigResult:
     rounds: int = 0  # scheduler rounds (draft -> verify -> accept), for the time split per round
     draft_seconds: float = 0.0  # time in speculators' draft calls (model drafting included)
     verify_seconds: float = 0.0  # time in target decodes (verification and prompt rows)
+    # the drafts each speculator of a chain got sent (it won the round): which one carries the chain
+    by_speculator: dict[str, SpecCounters] = field(default_factory=dict)
 
     def add(self, other: "ConfigResult") -> None:
         for k in ("tokens", "seconds", "prefill_seconds", "sequences", "loaded_seconds", "loaded_tokens", "drafts",
                   "drafted", "accepted", "mismatches", "tie_divergences", "identical", "compared", "steal_seconds",
                   "rounds", "draft_seconds", "verify_seconds"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
+        for name, c in other.by_speculator.items():
+            mine = self.by_speculator.setdefault(name, SpecCounters())
+            mine.drafts, mine.drafted, mine.accepted = (mine.drafts + c.drafts, mine.drafted + c.drafted,
+                                                        mine.accepted + c.accepted)
 
     @property
     def tokens_per_s(self) -> float:
@@ -211,7 +217,8 @@ class BenchReport:
                 "accepted_tokens": r.accepted, "steal_seconds": r.steal_seconds, "rounds": r.rounds,
                 "round_ms": 1000 * r.seconds / r.rounds if r.rounds else None,
                 "draft_ms_per_round": 1000 * r.draft_seconds / r.rounds if r.rounds else None,
-                "verify_ms_per_round": 1000 * r.verify_seconds / r.rounds if r.rounds else None}
+                "verify_ms_per_round": 1000 * r.verify_seconds / r.rounds if r.rounds else None,
+                "by_speculator": {k: v.to_dict() for k, v in sorted(r.by_speculator.items())}}
 
     def table(self) -> str:
         js = self.to_json()
@@ -236,8 +243,22 @@ class BenchReport:
                     f"{row['mean_acceptance_length']:>11.2f}{row['acceptance_rate']:>9.2f}{mm!s:>9}{ties!s:>6}"
                     f"{_ms(row['round_ms']):>9}{_ms(row['draft_ms_per_round']):>7}{_ms(row['verify_ms_per_round']):>7}"
                 )
+        lines.extend(self.winner_lines(js))
         lines.extend(self.steal_warnings())
         return "\n".join(lines)
+
+    def winner_lines(self, js: dict) -> list[str]:
+        """For chains of several speculators: whose drafts were sent, how many and how well they did."""
+        out = []
+        for cfg in self.configs:
+            won = js["configs"][cfg]["overall"]["by_speculator"]
+            if len(cfg.split(",")) < 2 or not won:
+                continue
+            if not out:
+                out.append("\n== drafts sent, by speculator (overall): drafts, acceptance rate ==")
+            out.append(f"{cfg:<34}" + "  ".join(f"{k} {v['drafts']} ({v['acceptance_rate']:.2f})"
+                                               for k, v in won.items()))
+        return out
 
     def steal_warnings(self) -> list[str]:
         """A line per configuration whose run lost more than 2% of its time to the hypervisor (its
@@ -439,6 +460,7 @@ def _run_config(engine: LocalEngine, chain: Chain, name: str, prompts: list[np.n
         r.drafts += s.spec_total.drafts
         r.drafted += s.spec_total.drafted
         r.accepted += s.spec_total.accepted
+        r.add(ConfigResult(name, by_speculator=s.spec_by_name))
     return r, seqs
 
 

@@ -47,6 +47,9 @@ def test_figures_add_up(report):
             assert r.compared == 2 if cat == "copy" else r.compared == 1
             assert r.identical + r.mismatches + r.tie_divergences == r.compared
             assert r.accepted <= r.drafted
+            # every sent draft is counted under the speculator that made it
+            assert set(r.by_speculator) <= {cfg}
+            assert sum(c.drafts for c in r.by_speculator.values()) == r.drafts
             # the time split per round: drafting and verification are parts of the round's wall time
             assert r.rounds > 0 and 0 < r.verify_seconds and 0 < r.draft_seconds
             assert r.draft_seconds + r.verify_seconds < r.seconds

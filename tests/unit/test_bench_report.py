@@ -1,4 +1,5 @@
-"""`specray bench`'s run order, and speedups measured against each configuration's own `none` neighbours."""
+"""`specray bench`'s report without a model: the run order, speedups against each configuration's own `none`
+neighbours, and which speculator of a chain carried it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from specray.deployments import bench_order
 from specray.deployments.bench import BenchReport, ConfigResult
 from specray.deployments.bench_order import baseline_positions, run_order
+from specray.engine.request import SpecCounters
 
 
 def test_docstring_examples():
@@ -57,3 +59,16 @@ def test_speedup_is_against_the_neighbouring_none_runs():
         assert js[c]["overall"]["speedup"] == pytest.approx(1.0, abs=0.01)
     pooled = report.results["cat"]["none"].tokens_per_s
     assert 85 / pooled > 1.06 and 75 / pooled < 0.95
+
+
+def test_a_chain_row_says_whose_drafts_were_sent():
+    report = BenchReport(model="m", configs=["none", "ngram_mod,suffix"], categories=["a", "b"])
+    for cat, (mod, suf) in {"a": (SpecCounters(2, 40, 39), SpecCounters(5, 10, 6)),
+                            "b": (SpecCounters(1, 8, 0), SpecCounters(0, 0, 0))}.items():
+        chain = _run("ngram_mod,suffix", 80)
+        chain.add(ConfigResult("ngram_mod,suffix", by_speculator={"ngram_mod": mod, "suffix": suf}))
+        report.results[cat] = {"none": _run("none", 80), "ngram_mod,suffix": chain}
+    won = report.to_json()["configs"]["ngram_mod,suffix"]["overall"]["by_speculator"]
+    assert won["ngram_mod"]["drafts"] == 3 and won["ngram_mod"]["accepted_tokens"] == 39
+    assert won["suffix"]["drafted_tokens"] == 10
+    assert "ngram_mod 3 (0.81)  suffix 5 (0.60)" in report.table()
