@@ -342,12 +342,13 @@ def run_bench(
     draft_model: str | None = None,
     cross_vocab: bool = False,
     repeats: int = 1,
-    order: str = "sandwich",
+    order: str = "lockstep",
 ) -> BenchReport:
     """Run every configuration on `prompts`, `repeats` times. Each pass has its own chains (fresh
     speculators: a second pass must not draft from what the first one generated) and runs the
     configurations in the opposite order of the pass and group before, so a drift in machine speed cancels;
-    `order` is `run_order`'s."""
+    `order`: `lockstep` (each configuration on its own context, all advanced a round at a time in turn:
+    see _run_lockstep) or one of run_order's."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     if repeats < 1:
@@ -359,8 +360,15 @@ def run_bench(
                                                                             n_max=n_max),
                        draft=DraftModelConfig(model=draft_model, cross_vocab=cross_vocab))
     engine = LocalEngine(cfg)
+    # lockstep: a context, scheduler and verify-cost model of its own per configuration (one model, its
+    # weights loaded once; every cost model starts from the same calibration); otherwise one engine
+    engines = {c: engine for c in configs}
+    if order == "lockstep":
+        for c in configs[1:]:
+            engines[c] = LocalEngine(cfg.model_copy(update={"calibrate": False}), model=engine.model)
+            engines[c].scheduler.cost = engine.scheduler.cost.copy()
     chains = [{c: Chain(ChainConfig(speculators=parse_chain(c), policy=policy, n_max=n_max),
-                        engine.speculator_factory) for c in configs} for _ in range(repeats)]
+                        engines[c].speculator_factory) for c in configs} for _ in range(repeats)]
     categories = list(dict.fromkeys(p.category for p in prompts))
     report = BenchReport(model=model, configs=list(configs), categories=categories)
     if llama_baseline and build_has_amx():
@@ -403,11 +411,17 @@ def run_bench(
                 group = tokens[g : g + step]
                 sequence = run_order(report.configs, order, reverse=(rep + gi) % 2 == 1)
                 runs: list[tuple[str, ConfigResult, list | None]] = []
-                for c in sequence:
-                    if c == "llama_cpp":
-                        runs.append((c, llama.run(group, max_tokens), None))
-                    else:
-                        runs.append((c, *_run_config(engine, chains[rep][c], c, group, max_tokens)))
+                if order == "lockstep":
+                    done = _run_lockstep({c: _LlamaRun(llama, group, max_tokens) if c == "llama_cpp" else
+                                          _ConfigRun(engines[c], chains[rep][c], c, group, max_tokens)
+                                          for c in sequence})
+                    runs = [(c, *done[c]) for c in sequence]
+                else:
+                    for c in sequence:
+                        if c == "llama_cpp":
+                            runs.append((c, llama.run(group, max_tokens), None))
+                        else:
+                            runs.append((c, *_run_config(engine, chains[rep][c], c, group, max_tokens)))
                 base_seqs = next(seqs for c, _, seqs in runs if c == "none")
                 for i, (c, r, seqs) in enumerate(runs):
                     if seqs is not None and c != "none":
@@ -421,7 +435,8 @@ def run_bench(
             r = report.results[cat][c]
             progress(f"{cat:<22} {c:<34} {r.tokens_per_s:7.1f} tok/s  accept_len {r.mean_acceptance_length:.2f}"
                      f"  identical {r.identical}/{r.compared}")
-    engine.close()
+    for e in {id(e): e for e in engines.values()}.values():
+        e.close()
     return report
 
 
@@ -438,30 +453,67 @@ def _compare(r: ConfigResult, base_seqs: list, seqs: list, tie_bound: float) -> 
             r.tie_divergences += 1
 
 
+class _ConfigRun:
+    """One configuration's requests on an engine, from submission to the result: run at once, or a round
+    at a time (lockstep) with only its own rounds' time counted."""
+
+    def __init__(self, engine: LocalEngine, chain: Chain, name: str, prompts: list[np.ndarray],
+                 max_tokens: int) -> None:
+        self.engine, self.name = engine, name
+        engine.scheduler.chain = chain
+        reqs = [GenerationRequest(prompt_tokens=t, max_tokens=max_tokens, chain=tuple(parse_chain(name)))
+                for t in prompts]
+        st = engine.scheduler.stats
+        self.before = (st.prefill_seconds, st.loaded_seconds, st.loaded_tokens, st.rounds, st.draft_seconds,
+                       st.target_seconds)
+        self.seqs = [engine.submit(r) for r in reqs]
+        self.seconds = 0.0
+
+    def step(self) -> bool:
+        """One round; False once every request has finished."""
+        t0 = time.perf_counter()
+        self.engine.step()
+        self.seconds += time.perf_counter() - t0
+        return self.engine.scheduler.has_work()
+
+    def result(self, steal_seconds: float) -> tuple[ConfigResult, list]:
+        st, before, name = self.engine.scheduler.stats, self.before, self.name
+        r = ConfigResult(name, seconds=self.seconds, prefill_seconds=st.prefill_seconds - before[0],
+                         steal_seconds=steal_seconds,
+                         loaded_seconds=st.loaded_seconds - before[1], loaded_tokens=st.loaded_tokens - before[2],
+                         rounds=st.rounds - before[3], draft_seconds=st.draft_seconds - before[4],
+                         verify_seconds=st.target_seconds - before[5])
+        for s in self.seqs:
+            r.sequences += 1 if s.generated else 0
+            r.tokens += len(s.generated)
+            r.drafts += s.spec_total.drafts
+            r.drafted += s.spec_total.drafted
+            r.accepted += s.spec_total.accepted
+            r.add(ConfigResult(name, by_speculator=s.spec_by_name))
+        return r, self.seqs
+
+
 def _run_config(engine: LocalEngine, chain: Chain, name: str, prompts: list[np.ndarray],
                 max_tokens: int) -> tuple[ConfigResult, list]:
-    engine.scheduler.chain = chain
-    reqs = [GenerationRequest(prompt_tokens=t, max_tokens=max_tokens, chain=tuple(parse_chain(name)))
-            for t in prompts]
-    st = engine.scheduler.stats
-    before = (st.prefill_seconds, st.loaded_seconds, st.loaded_tokens, st.rounds, st.draft_seconds,
-              st.target_seconds)
     steal0 = cpu_steal_seconds()
-    t0 = time.perf_counter()
-    seqs = engine.run(reqs)
-    r = ConfigResult(name, seconds=time.perf_counter() - t0, prefill_seconds=st.prefill_seconds - before[0],
-                     steal_seconds=cpu_steal_seconds() - steal0,
-                     loaded_seconds=st.loaded_seconds - before[1], loaded_tokens=st.loaded_tokens - before[2],
-                     rounds=st.rounds - before[3], draft_seconds=st.draft_seconds - before[4],
-                     verify_seconds=st.target_seconds - before[5])
-    for s in seqs:
-        r.sequences += 1 if s.generated else 0
-        r.tokens += len(s.generated)
-        r.drafts += s.spec_total.drafts
-        r.drafted += s.spec_total.drafted
-        r.accepted += s.spec_total.accepted
-        r.add(ConfigResult(name, by_speculator=s.spec_by_name))
-    return r, seqs
+    run = _ConfigRun(engine, chain, name, prompts, max_tokens)
+    while run.step():
+        pass
+    return run.result(cpu_steal_seconds() - steal0)
+
+
+def _run_lockstep(runs: dict[str, "_ConfigRun | _LlamaRun"]) -> dict[str, tuple[ConfigResult, list | None]]:
+    """Advance every configuration's run by one round in turn until all have finished, timing each round:
+    the machine's speed drifts by 20% and more over tens of seconds on these shared VMs, and rounds of
+    all configurations taken within milliseconds of each other see the same speed, so the drift cancels.
+    The host's stolen time is shared out by each configuration's share of the time."""
+    steal0 = cpu_steal_seconds()
+    active = list(runs)
+    while active:
+        active = [c for c in active if runs[c].step()]
+    steal = cpu_steal_seconds() - steal0
+    total = sum(r.seconds for r in runs.values()) or 1.0
+    return {c: r.result(steal * r.seconds / total) for c, r in runs.items()}
 
 
 class _PlainLlama:
@@ -475,26 +527,50 @@ class _PlainLlama:
         self.eog = engine.model.eog_ids
 
     def run(self, prompts: list[np.ndarray], max_tokens: int) -> ConfigResult:
-        r = ConfigResult("llama_cpp")
         steal0 = cpu_steal_seconds()
-        t0 = time.perf_counter()
+        run = _LlamaRun(self, prompts, max_tokens)
+        while run.step():
+            pass
+        return run.result(cpu_steal_seconds() - steal0)[0]
+
+
+class _LlamaRun:
+    """The reference loop on a group of prompts, a decode at a time (for lockstep)."""
+
+    def __init__(self, llama: _PlainLlama, prompts: list[np.ndarray], max_tokens: int) -> None:
+        self.r = ConfigResult("llama_cpp")
+        self.seconds = 0.0
+        self._decodes = self._generate(llama, prompts, max_tokens)
+
+    def _generate(self, llama: _PlainLlama, prompts: list[np.ndarray], max_tokens: int):
+        """Yields after each decode: "prompt" for the one that processes a prompt, else "token"."""
         for toks in prompts:
-            self.llm.reset()
+            llama.llm.reset()
             n = 0
-            t_start = time.perf_counter()
-            for t in self.llm.generate(toks.tolist(), temp=0.0, top_k=1, reset=True):
-                if n == 0:  # prompt processing ends with the first token
-                    r.prefill_seconds += time.perf_counter() - t_start
-                if t in self.eog:
+            for t in llama.llm.generate(toks.tolist(), temp=0.0, top_k=1, reset=True):
+                kind = "prompt" if n == 0 else "token"
+                if t in llama.eog:
+                    yield kind
                     break
                 n += 1
+                self.r.tokens += 1
+                yield kind
                 if n >= max_tokens:
                     break
-            r.tokens += n
-            r.sequences += 1 if n else 0
-        r.seconds = time.perf_counter() - t0
-        r.steal_seconds = cpu_steal_seconds() - steal0
-        return r
+            self.r.sequences += 1 if n else 0
+
+    def step(self) -> bool:
+        t0 = time.perf_counter()
+        kind = next(self._decodes, None)
+        dt = time.perf_counter() - t0
+        self.seconds += dt
+        if kind == "prompt":  # prompt processing ends with the first token
+            self.r.prefill_seconds += dt
+        return kind is not None
+
+    def result(self, steal_seconds: float) -> tuple[ConfigResult, None]:
+        self.r.seconds, self.r.steal_seconds = self.seconds, steal_seconds
+        return self.r, None
 
 
 def write_json(report: BenchReport, path: str) -> None:

@@ -4,11 +4,12 @@ llama.cpp."""
 
 from __future__ import annotations
 
-ORDERS = ("sandwich", "alternate")
+ORDERS = ("lockstep", "sandwich", "alternate")
 
 
 def run_order(configs: list[str], order: str, reverse: bool) -> list[str]:
-    """The run order of one group of prompts. `alternate`: each configuration once. `sandwich`: `none`
+    """The run order of one group of prompts (`lockstep` runs them all at once: see bench.py). `alternate`:
+    each configuration once. `sandwich`: `none`
     before and after every other configuration, so each is measured against its own neighbours and a
     drift in machine speed slower than a run cancels (measured here: identical runs drifted between 69
     and 94 tok/s in waves of ~30 s). `reverse` flips the order (alternating groups and passes).
@@ -21,7 +22,7 @@ def run_order(configs: list[str], order: str, reverse: bool) -> list[str]:
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     seq = configs[::-1] if reverse else list(configs)
-    if order == "alternate":
+    if order != "sandwich":
         return seq
     out = ["none"]
     for c in seq:

@@ -124,11 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "a `range` column shows each pass's speedup, i.e. how much is noise (default: "
                             "%(default)s)")
     bench.add_argument("--order", choices=ORDERS, default=None,
-                       help="in-process: run order per group of prompts. sandwich: `none` before and after every "
-                            "other configuration, each measured against its two neighbouring `none` runs, which "
-                            "cancels drift in machine speed slower than one run (seen here: identical runs drifting "
-                            "between 69 and 94 tok/s in ~30 s waves); about twice as long. alternate: each "
-                            "configuration once, the order reversed every group (default: sandwich)")
+                       help="in-process: how configurations share the machine. lockstep: each on its own context "
+                            "(one model), all advanced one round at a time in turn, so they see the same machine "
+                            "speed (seen here: identical runs drifting between 69 and 94 tok/s in ~30 s waves). "
+                            "sandwich: one after another, `none` before and after each, each measured against its "
+                            "two neighbouring `none` runs; about twice as long. alternate: one after another, the "
+                            "order reversed every group (default: lockstep)")
     bench.add_argument("--json", default=None, help="write the results as JSON to this path")
     bench.add_argument("--no-llama-baseline", action="store_true",
                        help="skip the plain llama_cpp.Llama generate reference row (in-process bench)")
@@ -302,7 +303,7 @@ def _cmd_bench(args) -> int:
     from specray.deployments.bench import main_bench
 
     args.configs = args.configs or list(DEFAULT_BENCH_CONFIGS)
-    args.order = args.order or "sandwich"
+    args.order = args.order or "lockstep"
     args.slots = args.slots or 1
     return main_bench(args)
 

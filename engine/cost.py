@@ -50,6 +50,11 @@ class DecodeCostModel:
         table = {int(n): float(s) for n, s in measured["table"].items()}
         return cls(table, attn_seconds=measured["attn_seconds"], ref_cells=CALIBRATION_PREFIX)
 
+    def copy(self) -> DecodeCostModel:
+        """An independent model that starts where this one is (it learns on its own from here)."""
+        return DecodeCostModel(self.table(), ema=self._ema, attn_seconds=self.attn_seconds,
+                               ref_cells=self.ref_cells)
+
     def table(self) -> dict[int, float]:
         return dict(zip(self._ns, self._secs))
 

@@ -54,11 +54,10 @@ def test_figures_add_up(report):
             assert r.rounds > 0 and 0 < r.verify_seconds and 0 < r.draft_seconds
             assert r.draft_seconds + r.verify_seconds < r.seconds
         assert none.rounds > 0 and none.draft_seconds < report.results[cat]["suffix"].draft_seconds
-        # the default order runs `none` before and after each of the 3 other configurations, and measures
-        # each against its two neighbours
-        runs = report.results[cat]["suffix"].sequences
-        assert none.sequences == 4 * runs
-        assert report.baselines[cat]["suffix"].sequences == 2 * runs
+        # the default order (lockstep) runs each configuration once, on its own context, and measures each
+        # against the `none` run it advanced with
+        assert none.sequences == report.results[cat]["suffix"].sequences
+        assert report.baselines[cat]["suffix"].seconds == none.seconds
     # the repetitive prompts are drafted for and (mostly) accepted
     copy = report.results["copy"]["suffix"]
     assert copy.drafts > 0 and copy.accepted > 0, copy
@@ -69,8 +68,11 @@ def test_repeats_are_independent_passes():
     prompts = [BenchPrompt("chat", messages=[{"role": "user", "content": "Describe a quiet harbour at dawn."}])]
     report = run_bench(model="smollm2-135m", configs=["suffix"], prompts=prompts, max_tokens=48, slots=1,
                        exact=False, policy="cost", n_max=8, threads=2, n_ctx=1024, progress=lambda s: None,
-                       llama_baseline=False, repeats=2)
+                       llama_baseline=False, repeats=2, order="sandwich")
     passes = report.repeat_results["chat"]
+    # sandwich: `none` before and after `suffix` in each pass, which is measured against both
+    for p, base in zip(passes, report.repeat_baselines["chat"]):
+        assert p["none"].sequences == 2 and p["suffix"].sequences == 1 and base["suffix"].sequences == 2
     assert len(passes) == 2
     for cfg in ("none", "suffix"):
         assert report.results["chat"][cfg].tokens == sum(p[cfg].tokens for p in passes)

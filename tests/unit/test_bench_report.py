@@ -8,7 +8,7 @@ import doctest
 import pytest
 
 from specray.deployments import bench_order
-from specray.deployments.bench import BenchReport, ConfigResult
+from specray.deployments.bench import BenchReport, ConfigResult, _run_lockstep
 from specray.deployments.bench_order import baseline_positions, run_order
 from specray.engine.request import SpecCounters
 
@@ -29,8 +29,33 @@ def test_sandwich_puts_none_next_to_every_other_configuration(reverse):
             assert [seq[j] for j in baseline_positions(seq, i)] == ["none", "none"]
 
 
+class _Rounds:
+    """A configuration's run that needs `n` rounds, logging each one."""
+
+    def __init__(self, name: str, n: int, log: list[str]) -> None:
+        self.name, self.left, self.log, self.seconds = name, n, log, 0.0
+
+    def step(self) -> bool:
+        self.log.append(self.name)
+        self.seconds += 0.01
+        self.left -= 1
+        return self.left > 0
+
+    def result(self, steal_seconds: float):
+        return ConfigResult(self.name, seconds=self.seconds, steal_seconds=steal_seconds), None
+
+
+def test_lockstep_advances_every_configuration_a_round_at_a_time():
+    log: list[str] = []
+    done = _run_lockstep({"none": _Rounds("none", 3, log), "a": _Rounds("a", 1, log), "b": _Rounds("b", 2, log)})
+    # rounds alternate until each run is done; a finished run drops out
+    assert log == ["none", "a", "b", "none", "b", "none"]
+    assert {c: r.seconds for c, (r, _) in done.items()} == pytest.approx({"none": 0.03, "a": 0.01, "b": 0.02})
+    assert all(r.steal_seconds >= 0 for r, _ in done.values())
+
+
 def test_unknown_order_is_refused():
-    with pytest.raises(ValueError, match="order must be one of sandwich, alternate"):
+    with pytest.raises(ValueError, match="order must be one of lockstep, sandwich, alternate"):
         run_order(["none", "a"], "random", False)
 
 
