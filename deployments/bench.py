@@ -256,8 +256,8 @@ class BenchReport:
                 continue
             if not out:
                 out.append("\n== drafts sent, by speculator (overall): drafts, acceptance rate ==")
-            out.append(f"{cfg:<34}" + "  ".join(f"{k} {v['drafts']} ({v['acceptance_rate']:.2f})"
-                                               for k, v in won.items()))
+            out.append(f"{cfg:<33} " + "  ".join(f"{k} {v['drafts']} ({v['acceptance_rate']:.2f})"
+                                                for k, v in won.items()))
         return out
 
     def steal_warnings(self) -> list[str]:
