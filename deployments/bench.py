@@ -383,7 +383,8 @@ def run_bench(
     report.batch_variance = 0.0 if exact else measure_batch_variance(engine, np.tile(sample, 4), sizes)
     # an argmax flips only if the top-2 margin is below the two logits' combined drift
     report.tie_bound = 2.0 * report.batch_variance
-    report.meta = {"order": order, "slots": slots, "max_tokens": max_tokens, "exact": exact, "policy": policy, "n_max": n_max,
+    report.meta = {"order": order, "slots": slots, "max_tokens": max_tokens, "exact": exact, "policy": policy,
+                   "n_max": n_max,
                    "threads": threads, "decode_cost_ms": {k: v * 1000 for k, v in engine.scheduler.cost.table().items()},
                    "attention_us_per_1k_token_cells": engine.scheduler.cost.attn_seconds * 1e9,
                    "python": platform.python_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
