@@ -384,8 +384,8 @@ def run_bench(
     # an argmax flips only if the top-2 margin is below the two logits' combined drift
     report.tie_bound = 2.0 * report.batch_variance
     report.meta = {"order": order, "slots": slots, "max_tokens": max_tokens, "exact": exact, "policy": policy,
-                   "n_max": n_max,
-                   "threads": threads, "decode_cost_ms": {k: v * 1000 for k, v in engine.scheduler.cost.table().items()},
+                   "n_max": n_max, "threads": threads,
+                   "decode_cost_ms": {k: v * 1000 for k, v in engine.scheduler.cost.table().items()},
                    "attention_us_per_1k_token_cells": engine.scheduler.cost.attn_seconds * 1e9,
                    "python": platform.python_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     progress(f"model {model}: batch variance {report.batch_variance:.3f}, tie bound {report.tie_bound:.3f}; "
