@@ -8,11 +8,12 @@ ORDERS = ("lockstep", "sandwich", "alternate")
 
 
 def run_order(configs: list[str], order: str, reverse: bool) -> list[str]:
-    """The run order of one group of prompts (`lockstep` runs them all at once: see bench.py). `alternate`:
-    each configuration once. `sandwich`: `none`
-    before and after every other configuration, so each is measured against its own neighbours and a
-    drift in machine speed slower than a run cancels (measured here: identical runs drifted between 69
-    and 94 tok/s in waves of ~30 s). `reverse` flips the order (alternating groups and passes).
+    """The order in which one group of prompts runs its configurations, one after another (`lockstep`
+    runs them all at once, a round each in turn: see bench.py; this is then the turn order).
+    `alternate`: each configuration once. `sandwich`: `none` before and after every other configuration,
+    so each is measured against its own neighbours and a drift in machine speed slower than one run
+    cancels (measured here: identical runs drifted between 69 and 94 tok/s in waves of ~30 s).
+    `reverse` flips the order (the bench flips it every other group and pass).
 
     >>> run_order(["none", "a", "b"], "alternate", reverse=False)
     ['none', 'a', 'b']
@@ -32,9 +33,8 @@ def run_order(configs: list[str], order: str, reverse: bool) -> list[str]:
 
 
 def baseline_positions(sequence: list[str], i: int) -> list[int]:
-    """Positions of the `none` runs that the run at position `i` is measured against: its neighbours
-    that are `none` runs (with `alternate` there is at most one, elsewhere in the group), or, for a
-    `none` run, itself.
+    """Positions of the `none` runs that the run at position `i` is measured against: with `sandwich`
+    its two neighbours; otherwise the group's one `none` run; for a `none` run, itself.
 
     >>> baseline_positions(["none", "a", "none", "b", "none"], 3)
     [2, 4]
