@@ -12,6 +12,7 @@ in-process runner (co-located mode) or a proxy to the target actor.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -210,7 +211,8 @@ class Scheduler:
         n_prefill = sum(n for _, n in chunks)
 
         cells = self._attended_cells(decoding, prefilling)
-        price = lambda n: self.cost.cost(n, cells)  # noqa: E731
+        # memoised for the round: drafts are priced token by token, by every speculator that offers one
+        price = functools.lru_cache(maxsize=None)(lambda n: self.cost.cost(n, cells))
         proposals = self._draft(decoding, budget - len(decoding) - n_prefill, len(decoding) + n_prefill, price)
 
         items: list[StepItem] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -10,7 +11,10 @@ import llama_cpp
 import numpy as np
 
 from . import lib
+from .chat_template import compile_template, is_jinja, render_chat
 from .models import default_template_for, resolve_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class Model:
         )
         self.eog_ids = frozenset(int(t) for t in np.flatnonzero(self._eog))
         self.chat_template = chat_template or self._gguf_template() or default_template_for(path_or_alias)
+        self._jinja = bool(self.chat_template) and is_jinja(self.chat_template) and self._compiles(self.chat_template)
         self._piece_cache: dict[int, bytes] = {}
         self._lock = threading.Lock()
 
@@ -91,6 +96,14 @@ class Model:
 
     def is_eog(self, token: int) -> bool:
         return bool(self._eog[token])
+
+    def _compiles(self, template: str) -> bool:
+        try:
+            compile_template(template)
+            return True
+        except Exception as e:  # not valid Jinja: llama.cpp's built-in formatter may still know its family
+            log.warning("chat template of %s is not valid Jinja (%s); using llama.cpp's built-in formatter", self.name, e)
+            return False
 
     def _gguf_template(self) -> str | None:
         raw = llama_cpp.llama_model_chat_template(self.ptr, None)
@@ -126,13 +139,23 @@ class Model:
 
     # ---- chat --------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Format chat messages with the model's template (llama.cpp's built-in engine)."""
+        """Format chat messages with the model's template.
+
+        Jinja template text is rendered (as llama-server and HF transformers do, so a
+        template's default system prompt is kept); a template name goes to llama.cpp's
+        built-in formatter.
+        """
         if not self.chat_template:
             raise ValueError(
                 f"model {self.name} has no chat template; name one (e.g. chat_template='chatml') or send a raw prompt"
             )
         if not messages:
             raise ValueError("messages must not be empty")
+        if self._jinja:
+            return render_chat(
+                self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self._special_text(self.bos), eos_token=self._special_text(self.eos),
+            )
         arr = (llama_cpp.llama_chat_message * len(messages))()
         keep = []
         for i, m in enumerate(messages):
@@ -159,6 +182,9 @@ class Model:
         """Template-formatted prompt tokens. The template carries its own BOS where needed."""
         text = self.apply_chat_template(messages)
         return self.tokenize(text, add_special=self.add_bos and not self._text_has_bos(text), parse_special=True)
+
+    def _special_text(self, token: int) -> str:
+        return self.token_text(token).decode("utf-8", "replace") if token >= 0 else ""
 
     def _text_has_bos(self, text: str) -> bool:
         if self.bos < 0:

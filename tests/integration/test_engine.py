@@ -55,7 +55,10 @@ def test_max_tokens_and_stop_strings(engine):
 
 
 def test_eos_finishes_with_stop(engine):
-    s = engine.generate(messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=128)
+    # with its template's default system prompt this 135M model loops on this question ("la Femme, la
+    # Femme, ..."); a system message of our own gets the short answer
+    s = engine.generate(messages=[{"role": "system", "content": "You are a helpful assistant."},
+                                  {"role": "user", "content": "What is the capital of France?"}], max_tokens=128)
     assert s.finish_reason == "stop" and len(s.generated) < 128, s.text
     assert "Paris" in s.text
 

@@ -38,6 +38,48 @@ def test_chat_template_formats_messages(smollm2):
     assert len(im_start) == 1 and toks[0] == im_start[0]  # special tokens parsed, not spelled out
 
 
+def test_chat_keeps_the_templates_default_system_prompt(smollm2):
+    # SmolLM2's Jinja template opens a chat without a system message with its own;
+    # llama-server and HF transformers keep it, llama.cpp's built-in chatml drops it.
+    default = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    text = smollm2.apply_chat_template([{"role": "user", "content": "Hi there"}])
+    assert text == default + "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    own = smollm2.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert own.startswith("<|im_start|>system\nBe brief.<|im_end|>\n") and "SmolLM" not in own
+
+
+def test_template_names_and_broken_templates_use_the_builtin_formatter(caplog):
+    from specray.native.model import Model
+
+    named = Model("smollm2-135m", chat_template="chatml", vocab_only=True)
+    assert named.apply_chat_template([{"role": "user", "content": "Hi"}]) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with caplog.at_level("WARNING"):
+        broken = Model("smollm2-135m", chat_template="<|im_start|>{% for m in messages %}", vocab_only=True)
+    assert "not valid Jinja" in caplog.text
+    # llama.cpp recognises the family by its markers and formats it as chatml
+    assert broken.apply_chat_template([{"role": "user", "content": "Hi"}]) == named.apply_chat_template(
+        [{"role": "user", "content": "Hi"}]
+    )
+    unknown = Model("smollm2-135m", chat_template="{% for m in messages %}", vocab_only=True)
+    with pytest.raises(ValueError, match="does not support the chat template"):
+        unknown.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+
+def test_a_template_that_refuses_the_messages_is_a_clear_error():
+    from specray.native.model import Model
+
+    strict = Model(
+        "smollm2-135m", vocab_only=True,
+        chat_template="{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message comes first') }}"
+                      "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    )
+    with pytest.raises(ValueError, match="a system message comes first"):
+        strict.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert strict.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]) == "SU"
+
+
 def test_unknown_model_path_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="neither a packaged alias"):
         resolve_model("/nonexistent/model.gguf")
