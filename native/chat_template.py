@@ -58,8 +58,9 @@ def compile_template(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
-def _text(content) -> str:
-    # OpenAI content parts: templates written for plain text get the text parts joined
+def message_text(content) -> str:
+    """A message's content as text: OpenAI content parts have their text parts joined (templates are
+    written for plain text)."""
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return "" if content is None else str(content)
@@ -74,7 +75,7 @@ def render_chat(
     eos_token: str = "",
 ) -> str:
     """The prompt text for `messages` under Jinja `template`."""
-    msgs = [{**m, "role": str(m.get("role", "")), "content": _text(m.get("content"))} for m in messages]
+    msgs = [{**m, "role": str(m.get("role", "")), "content": message_text(m.get("content"))} for m in messages]
     try:
         return compile_template(template).render(
             messages=msgs,

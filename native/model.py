@@ -11,7 +11,7 @@ import llama_cpp
 import numpy as np
 
 from . import lib
-from .chat_template import compile_template, is_jinja, render_chat
+from .chat_template import compile_template, is_jinja, message_text, render_chat
 from .models import default_template_for, resolve_model
 
 log = logging.getLogger(__name__)
@@ -160,10 +160,7 @@ class Model:
         keep = []
         for i, m in enumerate(messages):
             role = str(m.get("role", "")).encode()
-            content = m.get("content")
-            if isinstance(content, list):  # OpenAI content parts: keep the text parts
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            content_b = str(content if content is not None else "").encode()
+            content_b = message_text(m.get("content")).encode()
             keep += [role, content_b]
             arr[i].role = role
             arr[i].content = content_b
@@ -189,7 +186,7 @@ class Model:
     def _text_has_bos(self, text: str) -> bool:
         if self.bos < 0:
             return False
-        bos_text = self.token_text(self.bos).decode("utf-8", "replace")
+        bos_text = self._special_text(self.bos)
         return bool(bos_text) and text.startswith(bos_text)
 
     def close(self) -> None:

@@ -55,6 +55,8 @@ def test_template_names_and_broken_templates_use_the_builtin_formatter(caplog):
     assert named.apply_chat_template([{"role": "user", "content": "Hi"}]) == (
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
+    parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}]
+    assert named.apply_chat_template(parts) == named.apply_chat_template([{"role": "user", "content": "Hi"}])
     with caplog.at_level("WARNING"):
         broken = Model("smollm2-135m", chat_template="<|im_start|>{% for m in messages %}", vocab_only=True)
     assert "not valid Jinja" in caplog.text
