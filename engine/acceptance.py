@@ -43,6 +43,8 @@ out before the draft did) is n successes and no failure.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 _EPS = 1e-3
@@ -62,8 +64,10 @@ def _logit(p: float) -> float:
     return float(np.log(p / (1 - p)))
 
 
+@functools.lru_cache(maxsize=1024)
 def pos_buckets(length: int) -> np.ndarray:
-    """Bucket of each position 0..length-1: 0, 1, 2-3, 4-7, ... (log2), capped.
+    """Bucket of each position 0..length-1: 0, 1, 2-3, 4-7, ... (log2), capped. Memoised (every draft
+    of every round asks), so the array is read-only.
 
     >>> pos_buckets(9).tolist()
     [0, 1, 2, 2, 3, 3, 3, 3, 4]
@@ -71,7 +75,21 @@ def pos_buckets(length: int) -> np.ndarray:
     j = np.arange(length)
     b = np.zeros(length, dtype=np.int64)
     b[1:] = np.floor(np.log2(j[1:])).astype(np.int64) + 1
-    return np.minimum(b, N_POS_BUCKETS - 1)
+    b = np.minimum(b, N_POS_BUCKETS - 1)
+    b.setflags(write=False)
+    return b
+
+
+@functools.lru_cache(maxsize=1024)
+def bucket_counts(length: int) -> np.ndarray:
+    """How many of the positions 0..length-1 fall in each bucket (read-only).
+
+    >>> bucket_counts(9).astype(int).tolist()
+    [1, 1, 2, 4, 1, 0, 0, 0]
+    """
+    c = np.bincount(pos_buckets(length), minlength=N_POS_BUCKETS).astype(np.float64)
+    c.setflags(write=False)
+    return c
 
 
 def next_state(n_accepted: int) -> int:
@@ -134,9 +152,8 @@ class AcceptanceTracker:
         self.pos_acc[: min(n_accepted, m)] += 1
         ctx = min(max(int(context), 0), self.n_contexts - 1)
         st = self.state(seq_id)
-        b = pos_buckets(trials)
-        np.add.at(self.state_trials[st, ctx], b, 1.0)
-        np.add.at(self.state_acc[st, ctx], b[:n_accepted], 1.0)
+        self.state_trials[st, ctx] += bucket_counts(trials)
+        self.state_acc[st, ctx] += bucket_counts(n_accepted)  # the first n_accepted of the tried positions
         self._fade(st, ctx)
         s = self._seq.setdefault(seq_id, [0.0, 0.0])
         s[0] = s[0] * self.recent_decay + n_accepted

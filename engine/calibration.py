@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .acceptance import N_POS_BUCKETS, pos_buckets
+from .acceptance import N_POS_BUCKETS, bucket_counts, pos_buckets
 
 #: a factor stays within these bounds: estimates are shrunk or raised, never zeroed or set free
 FACTOR_MIN, FACTOR_MAX = 0.05, 2.0
@@ -59,10 +59,13 @@ class PrefixCalibration:
         self.raise_prior_tokens = raise_prior_tokens  # the same, where realised > predicted
         self.predicted = np.zeros(N_POS_BUCKETS)
         self.realised = np.zeros(N_POS_BUCKETS)
+        self._factors: np.ndarray | None = None  # cached until the next update: every draft is calibrated
 
     def factors(self) -> np.ndarray:
-        k = np.where(self.realised > self.predicted, self.raise_prior_tokens, self.prior_tokens)
-        return np.clip((self.realised + k) / (self.predicted + k), FACTOR_MIN, FACTOR_MAX)
+        if self._factors is None:
+            k = np.where(self.realised > self.predicted, self.raise_prior_tokens, self.prior_tokens)
+            self._factors = np.clip((self.realised + k) / (self.predicted + k), FACTOR_MIN, FACTOR_MAX)
+        return self._factors
 
     def apply(self, raw: np.ndarray) -> np.ndarray:
         """Calibrated prefix probabilities (non-increasing, below 1) for raw ones."""
@@ -76,9 +79,10 @@ class PrefixCalibration:
         n = len(raw)
         if n == 0:
             return
-        b = pos_buckets(n)
-        np.add.at(self.predicted, b, np.asarray(raw, dtype=np.float64))
-        np.add.at(self.realised, b[: max(0, min(n_accepted, n))], 1.0)
+        self._factors = None
+        self.predicted += np.bincount(pos_buckets(n), weights=np.asarray(raw, dtype=np.float64),
+                                      minlength=N_POS_BUCKETS)
+        self.realised += bucket_counts(max(0, min(n_accepted, n)))
         over = self.predicted > BUCKET_CAP
         if over.any():
             scale = np.where(over, BUCKET_CAP / np.maximum(self.predicted, 1e-9), 1.0)

@@ -76,6 +76,18 @@ class Pricing:
     # share of the round time a model speculator may spend on drafts the price rules out (1 token, catch-up
     # included), so its acceptance keeps being measured (ChainConfig.model_explore); saved up, then spent
     explore: float = 0.0
+    _time_in_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False, repr=False)
+
+    def time_in_tokens(self, n: int) -> np.ndarray:
+        """[k-1]: tokens the round's plain rate would emit in the time k more verify rows take, k = 1..n
+        (memoised: every draft of the round is priced with the same curve). Empty if the round is free."""
+        if len(self._time_in_tokens) < n:
+            base = self.cost(self.base_tokens)
+            if base <= 0:
+                return np.zeros(0)
+            extra = np.array([self.cost(self.base_tokens + k) for k in range(1, n + 1)]) - base
+            self._time_in_tokens = extra * (self.n_decoding / base)
+        return self._time_in_tokens[:n]
 
 
 #: a speculator's own context buckets (Speculator.draft_context) kept apart by the acceptance estimate;
@@ -104,11 +116,10 @@ def draft_value(prefix_probs: np.ndarray, pricing: Pricing | None) -> float:
     gains = np.cumsum(prefix_probs)
     if pricing is None:
         return float(gains[-1])
-    base = pricing.cost(pricing.base_tokens)
-    if base <= 0:
+    time = pricing.time_in_tokens(len(gains))
+    if len(time) == 0:
         return float(gains[-1])
-    extra = np.array([pricing.cost(pricing.base_tokens + k) for k in range(1, len(gains) + 1)]) - base
-    return float(max(0.0, np.max(gains - extra * pricing.n_decoding / base)))
+    return float(max(0.0, np.max(gains - time)))
 
 
 class Chain:
