@@ -74,6 +74,9 @@ def test_parse_chain_and_config_errors():
         ChainConfig(n_max=-1)
     with pytest.raises(ValueError):
         EngineConfig(slots=0)
+    with pytest.raises(ValueError, match="flash_attn conflicts with exact"):
+        EngineConfig(exact=True, flash_attn=True)
+    assert EngineConfig(flash_attn=True).flash_attn and EngineConfig(exact=True).exact
     assert ChainConfig(speculators="ngram_mod,suffix").speculators == ["ngram_mod", "suffix"]
 
 
