@@ -25,6 +25,7 @@ _FLAG_FIELDS = {
     "threads": ("engine", "threads"),
     "n_ctx": ("engine", "n_ctx"),
     "exact": ("engine", "exact"),
+    "flash_attn": ("engine", "flash_attn"),
     "policy": ("engine", "chain", "policy"),
     "n_max": ("engine", "chain", "n_max"),
     "draft_model": ("engine", "draft", "model"),

@@ -34,6 +34,10 @@ def test_json_contract(report, tmp_path):
             assert row["tokens_per_s"] > 0 and row["mean_acceptance_length"] >= 1.0
             assert 0.0 <= row["acceptance_rate"] <= 1.0
     assert js["configs"]["none"]["categories"]["copy"]["speedup"] == 1.0
+    # two slots: the tie bound covers both measured drifts (batched vs one by one; KV layout)
+    assert js["layout_variance"] >= 0.0 and js["batch_variance"] >= 0.0
+    assert js["tie_bound"] == 2.0 * max(js["batch_variance"], js["layout_variance"])
+    assert js["meta"]["flash_attn"] is False
 
 
 def test_figures_add_up(report):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specray.deployments.cli import build_parser
+from specray.deployments.cli import build_parser, main
 from specray.deployments.serve_cli import config_from_args, flag_overrides
 from specray.deployments.serve_config import ServeConfig
 from specray.engine.config import EngineConfig
@@ -85,6 +85,18 @@ def test_exact_and_no_exact(cfg_file):
     assert config_from_args(parse("--config", cfg_file)).engine.exact is True
     assert config_from_args(parse("--config", cfg_file, "--no-exact")).engine.exact is False
     assert "exact" not in flag_overrides(parse("--config", cfg_file)).get("engine", {})
+
+
+def test_flash_attn_flag_and_its_conflict_with_exact(capsys):
+    assert config_from_args(parse("--flash-attn")).engine.flash_attn is True
+    assert config_from_args(parse("--no-flash-attn")).engine.flash_attn is False
+    assert "flash_attn" not in flag_overrides(parse()).get("engine", {})
+    for argv in (["serve", "--exact", "--flash-attn"], ["generate", "--prompt", "hi", "--exact", "--flash-attn"],
+                 ["bench", "--exact", "--flash-attn"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert "--flash-attn conflicts with --exact" in capsys.readouterr().err
 
 
 def test_spec_replaces_the_chain_and_keeps_the_files_params(cfg_file):
