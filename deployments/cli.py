@@ -10,6 +10,9 @@ from specray.deployments.bench_order import ORDERS
 from specray.engine.config import ChainConfig
 
 DEFAULT_BENCH_CONFIGS = ["none", "ngram_simple", "ngram_mod", "suffix", "ngram_mod,suffix"]
+FLASH_ATTN_HELP = ("flash attention in the target context. Measured on SmolLM2 here (2 cores, specray's own loop): "
+                   "plain decoding +5%% at 1 slot (+5-12%% on short prompts, -3%% on 800-token ones) and +8%% with 4 "
+                   "slots; verify batches of 16+ tokens 15-25%% slower, so speculation gains less. Not with --exact")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -25,10 +28,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "flash attention off; one KV stream per slot): greedy output token-identical to plain "
                         "decoding, at some speed cost")
     g.add_argument("--flash-attn", action="store_true",
-                   help="flash attention in the target context. Measured on SmolLM2 here (2 cores, specray's own loop): "
-                        "plain decoding +5%% at 1 slot (+5-12%% on short prompts, -3%% on 800-token ones) and +8%% "
-                        "with 4 slots; verify batches of 16+ tokens 15-25%% slower, so speculation gains less. "
-                        "Not with --exact (default: off)")
+                   help=FLASH_ATTN_HELP + " (default: off)")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -233,11 +233,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="batch-invariant target (greedy output token-identical to plain decoding, at some speed "
                         f"cost); --no-exact turns off a file's exact: true {d(EngineConfig, 'exact')}")
     g.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=S,
-                   help="flash attention in the target context. Measured on SmolLM2 here (2 cores, specray's own loop): "
-                        "plain decoding +5%% at 1 slot (+5-12%% on short prompts, -3%% on 800-token ones) and +8%% "
-                        "with 4 slots; verify batches of 16+ tokens 15-25%% slower, so speculation gains less. "
-                        "Not with --exact "
-                        f"{d(EngineConfig, 'flash_attn')}")
+                   help=f"{FLASH_ATTN_HELP} {d(EngineConfig, 'flash_attn')}")
     g = p.add_argument_group("speculation")
     g.add_argument("--spec", default=S,
                    help=f"default speculator chain, names joined by commas, or 'none' "
