@@ -109,12 +109,15 @@ class ConfigResult:
     verify_seconds: float = 0.0  # time in target decodes (verification and prompt rows)
     # the drafts each speculator of a chain got sent (it won the round): which one carries the chain
     by_speculator: dict[str, SpecCounters] = field(default_factory=dict)
+    # the `none` run's top-2 margin where each mismatch began: how far above the tie bound it lay
+    mismatch_margins: list[float] = field(default_factory=list)
 
     def add(self, other: "ConfigResult") -> None:
         for k in ("tokens", "seconds", "prefill_seconds", "sequences", "loaded_seconds", "loaded_tokens", "drafts",
                   "drafted", "accepted", "mismatches", "tie_divergences", "identical", "compared", "steal_seconds",
                   "rounds", "draft_seconds", "verify_seconds"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.mismatch_margins = self.mismatch_margins + other.mismatch_margins
         for name, c in other.by_speculator.items():
             mine = self.by_speculator.setdefault(name, SpecCounters())
             mine.drafts, mine.drafted, mine.accepted = (mine.drafts + c.drafts, mine.drafted + c.drafted,
@@ -181,7 +184,8 @@ class BenchReport:
                 for cat in self.categories:
                     cats[cat]["speedup_per_repeat"] = self.repeat_speedups(cfg, [cat])
                 overall["speedup_per_repeat"] = self.repeat_speedups(cfg, self.categories)
-            entry = {"mismatches": total.mismatches, "tie_divergences": total.tie_divergences,
+            entry = {"mismatches": total.mismatches, "mismatch_margins": [round(m, 4) for m in total.mismatch_margins],
+                     "tie_divergences": total.tie_divergences,
                      "identical": total.identical, "compared": total.compared, "categories": cats,
                      "overall": overall}
             out["configs"][cfg] = entry
@@ -343,19 +347,25 @@ def measure_layout_variance(engine: LocalEngine, prefix_tokens: np.ndarray, n: i
     return float(np.abs(probe(False) - probe(True)).max())
 
 
+def divergence_margin(base_tokens: list[int], tokens: list[int], base_margins: list[float]) -> float | None:
+    """The `none` run's top-2 logit margin where `tokens` first differs from `base_tokens` (None: identical;
+    if one stopped early, EOS vs a different token, the stop position decides; inf: no margin recorded)."""
+    n = min(len(base_tokens), len(tokens))
+    i = next((i for i in range(n) if base_tokens[i] != tokens[i]), None)
+    if i is None:
+        if len(base_tokens) == len(tokens):
+            return None
+        i = n
+    return float(base_margins[i]) if i < len(base_margins) else float("inf")
+
+
 def classify_divergence(base_tokens: list[int], tokens: list[int], base_margins: list[float],
                         tie_bound: float) -> str:
     """'identical', 'tie_divergence' or 'mismatch' (first differing position decides)."""
-    n = min(len(base_tokens), len(tokens))
-    for i in range(n):
-        if base_tokens[i] != tokens[i]:
-            margin = base_margins[i] if i < len(base_margins) else float("inf")
-            return "tie_divergence" if margin <= tie_bound else "mismatch"
-    if len(base_tokens) != len(tokens):
-        # one stopped early (EOS vs a different token): the stop position decides
-        margin = base_margins[n] if n < len(base_margins) else float("inf")
-        return "tie_divergence" if margin <= tie_bound else "mismatch"
-    return "identical"
+    margin = divergence_margin(base_tokens, tokens, base_margins)
+    if margin is None:
+        return "identical"
+    return "tie_divergence" if margin <= tie_bound else "mismatch"
 
 
 def run_bench(
@@ -391,8 +401,8 @@ def run_bench(
     if "none" not in configs:
         configs = ["none"] + configs
     cfg = EngineConfig(model=model, chat_template=chat_template, slots=slots, exact=exact, flash_attn=flash_attn,
-                       threads=threads, n_ctx=n_ctx, record_margins=True, chain=ChainConfig(speculators=[], policy=policy,
-                                                                            n_max=n_max),
+                       threads=threads, n_ctx=n_ctx, record_margins=True,
+                       chain=ChainConfig(speculators=[], policy=policy, n_max=n_max),
                        draft=DraftModelConfig(model=draft_model, cross_vocab=cross_vocab))
     engine = LocalEngine(cfg)
     # lockstep: a context, scheduler and verify-cost model of its own per configuration (one model, its
@@ -488,6 +498,7 @@ def _compare(r: ConfigResult, base_seqs: list, seqs: list, tie_bound: float) -> 
             r.identical += 1
         elif kind == "mismatch":
             r.mismatches += 1
+            r.mismatch_margins.append(divergence_margin(b.generated, s.generated, b.margins))
         else:
             r.tie_divergences += 1
 

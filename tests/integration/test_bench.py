@@ -27,6 +27,7 @@ def test_json_contract(report, tmp_path):
     assert list(js["configs"]) == ["none", "llama_cpp", "ngram_simple", "suffix"]
     for name, entry in js["configs"].items():
         assert isinstance(entry["mismatches"], int) and isinstance(entry["tie_divergences"], int)
+        assert len(entry["mismatch_margins"]) == entry["mismatches"]
         assert set(entry["categories"]) == {"copy", "chat"}
         for row in entry["categories"].values():
             for key in ("tokens_per_s", "mean_acceptance_length", "acceptance_rate", "speedup"):

@@ -34,7 +34,8 @@ N_PROMPTS = 8
 
 def _engine(model, exact: bool, slots: int = 4, flash_attn: bool = False) -> LocalEngine:
     cfg = EngineConfig(model="smollm2-135m", slots=slots, n_ctx=1024 * slots, exact=exact, record_margins=True,
-                       calibrate=False, flash_attn=flash_attn, chain=ChainConfig(speculators=[], params=PARAMS, policy="first", n_max=8))
+                       calibrate=False, flash_attn=flash_attn,
+                       chain=ChainConfig(speculators=[], params=PARAMS, policy="first", n_max=8))
     return LocalEngine(cfg, model=model)
 
 

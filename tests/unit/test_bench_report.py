@@ -8,7 +8,8 @@ import doctest
 import pytest
 
 from specray.deployments import bench_order
-from specray.deployments.bench import BenchReport, ConfigResult, _run_lockstep
+from specray.deployments.bench import (BenchReport, ConfigResult, _compare, _run_lockstep, classify_divergence,
+                                       divergence_margin)
 from specray.deployments.bench_order import baseline_positions, run_order
 from specray.engine.request import SpecCounters
 
@@ -97,3 +98,28 @@ def test_a_chain_row_says_whose_drafts_were_sent():
     assert won["ngram_mod"]["drafts"] == 3 and won["ngram_mod"]["accepted_tokens"] == 39
     assert won["suffix"]["drafted_tokens"] == 10
     assert "ngram_mod 3 (0.81)  suffix 5 (0.60)" in report.table()
+
+
+def test_divergences_are_classified_by_the_margin_where_they_begin():
+    base, margins = [5, 6, 7, 8], [3.0, 0.2, 4.0, 1.0]
+    assert divergence_margin(base, [5, 6, 7, 8], margins) is None
+    assert divergence_margin(base, [5, 9, 7, 8], margins) == 0.2
+    assert divergence_margin(base, [5, 6], margins) == 4.0  # stopped early: the stop position decides
+    assert classify_divergence(base, [5, 9, 1, 1], margins, tie_bound=0.5) == "tie_divergence"
+    assert classify_divergence(base, [5, 6, 1, 1], margins, tie_bound=0.5) == "mismatch"
+    assert classify_divergence(base, list(base), margins, tie_bound=0.0) == "identical"
+
+
+def test_mismatch_margins_are_kept_per_mismatch_and_summed_over_results():
+    class _Seq:
+        def __init__(self, generated, margins=()):
+            self.generated, self.margins = generated, list(margins)
+
+    r = ConfigResult("a")
+    _compare(r, [_Seq([1, 2, 3], [5.0, 2.5, 1.0]), _Seq([1, 2], [0.1, 0.1])], [_Seq([1, 4, 3]), _Seq([2, 2])],
+             tie_bound=1.0)
+    assert (r.mismatches, r.tie_divergences, r.mismatch_margins) == (1, 1, [2.5])
+    total = ConfigResult("a")
+    total.add(r)
+    total.add(r)
+    assert total.mismatch_margins == [2.5, 2.5] and r.mismatch_margins == [2.5]
