@@ -87,7 +87,7 @@ def test_exact_mode_speculation_is_token_identical(exact_engine, prompts, exact_
 
 @pytest.mark.parametrize("flash_attn", [False, True], ids=["fa_off", "fa_on"])
 def test_fast_mode_divergences_only_at_near_ties(smollm2, prompts, flash_attn):
-    # with flash attention one sequence's logits are batch-invariant here, but with several slots they
+    # with flash attention short batches of one sequence are batch-invariant here, but with several slots they
     # depend on where the other sequences' KV cells lie: the layout probe must see that drift
     eng = _engine(smollm2, exact=False, flash_attn=flash_attn)
     assert eng.ctx.flash_attn is flash_attn
