@@ -221,7 +221,8 @@ def engine_config(args, slots: int, chain_label: str | None) -> EngineConfig:
 
         extra["draft"] = DraftModelConfig(model=args.draft_model, cross_vocab=bool(getattr(args, "cross_vocab", False)))
     return EngineConfig(model=args.model, chat_template=args.chat_template, n_ctx=args.n_ctx, slots=slots,
-                        threads=args.threads, exact=args.exact, chain=chain, **extra)
+                        threads=args.threads, exact=args.exact, flash_attn=bool(getattr(args, "flash_attn", False)),
+                        chain=chain, **extra)
 
 
 def main_http_bench(args) -> int:
@@ -233,7 +234,8 @@ def main_http_bench(args) -> int:
     api_key = args.api_key or os.environ.get("SPECRAY_API_KEY")
     meta = {"prompts": len(prompts), "prompts_path": prompts_path, "max_tokens": args.max_tokens,
             "streams": streams, "policy": args.policy, "n_max": args.n_max, "threads": args.threads,
-            "exact": args.exact, "cpus": os.cpu_count(), "python": platform.python_version(),
+            "exact": args.exact, "flash_attn": bool(getattr(args, "flash_attn", False)), "cpus": os.cpu_count(),
+            "python": platform.python_version(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
 
     def finish(report: dict, ecfg: EngineConfig) -> int:

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from specray.deployments import cli
-from specray.deployments.http_bench_compare import compare, deployed, select_prompts, serve_configs, table
+from specray.deployments.http_bench_compare import (compare, deployed, engine_config, select_prompts, serve_configs,
+                                                     table)
 from specray.engine.config import EngineConfig
 
 from .conftest import ENGINE, concurrent_prompts
@@ -115,3 +116,10 @@ def test_bench_order_names_the_choices(capsys):
 def test_bench_streams_must_be_positive():
     with pytest.raises(SystemExit):
         cli.main(["bench", "--http", "--streams", "1", "0"])
+
+
+def test_http_bench_engines_get_the_engine_flags():
+    args = cli.build_parser().parse_args(["bench", "--http", "--flash-attn", "--threads", "1"])
+    ecfg = engine_config(args, slots=3, chain_label="suffix")
+    assert (ecfg.flash_attn, ecfg.threads, ecfg.slots, ecfg.chain.speculators) == (True, 1, 3, ["suffix"])
+    assert engine_config(cli.build_parser().parse_args(["bench", "--http"]), 1, None).flash_attn is False
