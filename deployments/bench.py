@@ -301,17 +301,27 @@ def measure_batch_variance(engine: LocalEngine, prefix_tokens: np.ndarray, n: in
     slot = engine.config.slots - 1
     b = ctx.batch
     p = prefix_tokens[: min(len(prefix_tokens), ctx.n_ctx // 2)]
-    nxt = (np.arange(n, dtype=np.int32) * 97 + 500) % engine.model.n_vocab
+    nxt = _probe_tokens(engine, n)
     ctx.clear_seq(slot)
     b.clear(); b.add_seq(slot, p, 0, 1); ctx.decode(b)  # noqa: E702
     b.clear(); b.add_seq(slot, nxt, len(p), n); batched = ctx.decode(b).copy()  # noqa: E702
     ctx.seq_rm(slot, len(p), -1)
-    ones = []
-    for i in range(n):
-        b.clear(); b.add_seq(slot, nxt[i : i + 1], len(p) + i, 1)  # noqa: E702
-        ones.append(ctx.decode(b)[0].copy())
+    ones = _decode_one_by_one(ctx, slot, nxt, len(p))
     ctx.clear_seq(slot)
-    return float(np.abs(batched - np.stack(ones)).max())
+    return float(np.abs(batched - ones).max())
+
+
+def _probe_tokens(engine: LocalEngine, n: int) -> np.ndarray:
+    return (np.arange(n, dtype=np.int32) * 97 + 500) % engine.model.n_vocab
+
+
+def _decode_one_by_one(ctx, slot: int, tokens: np.ndarray, pos0: int) -> np.ndarray:
+    """Logits of `tokens` decoded one per batch at positions pos0..., stacked."""
+    b, out = ctx.batch, []
+    for i in range(len(tokens)):
+        b.clear(); b.add_seq(slot, tokens[i : i + 1], pos0 + i, 1)  # noqa: E702
+        out.append(ctx.decode(b)[0].copy())
+    return np.stack(out)
 
 
 def measure_layout_variance(engine: LocalEngine, prefix_tokens: np.ndarray, n: int = 8) -> float:
@@ -324,7 +334,7 @@ def measure_layout_variance(engine: LocalEngine, prefix_tokens: np.ndarray, n: i
         return 0.0
     s, t = engine.config.slots - 1, engine.config.slots - 2
     p = prefix_tokens[: min(len(prefix_tokens), ctx.n_ctx // 4)]
-    nxt = (np.arange(n, dtype=np.int32) * 97 + 500) % engine.model.n_vocab
+    nxt = _probe_tokens(engine, n)
     step = max(1, ctx.n_batch // 2)
 
     def probe(interleaved: bool) -> np.ndarray:
@@ -337,12 +347,9 @@ def measure_layout_variance(engine: LocalEngine, prefix_tokens: np.ndarray, n: i
                 if interleaved:
                     b.add_seq(t, p[i : i + 1], i, 0)
             ctx.decode(b)
-        out = []
-        for i in range(n):
-            b.clear(); b.add_seq(s, nxt[i : i + 1], len(p) + i, 1)  # noqa: E702
-            out.append(ctx.decode(b)[0].copy())
+        out = _decode_one_by_one(ctx, s, nxt, len(p))
         ctx.clear_seq(s); ctx.clear_seq(t)  # noqa: E702
-        return np.stack(out)
+        return out
 
     return float(np.abs(probe(False) - probe(True)).max())
 
