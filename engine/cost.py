@@ -11,7 +11,17 @@ must know the price of every draft token it sends. Two parts:
   slots (llama.cpp's unified cache) a token attends the cells of *every*
   slot: with 4 busy slots of 600 tokens, a draft token costs ~2x the
   calibration's price. The model adds `attn_seconds` per (token x cell)
-  beyond the calibration's prefix, measured at start-up and learnt online.
+  beyond the calibration's prefix, measured at start-up and learnt online;
+- the machine's speed: these shared VMs drift by 20% and more within a
+  minute, and almost every round is a 1-row decode (one per busy slot), while
+  draft-sized batches are seen rarely. Learnt per size, the often-seen entry
+  followed the drift and the rare ones did not: after a fast spell a 2-row
+  verify was priced at 2.3x a 1-row one (1.7x measured) and drafting stopped
+  for good, since no draft meant no observation to correct it. So every
+  decode first updates one speed factor that scales the whole table, and the
+  table (the shape) learns only what that factor does not explain. The size
+  seen most often is the unit of the shape and stays fixed: its drift is all
+  speed.
 
 >>> m = DecodeCostModel({1: 0.010, 2: 0.012, 4: 0.016, 8: 0.024})
 >>> round(m.cost(3), 4)   # linear between measured sizes
@@ -21,6 +31,10 @@ must know the price of every draft token it sends. Two parts:
 >>> m = DecodeCostModel({1: 0.010, 8: 0.024}, attn_seconds=1e-6, ref_cells=64)
 >>> round(m.cost(8, cells=1064), 4)   # 8 tokens x 1000 extra cells x 1 us
 0.032
+>>> m = DecodeCostModel({1: 0.010, 2: 0.016})
+>>> for _ in range(100): m.observe(1, 0.008)   # the machine got 20% faster
+>>> round(m.cost(2) / m.cost(1), 2)           # a 2-row verify still costs 1.6x a 1-row decode
+1.6
 """
 
 from __future__ import annotations
@@ -34,15 +48,30 @@ CALIBRATION_PREFIX = 64
 
 class DecodeCostModel:
     def __init__(self, seconds_by_n: dict[int, float] | None = None, ema: float = 0.05,
-                 attn_seconds: float = 0.0, ref_cells: int = 64) -> None:
+                 attn_seconds: float = 0.0, ref_cells: int = 64, speed_ema: float = 0.2) -> None:
         # a plausible CPU shape until calibrated: 10 ms + 2.5 ms per extra token
         table = seconds_by_n or {1: 0.010, 2: 0.0125, 4: 0.0175, 8: 0.0275, 16: 0.0475, 32: 0.0875}
         self._ns = sorted(table)
         self._secs = [float(table[n]) for n in self._ns]
         self._ema = ema
-        self.attn_seconds = max(0.0, float(attn_seconds))  # per token per KV cell beyond ref_cells
+        self._speed_ema = speed_ema
+        # the table and the attention coefficient are kept at the speed the model started from; `_speed`
+        # (current decode time / that) scales both
+        self._speed = 1.0
+        self._seen: dict[int, int] = {}  # decodes observed per size: the most seen one anchors the shape
+        self._attn_ref = max(0.0, float(attn_seconds))  # per token per KV cell beyond ref_cells
         self.ref_cells = ref_cells  # cells the table's measurements attended
         self._lock = threading.Lock()
+
+    @property
+    def attn_seconds(self) -> float:
+        """Seconds per (token x KV cell) beyond ref_cells, at the current speed."""
+        return self._speed * self._attn_ref
+
+    @property
+    def speed(self) -> float:
+        """Current decode time over the time the model started from (1.0: as calibrated)."""
+        return self._speed
 
     @classmethod
     def calibrated(cls, measured: dict) -> DecodeCostModel:
@@ -53,20 +82,22 @@ class DecodeCostModel:
     def copy(self) -> DecodeCostModel:
         """An independent model that starts where this one is (it learns on its own from here)."""
         return DecodeCostModel(self.table(), ema=self._ema, attn_seconds=self.attn_seconds,
-                               ref_cells=self.ref_cells)
+                               ref_cells=self.ref_cells, speed_ema=self._speed_ema)
 
     def table(self) -> dict[int, float]:
-        return dict(zip(self._ns, self._secs))
+        """Seconds per decode by batch size, at the current speed."""
+        return {n: self._speed * s for n, s in zip(self._ns, self._secs)}
 
     def cost(self, n: int, cells: float | None = None) -> float:
         """Seconds for one target decode holding n tokens (n >= 1) that attend `cells` KV cells each
         on average (None: as many as at calibration)."""
-        return self._table_cost(n) + self._attn(n, cells)
+        return self._speed * (self._table_cost(n) + self._attn(n, cells))
 
     def _attn(self, n: int, cells: float | None) -> float:
+        """At the reference speed."""
         if cells is None or n <= 0:
             return 0.0
-        return self.attn_seconds * n * max(0.0, cells - self.ref_cells)
+        return self._attn_ref * n * max(0.0, cells - self.ref_cells)
 
     def _table_cost(self, n: int) -> float:
         ns, secs = self._ns, self._secs
@@ -84,25 +115,34 @@ class DecodeCostModel:
         return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
 
     def observe(self, n: int, seconds: float, cells: float | None = None) -> None:
-        """Fold one measured decode into the model: the attention coefficient learns from decodes with a
-        long context, the table from the rest of the time."""
+        """Fold one measured decode into the model: first the speed factor, then the attention coefficient
+        (from decodes with a long context) and the table entry, each from what the speed leaves unexplained."""
         if n <= 0 or seconds <= 0:
             return
         with self._lock:
+            predicted = self._table_cost(n) + self._attn(n, cells)
+            if predicted > 0:
+                # clipped: one decode stalled by the host must not reprice every draft
+                ratio = min(max(seconds / predicted, 0.75 * self._speed), 1.5 * self._speed)
+                self._speed += self._speed_ema * (ratio - self._speed)
+            ref = seconds / self._speed  # this decode at the reference speed
             extra = n * (cells - self.ref_cells) if cells is not None else 0.0
             base = self._table_cost(n)
-            if extra > 256 * max(1, n) and seconds > base:
+            if extra > 256 * max(1, n) and ref > base:
                 # what this decode says the coefficient is; a slower average than the table's, since the
                 # table is re-fitted from the same observation below
-                implied = (seconds - base) / extra
-                self.attn_seconds += self._ema * 0.5 * (implied - self.attn_seconds)
-            seconds = max(seconds - self._attn(n, cells), 0.25 * seconds)
+                implied = (ref - base) / extra
+                self._attn_ref += self._ema * 0.5 * (implied - self._attn_ref)
+            ref = max(ref - self._attn(n, cells), 0.25 * ref)
+            self._seen[n] = self._seen.get(n, 0) + 1
+            anchor = max(self._seen, key=lambda k: (self._seen[k], -k))
             i = bisect.bisect_left(self._ns, n)
             if i < len(self._ns) and self._ns[i] == n:
-                self._secs[i] += self._ema * (seconds - self._secs[i])
+                if n != anchor:
+                    self._secs[i] += self._ema * (ref - self._secs[i])
             elif n > self._ns[-1] or len(self._ns) < 64:
                 self._ns.insert(i, n)
-                self._secs.insert(i, seconds)
+                self._secs.insert(i, ref)
             self._keep_monotone()
 
     def _keep_monotone(self) -> None:

@@ -110,3 +110,33 @@ def test_planner_shrinks_drafts_when_the_context_is_long():
     short = plan_draft_lengths(probs, 4, lambda n: m.cost(n, 300), n_decoding=4)
     long = plan_draft_lengths(probs, 4, lambda n: m.cost(n, 4000), n_decoding=4)
     assert sum(long) < sum(short)
+
+
+def test_cost_model_follows_machine_speed_without_distorting_draft_prices():
+    # almost every round is a 1-row decode; draft-sized batches are rare. Measured here: learnt per size,
+    # a fast spell priced a 2-row verify at 2.3x a 1-row one and drafting stopped for good
+    m = DecodeCostModel({1: 0.010, 2: 0.016, 4: 0.024})
+    for _ in range(300):
+        m.observe(1, 0.0075)  # the machine got 25% faster
+    assert m.cost(1) == pytest.approx(0.0075, rel=0.02)
+    assert m.cost(2) / m.cost(1) == pytest.approx(1.6, rel=0.01)
+    assert m.speed == pytest.approx(0.75, rel=0.02)
+    # so a draft token accepted 70% of the time still pays (1.7 tokens for 1.6x the time)
+    assert plan_draft_lengths([np.array([0.7])], 1, m.cost) == [1]
+
+
+def test_cost_model_learns_the_shape_while_the_speed_drifts():
+    m = DecodeCostModel({1: 0.010, 2: 0.020})  # calibration overpriced the 2-row decode: truly 1.4x
+    rng = np.random.default_rng(0)
+    for phase in range(80):
+        speed = 0.8 if phase % 2 else 1.2
+        for _ in range(50):
+            m.observe(1, 0.010 * speed * rng.uniform(0.95, 1.05))
+        m.observe(2, 0.014 * speed)
+    assert m.cost(2) / m.cost(1) == pytest.approx(1.4, rel=0.08)
+
+
+def test_one_stalled_decode_moves_the_speed_a_little():
+    m = DecodeCostModel({1: 0.010, 2: 0.016})
+    m.observe(1, 0.500)  # the host took the CPU away for half a second
+    assert 1.0 < m.speed <= 1.11
