@@ -70,6 +70,8 @@ class Sequence:
         self._pending_text = ""  # held back: could be the start of a stop string
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.finish_reason: str | None = None
+        # top-2 logit margin per generated token (record_margins), plus the end-of-generation token's when
+        # it stopped on one: the bench classifies a divergence by the margin where it began
         self.margins: list[float] = []
         self.spec_total = SpecCounters()
         self.spec_by_name: dict[str, SpecCounters] = {}

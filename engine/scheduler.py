@@ -350,6 +350,8 @@ class Scheduler:
             t = int(t)
             if not s.req.ignore_eos and self.tok.is_eog(t):
                 s.finish_reason = "stop"
+                if margins is not None:  # where the run chose to stop: a run that went on diverged here
+                    s.margins.append(float(margins[i]))
                 break
             kept.append(t)
             if margins is not None:

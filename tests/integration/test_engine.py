@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from specray.deployments.bench import divergence_margin
 from specray.deployments.local_engine import LocalEngine
 from specray.engine.config import ChainConfig, EngineConfig
 from specray.engine.sampling import SamplingParams
@@ -61,6 +62,21 @@ def test_eos_finishes_with_stop(engine):
                                   {"role": "user", "content": "What is the capital of France?"}], max_tokens=128)
     assert s.finish_reason == "stop" and len(s.generated) < 128, s.text
     assert "Paris" in s.text
+
+
+def test_a_stop_on_eos_keeps_the_margin_where_it_stopped(smollm2):
+    # the bench classifies a divergence by the target-only run's margin where it began; when that run
+    # stopped on EOS and a speculative run went on, the EOS position is where they diverged
+    eng = LocalEngine(EngineConfig(slots=1, n_ctx=1024, calibrate=False, record_margins=True), model=smollm2)
+    try:
+        s = eng.generate(messages=[{"role": "system", "content": "You are a helpful assistant."},
+                                   {"role": "user", "content": "What is the capital of France?"}], max_tokens=128)
+    finally:
+        eng.close()
+    assert s.finish_reason == "stop" and len(s.generated) < 128, s.text
+    assert len(s.margins) == len(s.generated) + 1 and s.margins[-1] > 0
+    went_on = s.generated + [s.generated[0]]
+    assert divergence_margin(s.generated, went_on, s.margins) == s.margins[-1]
 
 
 @pytest.mark.parametrize(
