@@ -385,3 +385,27 @@ def test_coupled_verification_follows_the_target_distribution_and_ignores_drafts
         same_as_undrafted += alone.next_token == emitted
     assert chisquare(first, p * n).pvalue > 0.001
     assert same_as_undrafted == n
+
+
+def test_top2_margin_matches_a_full_partition_ties_included():
+    from specray.engine.target import top2_margin
+
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((9, 4096)).astype(np.float32)
+    rows[1, 10] = rows[1, 20] = rows[1].max() + 1.0  # a tie for the top: margin 0
+    rows[2, 0] = rows[2].max() + 2.0  # the argmax at either end
+    rows[3, -1] = rows[3].max() + 2.0
+    part = np.partition(rows, -2, axis=1)[:, -2:]
+    expected = part[:, 1] - part[:, 0]
+    got = top2_margin(rows)
+    assert got[1] == 0.0 and got[2] > 1.99 and got[3] > 1.99
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_target_docstring_examples():
+    import doctest
+
+    from specray.engine import target
+
+    failed, attempted = doctest.testmod(target)
+    assert attempted > 0 and failed == 0
