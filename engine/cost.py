@@ -53,6 +53,7 @@ class DecodeCostModel:
         table = seconds_by_n or {1: 0.010, 2: 0.0125, 4: 0.0175, 8: 0.0275, 16: 0.0475, 32: 0.0875}
         self._ns = sorted(table)
         self._secs = [float(table[n]) for n in self._ns]
+        self._keep_monotone()
         self._ema = ema
         self._speed_ema = speed_ema
         # the table and the attention coefficient are kept at the speed the model started from; `_speed`
@@ -146,7 +147,10 @@ class DecodeCostModel:
             self._keep_monotone()
 
     def _keep_monotone(self) -> None:
-        # a decode of more tokens never costs less; noise must not make it so
+        # a decode of more tokens never costs less, nor more than decoding them in smaller batches
+        # (n/n0 decodes of the smallest size); noise must make it neither
+        n0, s0 = self._ns[0], self._secs[0]
         for j in range(1, len(self._secs)):
             if self._secs[j] < self._secs[j - 1]:
                 self._secs[j] = self._secs[j - 1]
+            self._secs[j] = min(self._secs[j], s0 * self._ns[j] / n0)

@@ -118,3 +118,29 @@ def test_attention_cost_is_measured_in_a_plausible_band(engine):
     # replaced came out 0 on some start-ups, which priced long-context draft rows as free
     measured = [engine.runner.measure_attention_cost() for _ in range(2)]
     assert all(2e-7 < a < 2e-5 for a in measured), measured
+
+
+def test_a_slow_spell_during_calibration_does_not_become_the_cost_shape(engine, monkeypatch):
+    # Real decodes, a synthetic clock: a decode of n rows "takes" 10 ms + 8 ms per extra row, and
+    # 3x that during a spell of the host. Timed size by size, the spell fell on the 2-row entry and
+    # priced it at 2.5x one row (SmolLM2 on a shared VM), which kept every 1-token draft out for
+    # the run. Paired with a 1-row decode each, a spell scales both sides of the ratio.
+    from specray.engine import target as target_mod
+
+    ctx = engine.runner.ctx
+    clock = {"now": 0.0, "decodes": 0}
+    real_decode = ctx.decode
+
+    def timed_decode(batch=None):
+        out = real_decode(batch)
+        n = (batch or ctx.batch).n_tokens
+        slow = 3.0 if 10 <= clock["decodes"] < 40 else 1.0
+        clock["decodes"] += 1
+        clock["now"] += slow * (0.010 + 0.008 * (n - 1))
+        return out
+
+    monkeypatch.setattr(ctx, "decode", timed_decode)
+    monkeypatch.setattr(target_mod.time, "perf_counter", lambda: clock["now"])
+    table = engine.runner.measure_decode_costs(sizes=(1, 2, 4, 8))
+    for n, secs in table.items():
+        assert secs / table[1] == pytest.approx(1 + 0.8 * (n - 1), rel=1e-6), table

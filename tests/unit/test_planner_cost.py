@@ -140,3 +140,15 @@ def test_one_stalled_decode_moves_the_speed_a_little():
     m = DecodeCostModel({1: 0.010, 2: 0.016})
     m.observe(1, 0.500)  # the host took the CPU away for half a second
     assert 1.0 < m.speed <= 1.11
+
+
+def test_a_batch_is_never_priced_above_its_rows_decoded_one_by_one():
+    # a noisy calibration (2 rows at 3x one row) must not price 1-token drafts out for good:
+    # two 1-row decodes bound what one 2-row decode can cost
+    m = DecodeCostModel({1: 0.010, 2: 0.030, 4: 0.050, 8: 0.060})
+    assert m.cost(2) == pytest.approx(0.020)
+    assert m.cost(4) == pytest.approx(0.040)
+    assert m.cost(8) == pytest.approx(0.060)  # below the bound: kept as measured
+    for _ in range(50):
+        m.observe(2, 0.045)  # stalls the clip lets through still respect the bound
+    assert m.cost(2) <= 2 * m.cost(1) + 1e-12
