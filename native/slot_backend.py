@@ -49,29 +49,44 @@ class SlotBackend:
         prime: Callable[[list[int]], None], clear: Callable[[], None],
         add_row: Callable[[int, int, int], None], run: Callable[[], None],
     ) -> dict[int, float]:
-        """Seconds per decode of n rows, median of reps: every row extends its own sequence after a
-        `prefix`-long context, as in a draft step (more rows than slots extend the sequences further).
-        prime(seqs) fills the prefix; add_row(seq, i, pos) adds the row of prefix item i at pos."""
-        n_seq = max(1, min(self.ctx.n_seq_max, max(sizes)))
+        """Seconds per decode of n rows: every row extends its own sequence after a `prefix`-long
+        context, as in a draft step (more rows than slots extend the sequences further).
+        prime(seqs) fills the prefix; add_row(seq, i, pos) adds the row of prefix item i at pos.
+
+        Each size is timed right after a 1-row decode and priced at the median pair ratio times
+        the median 1-row time, as the target's table is (TargetRunner.measure_decode_costs): a slow
+        spell of the host scales both halves of a pair instead of becoming the shape."""
+        sizes = tuple(n for n in sizes if n <= self.n_batch)
+        n_seq = max(1, min(self.ctx.n_seq_max, max(sizes, default=1)))
         seqs = list(range(n_seq))
         for s in seqs:
             self.ctx.clear_seq(s)
         prime(seqs)
-        out: dict[int, float] = {}
-        for n in sizes:
-            if n > self.n_batch:
-                continue
-            times = []
-            for _ in range(reps + 1):  # the first run warms up buffers for this size
-                clear()
-                for j in range(n):
-                    add_row(seqs[j % n_seq], j % prefix, prefix + j // n_seq)
-                t0 = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - t0)
-                for s in seqs:
-                    self.ctx.seq_rm(s, prefix, -1)
-            out[n] = float(np.median(times[1:]))
+
+        def timed(n: int) -> float:
+            clear()
+            for j in range(n):
+                add_row(seqs[j % n_seq], j % prefix, prefix + j // n_seq)
+            t0 = time.perf_counter()
+            run()
+            dt = time.perf_counter() - t0
+            for s in seqs:
+                self.ctx.seq_rm(s, prefix, -1)
+            return dt
+
+        for n in sizes:  # warm up the buffers for every size
+            timed(n)
+        ones: list[float] = []
+        ratios: dict[int, list[float]] = {n: [] for n in sizes if n != 1}
+        for r in range(reps):
+            for n in (ratios if r % 2 == 0 else list(ratios)[::-1]):
+                t1 = timed(1)
+                ones.append(t1)
+                ratios[n].append(timed(n) / t1)
+        if not ones:
+            ones = [timed(1) for _ in range(max(1, reps))]
+        base = float(np.median(ones))
+        out = {n: base * float(np.median(ratios[n])) if n != 1 else base for n in sizes}
         for s in seqs:
             self.ctx.clear_seq(s)
         self._costs = out

@@ -195,3 +195,34 @@ def test_draft_without_a_draft_model_is_refused(smollm2):
     with pytest.raises(ValueError, match="needs a draft model"):
         eng.submit(eng.request(prompt="hi", chain=("draft",)))
     eng.close()
+
+
+def test_a_slow_spell_does_not_become_the_draft_step_cost_shape(smollm2, monkeypatch):
+    # Real draft decodes on a synthetic clock: n rows "take" 5 ms + 2 ms per extra row, 3x that
+    # during a spell of the host; timed in pairs with a 1-row step, the shape survives the spell
+    from specray.native import slot_backend
+    from specray.native.context import Context
+    from specray.native.draft_backend import LlamaDraftBackend
+
+    ctx = Context(smollm2, n_ctx=1024, n_seq_max=4, n_batch=64, kv_unified=True)
+    backend = LlamaDraftBackend(smollm2, ctx)
+    clock = {"now": 0.0, "decodes": 0}
+    real_decode = ctx.decode
+
+    def timed_decode(batch=None):
+        out = real_decode(batch)
+        n = (batch or ctx.batch).n_tokens
+        clock["now"] += (3.0 if 8 <= clock["decodes"] < 30 else 1.0) * (0.005 + 0.002 * (n - 1))
+        clock["decodes"] += 1
+        return out
+
+    monkeypatch.setattr(ctx, "decode", timed_decode)
+    monkeypatch.setattr(slot_backend.time, "perf_counter", lambda: clock["now"])
+    try:
+        table = backend.measure_decode_costs(sizes=(1, 2, 4, 8))
+    finally:
+        monkeypatch.undo()
+        ctx.close()
+    for n, secs in table.items():
+        assert secs / table[1] == pytest.approx(1 + 0.4 * (n - 1), rel=1e-6), table
+    assert backend.decode_costs() == table
