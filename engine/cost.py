@@ -40,10 +40,43 @@ must know the price of every draft token it sends. Two parts:
 from __future__ import annotations
 
 import bisect
+import statistics
 import threading
+from collections.abc import Callable, Sequence
 
 #: KV cells the calibration's decodes attend (TargetRunner.measure_decode_costs' prefix)
 CALIBRATION_PREFIX = 64
+
+
+def paired_decode_costs(sizes: Sequence[int], reps: int, timed: Callable[[int], float]) -> dict[int, float]:
+    """Seconds per decode by batch size, from `timed(n)` (one decode of n rows, in seconds).
+
+    Each size is timed right after a 1-row decode, `reps` times in alternating size order, and priced
+    at the median pair ratio times the median 1-row time. These shared VMs drift by 20% within seconds:
+    timed size by size, one slow spell became the table's shape (SmolLM2: 2 rows at 2.5x one row,
+    against 1.8x paired), which priced every short draft out for the run, since a draft never sent
+    is never observed to correct it. A spell scales both halves of a pair; the median drops a pair
+    that straddles its edge.
+
+    >>> decodes = []
+    >>> def timed(n):   # 10 ms + 5 ms per extra row; the host is 3x slower from the 3rd decode on
+    ...     decodes.append(n)
+    ...     return (0.010 + 0.005 * (n - 1)) * (3.0 if len(decodes) >= 3 else 1.0)
+    >>> table = paired_decode_costs((1, 2, 4), reps=3, timed=timed)
+    >>> {n: round(table[n] / table[1], 2) for n in table}   # the shape, spell or not
+    {1: 1.0, 2: 1.5, 4: 2.5}
+    """
+    ones: list[float] = []
+    ratios: dict[int, list[float]] = {n: [] for n in sizes if n != 1}
+    for r in range(reps):
+        for n in (list(ratios) if r % 2 == 0 else list(ratios)[::-1]):
+            t1 = timed(1)
+            ones.append(t1)
+            ratios[n].append(timed(n) / t1)
+    if not ones:  # sizes == (1,)
+        ones = [timed(1) for _ in range(max(1, reps))]
+    base = float(statistics.median(ones))
+    return {n: base * float(statistics.median(ratios[n])) if n != 1 else base for n in sizes}
 
 
 class DecodeCostModel:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .cost import CALIBRATION_PREFIX
+from .cost import CALIBRATION_PREFIX, paired_decode_costs
 from .hidden_rows import pack_rows
 from .sampling import SamplingParams
 from .verify import verify_greedy, verify_sampled_coupled
@@ -230,11 +230,8 @@ class TargetRunner:
     ) -> dict[int, float]:
         """Seconds per decode of n tokens after a short prefix.
 
-        Each size is timed right after a 1-token decode, and priced at the median of those pairs'
-        ratios times the median 1-token time. These shared VMs drift by 20% within seconds: timed
-        size by size (median of 3), one slow spell became the shape (SmolLM2: 2 rows at 2.5x one
-        row, against 1.8x paired), which priced every short draft out for the whole run, since a
-        draft never sent is never observed to correct it.
+        Timed in pairs with a 1-token decode (cost.paired_decode_costs): a slow spell of the host
+        must not become the table's shape.
         Uses seq_id's slot, which must be idle; it is cleared afterwards.
         """
         sizes = tuple(n for n in sizes if n <= self.ctx.n_batch)
@@ -248,19 +245,9 @@ class TargetRunner:
         self.ctx.decode(batch)
         for n in sizes:  # warm up the buffers for every size
             self._decode_times(seq_id, ids, prefix, n, 0)
-        ones: list[float] = []
-        ratios: dict[int, list[float]] = {n: [] for n in sizes if n != 1}
-        for r in range(reps):
-            for n in (ratios if r % 2 == 0 else list(ratios)[::-1]):
-                t1 = self._decode_times(seq_id, ids, prefix, 1, 1, warm=False)[0]
-                tn = self._decode_times(seq_id, ids, prefix, n, 1, warm=False)[0]
-                ones.append(t1)
-                ratios[n].append(tn / t1)
-        if not ones:  # sizes == (1,)
-            ones = self._decode_times(seq_id, ids, prefix, 1, reps, warm=False)
+        out = paired_decode_costs(
+            sizes, reps, lambda n: self._decode_times(seq_id, ids, prefix, n, 1, warm=False)[0])
         self.ctx.clear_seq(seq_id)
-        base = float(np.median(ones))
-        out = {n: base * float(np.median(ratios[n])) if n != 1 else base for n in sizes}
         return out
 
     def _decode_times(self, seq_id: int, ids: np.ndarray, prefix: int, n: int, reps: int,

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from specray.engine.cost import paired_decode_costs
+
 from .context import Context
 from .model import Model
 
@@ -53,9 +55,8 @@ class SlotBackend:
         context, as in a draft step (more rows than slots extend the sequences further).
         prime(seqs) fills the prefix; add_row(seq, i, pos) adds the row of prefix item i at pos.
 
-        Each size is timed right after a 1-row decode and priced at the median pair ratio times
-        the median 1-row time, as the target's table is (TargetRunner.measure_decode_costs): a slow
-        spell of the host scales both halves of a pair instead of becoming the shape."""
+        Timed in pairs with a 1-row step (specray.engine.cost.paired_decode_costs), as the target's
+        table is: a slow spell of the host must not become the shape."""
         sizes = tuple(n for n in sizes if n <= self.n_batch)
         n_seq = max(1, min(self.ctx.n_seq_max, max(sizes, default=1)))
         seqs = list(range(n_seq))
@@ -76,17 +77,7 @@ class SlotBackend:
 
         for n in sizes:  # warm up the buffers for every size
             timed(n)
-        ones: list[float] = []
-        ratios: dict[int, list[float]] = {n: [] for n in sizes if n != 1}
-        for r in range(reps):
-            for n in (ratios if r % 2 == 0 else list(ratios)[::-1]):
-                t1 = timed(1)
-                ones.append(t1)
-                ratios[n].append(timed(n) / t1)
-        if not ones:
-            ones = [timed(1) for _ in range(max(1, reps))]
-        base = float(np.median(ones))
-        out = {n: base * float(np.median(ratios[n])) if n != 1 else base for n in sizes}
+        out = paired_decode_costs(sizes, reps, timed)
         for s in seqs:
             self.ctx.clear_seq(s)
         self._costs = out
