@@ -25,7 +25,7 @@ import numpy as np
 from specray.engine.chain import Chain
 from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig, parse_chain
 from specray.engine.request import GenerationRequest, SpecCounters
-from specray.native.lib import build_has_amx
+from specray.native.lib import build_has_amx, verify_cols_enabled
 
 from .bench_order import ORDERS, baseline_positions, run_order
 from .local_engine import LocalEngine
@@ -438,7 +438,7 @@ def run_bench(
     report.tie_bound = 2.0 * max(report.batch_variance, report.layout_variance)
     report.meta = {"order": order, "slots": slots, "max_tokens": max_tokens, "exact": exact,
                    "flash_attn": flash_attn, "policy": policy,
-                   "n_max": n_max, "threads": threads,
+                   "n_max": n_max, "threads": threads, "verify_cols_kernel": verify_cols_enabled(),
                    "decode_cost_ms": {k: v * 1000 for k, v in engine.scheduler.cost.table().items()},
                    "attention_us_per_1k_token_cells": engine.scheduler.cost.attn_seconds * 1e9,
                    "python": platform.python_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}

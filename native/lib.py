@@ -5,6 +5,12 @@ specray's install (scripts/build-llama-cpp.sh) patches ggml-cpu with
 depends on how many rows share the batch, so exact mode switches it off.
 A stock llama-cpp-python build lacks the symbol; exact mode then reports
 itself unavailable instead of silently not being exact.
+
+The same install adds `ggml_cpu_set_specray_cols(int)` (x86 AVX2): Q8_0 and
+Q4_1 weights times a few batch rows take a kernel that loads each weight block
+once for all rows, instead of streaming the matrix once per row, so a short
+speculative verify costs less. Its results are bitwise those of the 1-row
+kernel; the switch exists to measure it (and SPECRAY_GGML_COLS=0 turns it off).
 """
 
 from __future__ import annotations
@@ -82,6 +88,11 @@ def _ggml_cpu_lib() -> ctypes.CDLL | None:
             lib.ggml_cpu_set_llamafile.restype = None
             lib.ggml_cpu_get_llamafile.argtypes = []
             lib.ggml_cpu_get_llamafile.restype = ctypes.c_int
+            if hasattr(lib, "ggml_cpu_set_specray_cols"):
+                lib.ggml_cpu_set_specray_cols.argtypes = [ctypes.c_int]
+                lib.ggml_cpu_set_specray_cols.restype = None
+                lib.ggml_cpu_get_specray_cols.argtypes = []
+                lib.ggml_cpu_get_specray_cols.restype = ctypes.c_int
             return lib
     return None
 
@@ -118,3 +129,21 @@ def llamafile_enabled() -> bool:
     if lib is None:
         return "LLAMAFILE = 1" in system_info()
     return bool(lib.ggml_cpu_get_llamafile())
+
+
+def verify_cols_available() -> bool:
+    """True if this build has specray's few-row Q8_0/Q4_1 kernel (patched ggml-cpu, x86 with AVX2)."""
+    lib = _ggml_cpu_lib()
+    return lib is not None and hasattr(lib, "ggml_cpu_set_specray_cols") and "AVX2 = 1" in system_info()
+
+
+def set_verify_cols(enabled: bool) -> None:
+    """Switch the few-row Q8_0/Q4_1 kernel on/off for the whole process (results are bitwise the same)."""
+    if not verify_cols_available():
+        raise RuntimeError("this llama-cpp-python build lacks specray's few-row kernel "
+                           "(install it with scripts/build-llama-cpp.sh on an AVX2 machine)")
+    _ggml_cpu_lib().ggml_cpu_set_specray_cols(1 if enabled else 0)
+
+
+def verify_cols_enabled() -> bool:
+    return verify_cols_available() and bool(_ggml_cpu_lib().ggml_cpu_get_specray_cols())

@@ -6,17 +6,20 @@
 #  - the default build is -march=native; on Xeons with AMX it segfaults in
 #    ggml_backend_amx_mul_mat at the first decode. We build with GGML_NATIVE=OFF
 #    and enable exactly the x86 features /proc/cpuinfo reports, AMX excluded.
-#  - native/patches/ adds a run-time switch for llamafile's sgemm, so one build
-#    serves both the fast path and the batch-invariant exact mode.
+#  - native/patches/ (applied in name order) adds a run-time switch for
+#    llamafile's sgemm, so one build serves both the fast path and the
+#    batch-invariant exact mode, and a one-weight-row-by-many-columns Q8_0/Q4_1
+#    kernel that makes a few-token speculative verify cheaper (bitwise the same
+#    results; SPECRAY_GGML_COLS=0 turns it off).
 # The built wheel is cached in $SPECRAY_WHEEL_CACHE (default
-# ~/.cache/specray/wheels) keyed by version + flags + patch, so only the first
+# ~/.cache/specray/wheels) keyed by version + flags + patches, so only the first
 # install on a machine pays the ~7-10 minute compile.
 set -euo pipefail
 
 PY=${1:-python3}
 VERSION=0.3.36
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-PATCH="$HERE/native/patches/ggml-cpu-llamafile-switch.patch"
+PATCHES=("$HERE"/native/patches/*.patch)
 CACHE=${SPECRAY_WHEEL_CACHE:-$HOME/.cache/specray/wheels}
 
 flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
@@ -31,7 +34,7 @@ CMAKE_ARGS+=" -DGGML_AVX512_VBMI=$(onoff avx512vbmi) -DGGML_AVX512_VNNI=$(onoff 
 CMAKE_ARGS+=" -DGGML_AVX512_BF16=$(onoff avx512_bf16)"
 CMAKE_ARGS+=" -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
 
-key=$( (echo "$VERSION $CMAKE_ARGS"; cat "$PATCH") | sha256sum | cut -c1-16)
+key=$( (echo "$VERSION $CMAKE_ARGS"; cat "${PATCHES[@]}") | sha256sum | cut -c1-16)
 wheel_dir="$CACHE/$key"
 
 if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
@@ -43,7 +46,7 @@ if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
         "llama-cpp-python==$VERSION" -d "$work"
     tar -xzf "$work"/llama_cpp_python-"$VERSION".tar.gz -C "$work"
     src="$work/llama_cpp_python-$VERSION"
-    patch -s -p1 -d "$src" < "$PATCH"
+    for p in "${PATCHES[@]}"; do patch -s -p1 -d "$src" < "$p"; done
     mkdir -p "$wheel_dir.tmp"
     CMAKE_ARGS="$CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
         "$PY" -m pip wheel --no-deps --no-cache-dir -w "$wheel_dir.tmp" "$src" >&2
