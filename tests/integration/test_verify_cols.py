@@ -48,6 +48,7 @@ def _batched_logits(model, exact: bool, set_cols, enabled: bool) -> dict[int, np
     b.clear(); b.add_seq(0, prefix, 0, 1); ctx.decode()  # noqa: E702
     out = {}
     set_cols(enabled)
+    assert lib.verify_cols_enabled() is enabled  # the state ggml-cpu consults, not a private copy
     for n in ROWS:
         b.clear(); b.add_seq(0, nxt[:n], len(prefix), n)  # noqa: E702
         out[n] = ctx.decode().copy()
