@@ -27,7 +27,7 @@ from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig, p
 from specray.engine.request import GenerationRequest, SpecCounters
 from specray.native.lib import build_has_amx, verify_cols_enabled
 
-from .bench_order import ORDERS, baseline_positions, run_order
+from .bench_order import ORDERS, baseline_positions, reversed_turn, run_order
 from .local_engine import LocalEngine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -398,7 +398,8 @@ def run_bench(
 ) -> BenchReport:
     """Run every configuration on `prompts`, `repeats` times. Each pass has its own chains (fresh
     speculators: a second pass must not draft from what the first one generated) and runs the
-    configurations in the opposite order of the pass and group before, so a drift in machine speed cancels;
+    configurations in the opposite order of the pass, category and group before (bench_order.reversed_turn),
+    so a drift in machine speed, or a place in a lockstep round's turn order, cancels;
     `order`: `lockstep` (each configuration on its own context, all advanced a round at a time in turn:
     see _run_lockstep) or one of run_order's."""
     if order not in ORDERS:
@@ -446,7 +447,7 @@ def run_bench(
              f"{report.layout_variance:.3f}, tie bound {report.tie_bound:.3f}; "
              f"verify cost ms by batch size {({k: round(v, 1) for k, v in report.meta['decode_cost_ms'].items()})}")
     llama = _PlainLlama(engine, threads, n_ctx) if llama_baseline else None
-    for cat in categories:
+    for ci, cat in enumerate(categories):
         cat_prompts = [p for p in prompts if p.category == cat]
         tokens = [engine.prompt_tokens(p.prompt, p.messages) for p in cat_prompts]
         report.results[cat] = {c: ConfigResult(c) for c in report.configs}
@@ -465,7 +466,7 @@ def run_bench(
             step = 1 if slots == 1 else len(tokens)
             for gi, g in enumerate(range(0, len(tokens), step)):
                 group = tokens[g : g + step]
-                sequence = run_order(report.configs, order, reverse=(rep + gi) % 2 == 1)
+                sequence = run_order(report.configs, order, reverse=reversed_turn(rep, ci, gi))
                 runs: list[tuple[str, ConfigResult, list | None]] = []
                 if order == "lockstep":
                     done = _run_lockstep({c: _LlamaRun(llama, group, max_tokens) if c == "llama_cpp" else

@@ -10,7 +10,7 @@ import pytest
 from specray.deployments import bench_order
 from specray.deployments.bench import (BenchReport, ConfigResult, _compare, _run_lockstep, classify_divergence,
                                        divergence_margin)
-from specray.deployments.bench_order import baseline_positions, run_order
+from specray.deployments.bench_order import baseline_positions, reversed_turn, run_order
 from specray.engine.request import SpecCounters
 
 
@@ -28,6 +28,17 @@ def test_sandwich_puts_none_next_to_every_other_configuration(reverse):
     for i, c in enumerate(seq):
         if c != "none":
             assert [seq[j] for j in baseline_positions(seq, i)] == ["none", "none"]
+
+
+def test_a_single_pass_of_one_group_per_category_alternates_the_turn_order():
+    # several slots run a whole category as one group: the order must still flip between categories
+    flips = [reversed_turn(0, c, 0) for c in range(6)]
+    assert flips.count(True) == flips.count(False) == 3
+    assert all(a != b for a, b in zip(flips, flips[1:]))
+    # and over two passes every (category, group) runs once each way
+    for c in range(3):
+        for g in range(3):
+            assert {reversed_turn(0, c, g), reversed_turn(1, c, g)} == {False, True}
 
 
 class _Rounds:
