@@ -9,7 +9,9 @@ import sys
 from specray.deployments.bench_order import ORDERS
 from specray.engine.config import ChainConfig
 
-DEFAULT_BENCH_CONFIGS = ["none", "ngram_simple", "ngram_mod", "suffix", "ngram_mod,suffix"]
+# the default chain last: the bench answers "is the default worth it here" without flags
+DEFAULT_BENCH_CONFIGS = ["none", "ngram_simple", "ngram_mod", "ngram_cache", "suffix", "ngram_mod,suffix",
+                         ChainConfig().label]
 FLASH_ATTN_HELP = ("flash attention in the target context. Measured on SmolLM2 here (2 cores, specray's own loop): "
                    "plain decoding +5%% at 1 slot (+5-12%% on short prompts, -3%% on 800-token ones) and +8%% with 4 "
                    "slots; verify batches of 16+ tokens 15-25%% slower, so speculation gains less. Not with --exact")
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Generate for one prompt in-process and print per-request speculation stats.")
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is (default: as a chat user message)")
-    gen.add_argument("--spec", default="ngram_mod,suffix",
+    gen.add_argument("--spec", default=ChainConfig().label,
                      help="speculator chain, names joined by commas, or 'none' (default: %(default)s)")
     gen.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: %(default)s)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
@@ -157,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--num-prompts", type=int, default=None,
                    help="prompts per row, taken round-robin over the categories (default: 16)")
     h.add_argument("--spec", default=None,
-                   help="chain: with --http the apps' and in-process engine's chain (default: ngram_mod,suffix); "
+                   help=f"chain: with --http the apps' and in-process engine's chain (default: {ChainConfig().label}); "
                         "with --url sent per request as speculative.chain (default: the server's own chain)")
     h.add_argument("--no-in-process", action="store_true",
                    help="skip the in-process engine row (it loads the model in this process)")

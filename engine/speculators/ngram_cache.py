@@ -67,7 +67,8 @@ class NgramCacheParams(BaseModel):
     )
     update_dynamic: bool = Field(True, description="merge each finished sequence's context counts into dynamic")
     dynamic_max_ngrams: int = Field(
-        1_000_000, ge=0, description="bound on dynamic n-grams; the oldest inserted are dropped beyond it"
+        250_000, ge=0, description="bound on dynamic n-grams; the oldest inserted are dropped beyond it "
+        "(~400 bytes each in memory: 250k ~ 100 MB; ngram_cache is in the default chain of every server)"
     )
 
 

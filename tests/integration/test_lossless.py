@@ -85,6 +85,20 @@ def test_exact_mode_speculation_is_token_identical(exact_engine, prompts, exact_
         assert 0 < accepted < drafted  # both acceptance and rollback were exercised
 
 
+def test_the_default_chain_under_the_default_policy_is_token_identical(smollm2, prompts, exact_baseline):
+    # what a server runs without flags: ChainConfig's defaults (cost policy, its own speculator parameters)
+    cfg = EngineConfig(model="smollm2-135m", slots=4, n_ctx=1024 * 4, exact=True, calibrate=False)
+    assert cfg.chain.policy == "cost" and "ngram_cache" in cfg.chain.speculators
+    eng = LocalEngine(cfg, model=smollm2)
+    seqs = _run(eng, prompts, tuple(cfg.chain.speculators))
+    assert eng.runner.max_seqs_in_decode >= 4
+    for i, s in enumerate(seqs):
+        assert s.generated == exact_baseline[i], f"prompt {i} diverged under the default chain"
+    sent = {n: eng.chain.speculator(n).stats.tokens_generated for n in cfg.chain.speculators}
+    assert sent["ngram_cache"] > 0, f"the default chain's ngram_cache never had a draft sent: {sent}"
+    eng.close()
+
+
 @pytest.mark.parametrize("flash_attn", [False, True], ids=["fa_off", "fa_on"])
 def test_fast_mode_divergences_only_at_near_ties(smollm2, prompts, flash_attn):
     # with flash attention short batches of one sequence are batch-invariant here, but with several slots they
