@@ -13,8 +13,9 @@ from specray.engine.config import ChainConfig
 DEFAULT_BENCH_CONFIGS = ["none", "ngram_simple", "ngram_mod", "ngram_cache", "suffix", "ngram_mod,suffix",
                          ChainConfig().label]
 FLASH_ATTN_HELP = ("flash attention in the target context. Measured on SmolLM2 here (2 cores, specray's own loop): "
-                   "plain decoding +5%% at 1 slot (+5-12%% on short prompts, -3%% on 800-token ones) and +8%% with 4 "
-                   "slots; verify batches of 16+ tokens 15-25%% slower, so speculation gains less. Not with --exact")
+                   "plain decoding +5%% at 1 slot (+5-12%% on short prompts, -3%% on 800-token ones), verify batches of "
+                   "16+ tokens 15-25%% slower; with 4 slots plain decoding +7%% on short prompts and +40-80%% on long "
+                   "ones (every slot's KV cells are attended unless it is on). Not with --exact")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
