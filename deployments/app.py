@@ -26,10 +26,10 @@ from ray.serve.config import BackpressureConfig
 
 from specray.cluster.placement import STRATEGY, replica_bundles
 
-from .arms import ArmConfig, autoscaling_config, deployment_name, resolve_arms
-from .ingress import Ingress
-from .replica import EngineReplica
-from .serve_config import ServeConfig, load_serve_config
+from specray.deployments.ab.arms import ArmConfig, autoscaling_config, deployment_name, resolve_arms
+from specray.deployments.http.ingress import Ingress
+from specray.deployments.replica.deployment import EngineReplica
+from specray.deployments.config import ServeConfig, load_serve_config
 
 
 def replica_options(cfg: ServeConfig) -> dict[str, Any]:

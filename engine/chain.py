@@ -16,12 +16,24 @@ Policies:
             beat the draft a free speculator already offers AND pay for the
             draft time (the planner with the draft time as a fixed cost per
             sequence); elsewhere they are not run at all.
+
+Live reconfiguration (`Chain.reconfigure`, e.g. an arm's `user_config` on a
+running replica): speculators whose parameters changed are rebuilt with the
+new ones; their counters carry over (so metrics and /v1/stats stay
+monotonic) and their acceptance estimates start afresh. Running sequences on
+a rebuilt speculator go on with the new instance, begun on their history so
+far (prompt + generated); output stays lossless either way, since every draft
+is verified. New requests use the new chain at once; queued ones keep the
+speculator names they were admitted with. Model speculators (`draft`, ...)
+hold a model context: their parameters are start-up config and cannot change.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +44,8 @@ from .config import ChainConfig
 from .planner import plan_draft_lengths
 from .speculator import EMPTY_DRAFT, DraftRequest, Speculator, SpeculatorStats
 from .speculators.draft_base import ModelSpeculator
+
+log = logging.getLogger("specray.chain")
 
 
 @dataclass
@@ -90,6 +104,29 @@ class Pricing:
         return self._time_in_tokens[:n]
 
 
+@dataclass
+class ChainChange:
+    """What `Chain.reconfigure` did."""
+
+    rebuilt: list[str]  # instances replaced because their parameters changed (counters carried over)
+    built: list[str]  # instances that did not exist before (named by the new chain for the first time)
+    resumed: int  # running sequences whose speculators were begun anew on their history
+
+
+@contextmanager
+def _blame(name: str) -> Iterator[None]:
+    """Tag an exception raised while `name` works with `.speculator = name`, so whoever catches it (the
+    scheduler) can disable that speculator instead of losing every draft of every round to it. The innermost
+    tag wins: a nested call knows better which speculator failed."""
+    try:
+        yield
+    except Exception as e:
+        if getattr(e, "speculator", None) is None:
+            e.speculator = name
+            e.add_note(f"(raised by speculator {name!r})")
+        raise
+
+
 #: a speculator's own context buckets (Speculator.draft_context) kept apart by the acceptance estimate;
 #: each is split 3 ways by agreement with the other speculators' drafts
 CONTEXT_OWN_BUCKETS = 4
@@ -137,11 +174,57 @@ class Chain:
     def speculator(self, name: str) -> Speculator:
         spec = self.instances.get(name)
         if spec is None:
-            spec = self._factory(name, self.config.params.get(name))
-            self.instances[name] = spec
-            self.trackers[name] = AcceptanceTracker(n_contexts=3 * CONTEXT_OWN_BUCKETS)
-            self.calibrations[name] = PrefixCalibration()
+            spec = self._install(name, *self._build(name, self.config.params.get(name)))
         return spec
+
+    def _build(self, name: str, params: dict | None) -> tuple[Speculator, AcceptanceTracker, PrefixCalibration]:
+        """A new instance of `name` and the estimate state every instance needs: the one place they are made,
+        so no instance can exist without its tracker and calibration (propose would fail on it every round)."""
+        return self._factory(name, params), AcceptanceTracker(n_contexts=3 * CONTEXT_OWN_BUCKETS), PrefixCalibration()
+
+    def _install(self, name: str, spec: Speculator, tracker: AcceptanceTracker,
+                 calibration: PrefixCalibration) -> Speculator:
+        self.instances[name] = spec
+        self.trackers[name] = tracker
+        self.calibrations[name] = calibration
+        return spec
+
+    def reconfigure(self, new: ChainConfig,
+                    running: Mapping[int, tuple[tuple[str, ...], np.ndarray]] | None = None) -> ChainChange:
+        """Swap the chain's config for `new` while sequences run (between rounds only: no proposal may be in
+        flight). running: seq_id -> (speculator names, history so far) of every running sequence; a rebuilt
+        or new speculator a sequence names is begun on its history, so the sequence goes on drafting with it.
+
+        Speculators whose parameters changed are rebuilt, keeping their counters; their estimates (tracker,
+        calibration) start afresh, since they measured the old parameters. Speculators the new chain names
+        for the first time are built. Speculators left out of the new chain are kept: queued and running
+        sequences (and per-request chains) may still name them. Raises ValueError, changing nothing, for
+        unknown speculators, bad parameters or a model speculator whose parameters changed."""
+        changed = sorted(n for n in self.instances
+                         if (self.config.params.get(n) or {}) != (new.params.get(n) or {}))
+        models = [n for n in changed if isinstance(self.instances[n], ModelSpeculator)]
+        if models:
+            raise ValueError(f"parameters of model speculators {models} cannot change at run time (restart the "
+                             "deployment)")
+        added = [n for n in dict.fromkeys(new.speculators) if n not in self.instances]
+        # everything is built and begun before anything is installed: a bad name, parameter or begin leaves
+        # the running chain untouched
+        try:
+            fresh = {name: self._build(name, new.params.get(name)) for name in changed + added}
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"chain update refused: {e}") from None
+        begun = _begin_on_running({n: f[0] for n, f in fresh.items()}, running or {})
+        for name, seq_id in begun:
+            if name in self.instances:
+                _end_quietly(self.instances[name], name, seq_id)  # discarded, but may hold per-sequence state
+        for name, (spec, tracker, calibration) in fresh.items():
+            old = self.instances.get(name)
+            if old is not None:  # counters carry over, the same object: whoever holds it sees them go on
+                old.stats.merge(spec.stats)
+                spec.stats = old.stats
+            self._install(name, spec, tracker, calibration)
+        self.config = new
+        return ChainChange(rebuilt=changed, built=added, resumed=len({seq_id for _, seq_id in begun}))
 
     def validate(self, names: tuple[str, ...]) -> None:
         for name in names:
@@ -194,38 +277,39 @@ class Chain:
         best_score = [-1.0] * len(requests)
         unscored: list[tuple[int, str]] = []  # drafts to score once every free speculator has drafted
         for name in names_in_order:
-            idx = [i for i in pending if name in requests[i].chain]
-            if policy == "first":
-                idx = [i for i in idx if props[i].speculator is None]
-            if not idx:
-                continue
-            spec = self.instances[name]
-            n_max = {i: requests[i].n_max for i in idx}
-            if policy == "cost" and pricing is not None and isinstance(spec, ModelSpeculator):
-                self._score(props, unscored, best_score, policy, pricing)
-                n_max = self._price(name, spec, idx, requests, best_score, pricing)
-                idx = [i for i in idx if i in n_max]
+            with _blame(name):  # a failure is the speculator's: the scheduler disables it
+                idx = [i for i in pending if name in requests[i].chain]
+                if policy == "first":
+                    idx = [i for i in idx if props[i].speculator is None]
                 if not idx:
                     continue
-            exploring = name in self._exploring
-            self._exploring.discard(name)
-            t0 = time.perf_counter()
-            drafts = spec.draft([DraftRequest(requests[i].seq_id, requests[i].history, n_max[i]) for i in idx])
-            if exploring:  # an exploring draft is charged what it took, not what it was priced at
-                self.explore_budget[name] -= time.perf_counter() - t0
-            for i, d in zip(idx, drafts):
-                props[i].asked += (name,)
-                if len(d) == 0:
-                    continue
-                props[i].drafts[name] = d
-                props[i].contexts[name] = spec.draft_context(requests[i].seq_id)
-                if policy == "first":
-                    if props[i].speculator is None:
-                        props[i].speculator, props[i].tokens = name, d
-                        props[i].raw_probs, props[i].prefix_probs = self.estimate(
-                            name, props[i].seq_id, len(d), props[i].contexts[name])
-                    continue
-                unscored.append((i, name))
+                spec = self.instances[name]
+                n_max = {i: requests[i].n_max for i in idx}
+                if policy == "cost" and pricing is not None and isinstance(spec, ModelSpeculator):
+                    self._score(props, unscored, best_score, policy, pricing)
+                    n_max = self._price(name, spec, idx, requests, best_score, pricing)
+                    idx = [i for i in idx if i in n_max]
+                    if not idx:
+                        continue
+                exploring = name in self._exploring
+                self._exploring.discard(name)
+                t0 = time.perf_counter()
+                drafts = spec.draft([DraftRequest(requests[i].seq_id, requests[i].history, n_max[i]) for i in idx])
+                if exploring:  # an exploring draft is charged what it took, not what it was priced at
+                    self.explore_budget[name] -= time.perf_counter() - t0
+                for i, d in zip(idx, drafts):
+                    props[i].asked += (name,)
+                    if len(d) == 0:
+                        continue
+                    props[i].drafts[name] = d
+                    props[i].contexts[name] = spec.draft_context(requests[i].seq_id)
+                    if policy == "first":
+                        if props[i].speculator is None:
+                            props[i].speculator, props[i].tokens = name, d
+                            props[i].raw_probs, props[i].prefix_probs = self.estimate(
+                                name, props[i].seq_id, len(d), props[i].contexts[name])
+                        continue
+                    unscored.append((i, name))
         self._score(props, unscored, best_score, policy, pricing)
         return props
 
@@ -242,8 +326,10 @@ class Chain:
             others = [o for n, o in p.drafts.items() if n != name]
             agree = 0 if not others else (1 if any(o[0] == d[0] for o in others) else 2)
             p.contexts[name] = min(p.contexts[name], CONTEXT_OWN_BUCKETS - 1) * 3 + agree
-            raw, pp = self.estimate(name, p.seq_id, len(d), p.contexts[name])
-            score = self.trackers[name].rate(p.seq_id) * len(d) if policy == "expected" else draft_value(pp, pricing)
+            with _blame(name):  # called from a model speculator's turn too: blame the draft's own speculator
+                raw, pp = self.estimate(name, p.seq_id, len(d), p.contexts[name])
+                score = (self.trackers[name].rate(p.seq_id) * len(d) if policy == "expected"
+                         else draft_value(pp, pricing))
             if score > best_score[i]:
                 best_score[i] = score
                 p.speculator, p.tokens, p.prefix_probs, p.raw_probs = name, d, pp, raw
@@ -322,3 +408,31 @@ class Chain:
 
     def stats(self) -> dict[str, SpeculatorStats]:
         return {name: spec.stats for name, spec in self.instances.items()}
+
+
+def _begin_on_running(specs: Mapping[str, Speculator],
+                      running: Mapping[int, tuple[tuple[str, ...], np.ndarray]]) -> list[tuple[str, int]]:
+    """Begin each of `specs` on every running sequence that names it, on its history so far; returns the
+    (name, seq_id) pairs begun. If one fails, those begun are ended again and ValueError is raised."""
+    begun: list[tuple[str, int]] = []
+    for seq_id, (names, history) in running.items():
+        for name in names:
+            if name not in specs:
+                continue
+            try:
+                specs[name].begin(seq_id, np.array(history, dtype=np.int32))
+            except Exception as e:
+                for b_name, b_seq in begun:
+                    _end_quietly(specs[b_name], b_name, b_seq)
+                raise ValueError(f"chain update refused: speculator {name!r} could not resume sequence "
+                                 f"{seq_id}: {type(e).__name__}: {e}") from e
+            begun.append((name, seq_id))
+    return begun
+
+
+def _end_quietly(spec: Speculator, name: str, seq_id: int) -> None:
+    """End an instance being dropped: a failure there must not stop what dropping it is for."""
+    try:
+        spec.end(seq_id)
+    except Exception:
+        log.warning("ending dropped speculator %s on sequence %s failed", name, seq_id, exc_info=True)

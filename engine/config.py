@@ -168,7 +168,16 @@ class EngineConfig(BaseModel):
     record_margins: bool = Field(False, description="record top-2 logit margins of emitted tokens (bench)")
 
     @model_validator(mode="after")
-    def _exact_needs_flash_attn_off(self) -> "EngineConfig":
+    def _exact_rules(self) -> "EngineConfig":
+        # the one place these rules live: every mode builds its engine from this config (deployments/builder.py)
         if self.exact and self.flash_attn:
-            raise ValueError("flash_attn conflicts with exact (exact mode needs flash attention off)")
+            raise ValueError("flash_attn conflicts with exact (batch-invariant kernels need flash attention off)")
+        if self.exact and self.use_extra_bufts:
+            raise ValueError("use_extra_bufts conflicts with exact (repacked kernels are not batch-invariant)")
         return self
+
+    @property
+    def repack_weights(self) -> bool | None:
+        """Weight repacking as the model is loaded: off in exact mode (repacked K-quant kernels switch paths by
+        batch size); None leaves it to the build (on, unless its AMX kernels would crash: native/model.py)."""
+        return False if self.exact else self.use_extra_bufts

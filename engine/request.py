@@ -7,10 +7,14 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .config import ChainConfig
 
 _ids = itertools.count(1)
 
@@ -25,6 +29,34 @@ class GenerationRequest:
     n_max: int | None = None  # per-request draft cap (<= the chain's)
     ignore_eos: bool = False
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+
+
+def admission_plan(req: GenerationRequest, chain: "ChainConfig", n_ctx: int) -> tuple[tuple[str, ...], int, int]:
+    """(speculator names, draft cap, KV cells to reserve) of a request under the engine's chain config; a
+    sequence may use n_ctx cells. ValueError for a request that cannot run.
+
+    >>> from specray.engine.config import ChainConfig
+    >>> req = GenerationRequest(np.arange(10, dtype=np.int32), max_tokens=20, n_max=4)
+    >>> admission_plan(req, ChainConfig(speculators=["suffix"], n_max=8), 64)
+    (('suffix',), 4, 35)
+    """
+    n_prompt = len(req.prompt_tokens)
+    if n_prompt == 0:
+        raise ValueError("prompt is empty")
+    if req.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {req.max_tokens}")
+    names = tuple(chain.speculators) if req.chain is None else tuple(req.chain)
+    n_max = chain.n_max if req.n_max is None else req.n_max
+    if n_max < 0:
+        raise ValueError(f"n_max must be >= 0, got {n_max}")
+    n_max = min(n_max, chain.n_max) if names else 0
+    if n_prompt >= n_ctx:
+        raise ValueError(f"prompt of {n_prompt} tokens does not fit the context of {n_ctx} tokens")
+    need = n_prompt + req.max_tokens + n_max + 1
+    if need > n_ctx:
+        raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({req.max_tokens}) exceeds the context of "
+                         f"{n_ctx} tokens")
+    return names, n_max, need
 
 
 class SeqState(str, Enum):
@@ -132,6 +164,35 @@ class Sequence:
         out, self._pending_text = self._pending_text, ""
         self.text += out
         return out
+
+    def emit(self, toks: np.ndarray, margins: np.ndarray | None, tok) -> tuple[list[int], str]:
+        """Take the tokens a round produced, up to the first that ends the sequence (end of generation unless
+        ignore_eos, a stop string, max_tokens): returns (tokens kept, new text). Sets finish_reason when it ends
+        (the caller frees the slot). `tok`: token_to_piece / is_eog of the target's vocabulary."""
+        if self.t_first_token is None and len(toks):
+            self.t_first_token = time.perf_counter()
+        kept: list[int] = []
+        text = ""
+        for i, t in enumerate(toks):
+            t = int(t)
+            if not self.req.ignore_eos and tok.is_eog(t):
+                self.finish_reason = "stop"
+                if margins is not None:  # where the run chose to stop: a run that went on diverged here
+                    self.margins.append(float(margins[i]))
+                break
+            kept.append(t)
+            if margins is not None:
+                self.margins.append(float(margins[i]))
+            text += self.feed_text(tok.token_to_piece(t))
+            if self.finish_reason == "stop":  # a stop string matched
+                break
+            if len(self.generated) + len(kept) >= self.req.max_tokens:
+                self.finish_reason = "length"
+                break
+        self.append_tokens(np.asarray(kept, dtype=np.int32))
+        if self.finish_reason is not None and self.finish_reason != "stop":
+            text += self.feed_text(b"", final=True)
+        return kept, text
 
     def count_spec(self, name: str | None, n_drafted: int, n_accepted: int) -> None:
         if not name or n_drafted <= 0:

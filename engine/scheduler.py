@@ -22,11 +22,11 @@ from typing import Protocol
 
 import numpy as np
 
-from .chain import Chain, Pricing, Proposal, SeqDraftRequest
-from .config import EngineConfig
+from .chain import Chain, Proposal, SeqDraftRequest
+from .config import ChainConfig, EngineConfig
 from .cost import DecodeCostModel
-from .planner import plan_draft_lengths
-from .request import GenerationRequest, Sequence, SeqState
+from .drafting import draft_round
+from .request import GenerationRequest, Sequence, SeqState, admission_plan
 from .target import StepItem, StepOutput
 
 log = logging.getLogger("specray.scheduler")
@@ -106,27 +106,11 @@ class Scheduler:
     # ---- admission ---------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> tuple[tuple[str, ...], int, int]:
         """Check a request; return (chain, n_max, KV cells it needs). Raises ValueError."""
-        n_prompt = len(req.prompt_tokens)
-        if n_prompt == 0:
-            raise ValueError("prompt is empty")
-        if req.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {req.max_tokens}")
-        chain = tuple(self.config.chain.speculators) if req.chain is None else tuple(req.chain)
+        chain, n_max, need = admission_plan(req, self.config.chain, self.n_ctx)
         try:
             self.chain.validate(chain)
         except (ValueError, TypeError) as e:
             raise ValueError(str(e)) from None
-        n_max = self.config.chain.n_max if req.n_max is None else req.n_max
-        if n_max < 0:
-            raise ValueError(f"n_max must be >= 0, got {n_max}")
-        n_max = min(n_max, self.config.chain.n_max) if chain else 0
-        if n_prompt >= self.n_ctx:
-            raise ValueError(f"prompt of {n_prompt} tokens does not fit the context of {self.n_ctx} tokens")
-        need = n_prompt + req.max_tokens + n_max + 1
-        if need > self.n_ctx:
-            raise ValueError(
-                f"prompt ({n_prompt} tokens) + max_tokens ({req.max_tokens}) exceeds the context of {self.n_ctx} tokens"
-            )
         return chain, n_max, need
 
     def submit(self, req: GenerationRequest) -> Sequence:
@@ -185,6 +169,22 @@ class Scheduler:
                 self.chain.end(slot, seq.chain)
             except Exception:
                 log.exception("speculator end failed")
+
+    # ---- live chain change -------------------------------------------------------------
+    def reconfigure_chain(self, new: ChainConfig) -> dict:
+        """Swap the chain config for `new` while requests run (Chain.reconfigure: running sequences go on with
+        rebuilt speculators); new requests get its chain, n_max and policy, queued ones keep their names.
+        Raises ValueError, changing nothing, if `new` cannot be built. Call only between rounds, on the thread
+        that runs step(): it ends and begins running sequences' speculators, which a round also calls."""
+        old = self.config.chain
+        change = self.chain.reconfigure(new, {s.slot: (s.chain, s.history_view()) for s in self.active.values()})
+        # a fresh instance gets another chance: a speculator disabled after a failure may work with new
+        # parameters (an instance that failed and was not rebuilt stays disabled)
+        self.disabled_speculators -= {*change.rebuilt, *change.built}
+        self.config = self.config.model_copy(update={"chain": new})
+        return {"chain": new.label, "rebuilt": change.rebuilt,
+                "added": [n for n in new.speculators if n not in old.speculators],
+                "resumed_sequences": change.resumed}
 
     # ---- one round -------------------------------------------------------------------
     def step(self) -> list[Event]:
@@ -303,69 +303,18 @@ class Scheduler:
 
     def _draft(self, decoding: list[Sequence], room: int, base_tokens: int,
                price: Callable[[int], float] | None = None) -> list[Proposal]:
-        price = price or self.cost.cost
         reqs = []
         for s in decoding:
             chain = tuple(n for n in s.chain if n not in self.disabled_speculators)
             n_max = max(0, min(s.n_max, s.tokens_left - 1, self.n_ctx - s.n_past - 2))
             reqs.append(SeqDraftRequest(s.slot, chain, s.history_view(), n_max, s.tokens_left))
-        if not any(r.chain and r.n_max > 0 for r in reqs) or room <= 0:
-            return [Proposal(r.seq_id, None) for r in reqs]
-        t0 = time.perf_counter()
-        try:
-            # model drafts are priced before they are made (cost policy): never slower than no draft
-            pricing = Pricing(price, base_tokens, len(decoding), self.config.chain.model_explore)
-            props = self.chain.propose(reqs, pricing=pricing)
-        except Exception as e:  # degrade to plain decoding, disable the culprit
-            self.stats.speculator_failures += 1
-            log.exception("speculator draft failed; continuing without drafts this round")
-            culprit = getattr(e, "speculator", None)
-            if culprit:
-                self.disabled_speculators.add(culprit)
-            props = [Proposal(r.seq_id, None) for r in reqs]
-        self.stats.draft_seconds += time.perf_counter() - t0
-        if self.config.chain.policy == "cost":
-            lengths = plan_draft_lengths(
-                [p.prefix_probs for p in props], base_tokens, price, n_decoding=len(decoding)
-            )
-            explore = self.config.chain.explore
-            for p, k in zip(props, lengths):
-                if k == 0 and len(p.tokens) and explore and self._explore_rng.random() < explore:
-                    k = 1
-                p.cut(k)
-        # the batch has room for `room` draft tokens in all
-        total = sum(len(p.tokens) for p in props)
-        if total > room:
-            scale = room / total
-            for p in props:
-                p.cut(int(len(p.tokens) * scale))
-        return props
+        return draft_round(self.chain, self.config.chain, reqs, room, base_tokens, price or self.cost.cost,
+                           self.disabled_speculators, self.stats, self._explore_rng)
 
     def _emit(self, s: Sequence, toks: np.ndarray, margins: np.ndarray | None) -> Event:
-        if s.t_first_token is None and len(toks):
-            s.t_first_token = time.perf_counter()
-        kept: list[int] = []
-        text = ""
-        for i, t in enumerate(toks):
-            t = int(t)
-            if not s.req.ignore_eos and self.tok.is_eog(t):
-                s.finish_reason = "stop"
-                if margins is not None:  # where the run chose to stop: a run that went on diverged here
-                    s.margins.append(float(margins[i]))
-                break
-            kept.append(t)
-            if margins is not None:
-                s.margins.append(float(margins[i]))
-            text += s.feed_text(self.tok.token_to_piece(t))
-            if s.finish_reason == "stop":  # a stop string matched
-                break
-            if len(s.generated) + len(kept) >= s.req.max_tokens:
-                s.finish_reason = "length"
-                break
-        s.append_tokens(np.asarray(kept, dtype=np.int32))
+        kept, text = s.emit(toks, margins, self.tok)
         self.stats.tokens_emitted += len(kept)
         if s.finish_reason is not None:
-            text += s.feed_text(b"", final=True) if s.finish_reason != "stop" else ""
             self._finish(s)
         return Event(s, kept, text, s.finished)
 

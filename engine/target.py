@@ -65,7 +65,7 @@ class StepOutput:
     batch_sizes: list[int] = field(default_factory=list)  # tokens per llama_decode
     seqs_per_decode: list[int] = field(default_factory=list)
     # hidden rows of the committed tokens of items with hidden=True (engine/hidden_rows.py HiddenRows); in the
-    # target actor, replaced by its transport's handle (deployments/hidden_transport.py)
+    # target actor, replaced by its transport's handle (deployments/actors/row_transport.py)
     hidden: Any = None
 
 

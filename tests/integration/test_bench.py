@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from specray.deployments.bench import BenchPrompt, run_bench, write_json
+from specray.bench.run import BenchPrompt, load_prompts, run_bench, write_json
+from specray.cli.main import main
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +73,10 @@ def test_figures_add_up(report):
 
 def test_repeats_are_independent_passes():
     prompts = [BenchPrompt("chat", messages=[{"role": "user", "content": "Describe a quiet harbour at dawn."}])]
+    lines: list[str] = []
     report = run_bench(model="smollm2-135m", configs=["suffix"], prompts=prompts, max_tokens=48, slots=1,
-                       exact=False, policy="cost", n_max=8, threads=2, n_ctx=1024, progress=lambda s: None,
-                       llama_baseline=False, repeats=2, order="sandwich")
+                       exact=False, policy="cost", n_max=8, threads=2, n_ctx=1024, progress=lines.append,
+                       llama_baseline=False, repeats=2, order="sandwich", progress_every=0.0)
     passes = report.repeat_results["chat"]
     # sandwich: `none` before and after `suffix` in each pass, which is measured against both
     for p, base in zip(passes, report.repeat_baselines["chat"]):
@@ -90,3 +93,72 @@ def test_repeats_are_independent_passes():
     assert len(row["categories"]["chat"]["speedup_per_repeat"]) == 2
     assert all(s > 0 for s in row["overall"]["speedup_per_repeat"])
     assert "range" in report.table()
+    # progress after every round (progress_every=0): a prompt run is one of the three runs of a pass
+    # (none, suffix, none), counted as each finishes; the category's end says all 6
+    counts = _progress_counts(lines)
+    assert [c[0] for c in counts] == sorted(c[0] for c in counts) and counts[-1] == (6, 6, "chat")
+    assert {c[2] for c in counts} == {"chat, pass 1/2", "chat, pass 2/2", "chat"}
+    assert {c[0] for c in counts} == set(range(6 + 1)), lines
+
+
+# ~1,000 tokens in a chat message: the first prompt of the file, so the tie-bound probes start from it
+LONG_PROMPT = " ".join(f"Note {i}: the harbour master logged ship {i * 7 % 101} arriving at berth {i % 13} with "
+                       f"{i * 3 % 17} crates of tea." for i in range(36)) + "\nWhich berth did ship 98 use?"
+
+
+@pytest.fixture(scope="module")
+def long_first_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "long_first.jsonl"
+    rows = [{"category": "long", "messages": [{"role": "user", "content": LONG_PROMPT}]},
+            {"category": "short", "messages": [{"role": "user", "content": "Name three primary colors."}]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _progress_counts(lines: list[str]) -> list[tuple[int, int, str]]:
+    """(done, total, where) of each progress line."""
+    out = []
+    for line in lines:
+        m = re.fullmatch(r"bench: (\d+)/(\d+) prompt runs \(\d+%\), elapsed \d+:\d\d, ETA (?:\?|[\d:]+) \[(.+)\]",
+                         line)
+        if m:
+            out.append((int(m[1]), int(m[2]), m[3]))
+    return out
+
+
+def test_a_long_first_prompt_is_benched(long_first_file, smollm2):
+    # longer than n_batch (512) once tiled, so the probes' prefix cannot be one decode
+    assert len(smollm2.chat_tokens([{"role": "user", "content": LONG_PROMPT}])) > 900
+    prompts = load_prompts(str(long_first_file), None, None)
+    lines: list[str] = []
+    report = run_bench(model="smollm2-135m", configs=["ngram_simple"], prompts=prompts, max_tokens=8, slots=2,
+                       exact=False, policy="cost", n_max=8, threads=2, n_ctx=2048, progress=lines.append,
+                       llama_baseline=False, progress_every=0.0)
+    # the probes measured a drift (llamafile's sgemm is not batch-invariant) and the bound covers it
+    assert report.batch_variance > 0.0 and report.layout_variance >= 0.0
+    assert report.tie_bound == 2.0 * max(report.batch_variance, report.layout_variance)
+    for cat in ("long", "short"):
+        assert report.results[cat]["none"].tokens > 0 and report.results[cat]["ngram_simple"].compared == 1
+    # progress: 2 prompts x 2 configurations, in lockstep; with progress_every=0 a line after every round,
+    # counting each configuration's prompt as it finishes, and one at the end of each category
+    counts = _progress_counts(lines)
+    assert [c[0] for c in counts] == sorted(c[0] for c in counts), lines
+    assert counts[0] == (0, 4, "long") and (2, 4, "long") in counts and counts[-1] == (4, 4, "short")
+    assert len(counts) > 4  # the rounds' lines, not only the categories'
+    assert lines[-3].endswith("ETA 0:00 [short]")
+
+
+def test_cli_bench_on_a_long_first_prompt(long_first_file, tmp_path, capsys):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = main(["bench", "--prompts", str(long_first_file), "--configs", "ngram_simple", "--max-tokens", "8",
+               "--slots", "2", "--n-ctx", "2048", "--no-llama-baseline", "--json", str(out_json),
+               "--plot", str(out_png)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    js = json.loads(out_json.read_text())
+    assert set(js["configs"]["ngram_simple"]["categories"]) == {"long", "short"}
+    # the table on stdout, progress on stderr, ending with every prompt run done
+    assert "== long ==" in out and "bench:" not in out
+    counts = _progress_counts(err.splitlines())
+    assert counts and counts[-1] == (4, 4, "short"), err
+    assert out_png.read_bytes()[:4] == b"\x89PNG" and f"plot: {out_png}" in err

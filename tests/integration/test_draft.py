@@ -177,7 +177,7 @@ def test_cross_vocab_smollm2_for_gemma_is_lossless(gemma3, prompts):
 
 
 def test_cli_generate_with_draft_model(capsys):
-    from specray.deployments.cli import main
+    from specray.cli.main import main
 
     rc = main(["generate", "--prompt", "Count from one to ten.", "--max-tokens", "24", "--spec", "draft",
                "--policy", "first", "--draft-model", "smollm2-135m", "--exact", "--n-ctx", "512"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specray.deployments.bench import divergence_margin
+from specray.bench.run import divergence_margin
 from specray.deployments.local_engine import LocalEngine
 from specray.engine.config import ChainConfig, EngineConfig
 from specray.engine.sampling import SamplingParams

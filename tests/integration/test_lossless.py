@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from specray.deployments.bench import classify_divergence, measure_batch_variance, measure_layout_variance
+from specray.bench.run import classify_divergence, measure_batch_variance, measure_layout_variance
 from specray.deployments.local_engine import LocalEngine
 from specray.engine.config import ChainConfig, EngineConfig
 

@@ -146,8 +146,8 @@ def test_colocated_router_runs_mtp_in_process(prompts, baseline):
     handed over in-process."""
     import asyncio
 
-    from specray.deployments.router import RouterCore, next_chunk
-    from specray.deployments.serve_config import ServeConfig
+    from specray.deployments.replica.core import RouterCore, next_chunk
+    from specray.deployments.config import ServeConfig
 
     engine = {"model": mtp_target("copy"), "n_ctx": N_CTX, "slots": SLOTS, "exact": True, "calibrate": False,
               "hidden": {"mtp": True}, "chain": {"speculators": ["mtp"], "policy": "first", "n_max": 4}}

@@ -214,7 +214,7 @@ def test_forced_arm_identical_greedy_output_and_unknown_arm(ab):
 def test_ab_report_on_the_recorded_run(ab, tmp_path):
     url = str(ab.base_url).rstrip("/")
     saved, png = tmp_path / "run.json", tmp_path / "ab.png"
-    cli = [sys.executable, "-m", "specray.deployments.cli", "ab-report"]
+    cli = [sys.executable, "-m", "specray.cli.main", "ab-report"]
     live = subprocess.run(cli + ["--url", url, "--save-stats", str(saved), "--plot", str(png), "--bootstrap",
                                  "500"], capture_output=True, text=True, timeout=120)
     assert live.returncode == 0, live.stderr
@@ -229,15 +229,20 @@ def test_ab_report_on_the_recorded_run(ab, tmp_path):
     assert again.returncode == 0 and again.stdout.splitlines()[1:] == live.stdout.splitlines()[1:]
 
 
+#: the user_config changes test_weights_and_chain_params_change_without_restarting_replicas applies (later
+#: applies keep them: a declarative config replaces every deployment's user_config)
+RUNTIME_UPDATES = [
+    {"name": "Ingress", "user_config": {"weights": {"base": 0}}},
+    {"name": "EngineReplica-fast", "user_config": {"chain": {"params": {"ngram_mod": {"n_max": 3}}}}},
+]
+
+
 def test_weights_and_chain_params_change_without_restarting_replicas(ab):
     before = ab.get("/v1/stats").json()
     pids = {arm: a["engine"]["pids"] for arm, a in before["arms"].items()}
     ingress_pids = sorted(before["ingress"]["pids"])
     assert before["arms"]["fast"]["engine"]["chain_config"]["params"]["ngram_mod"]["n_max"] == 8
-    apply(serve_doc(deployments=[
-        {"name": "Ingress", "user_config": {"weights": {"base": 0}}},
-        {"name": "EngineReplica-fast", "user_config": {"chain": {"params": {"ngram_mod": {"n_max": 3}}}}},
-    ]))
+    apply(serve_doc(deployments=RUNTIME_UPDATES))
     deadline = time.time() + 60
     while time.time() < deadline:
         st = ab.get("/v1/stats").json()
@@ -260,3 +265,28 @@ def test_weights_and_chain_params_change_without_restarting_replicas(ab):
     r = ask(ab, 4, headers={"X-Specray-Arm": "fast"}, max_tokens=32)
     assert r["text"] == ask(ab, 4, headers={"X-Specray-Arm": "base"}, max_tokens=32)["text"]
     assert r["speculative"]["drafts"] > 0
+
+
+def test_a_speculator_added_through_user_config_drafts_on_the_next_requests(ab):
+    """The issue: a speculator added to a running chain by user_config never drafted (its first draft raised
+    in every round, swallowed by the scheduler). Here the base arm (no speculation) gets suffix."""
+    before = ab.get("/v1/stats").json()["arms"]["base"]["engine"]
+    assert before["chain"] == "none" and before["speculators"]["drafts"] == 0
+    pids = before["pids"]
+    apply(serve_doc(deployments=RUNTIME_UPDATES + [
+        {"name": "EngineReplica-base", "user_config": {"chain": {"speculators": ["suffix"]}}}]))
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        base = ab.get("/v1/stats").json()["arms"]["base"]["engine"]
+        if base["chain"] == "suffix":
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"the user_config change did not arrive: {base['chain']}")
+    assert base["pids"] == pids  # the same process: a live change, not a restart
+    r = ask(ab, 1, headers={"X-Specray-Arm": "base"}, max_tokens=32)  # the repetitive completion prompt
+    assert r["speculative"]["by_speculator"]["suffix"]["accepted_tokens"] > 0, r["speculative"]
+    base = ab.get("/v1/stats").json()["arms"]["base"]["engine"]
+    # the arm's engine drafted with nothing but suffix: its counters are suffix's, and nothing failed
+    assert base["speculators"]["accepted_tokens"] == r["speculative"]["accepted_tokens"] > 0
+    assert base["scheduler"]["speculator_failures"] == 0

@@ -9,9 +9,9 @@ import yaml
 from pydantic import ValidationError
 
 from specray.deployments.app import build_app, replica_options
-from specray.deployments.cli import build_parser
-from specray.deployments.serve_cli import config_from_args, url_of
-from specray.deployments.serve_config import ServeConfig, load_serve_config
+from specray.cli.main import build_parser
+from specray.cli.serve import config_from_args, url_of
+from specray.deployments.config import ServeConfig, load_serve_config
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_YAML = REPO / "cluster" / "serve-local.yaml"

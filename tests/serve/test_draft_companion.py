@@ -38,9 +38,9 @@ def start_companion(ecfg: EngineConfig):
     """A supervised companion actor and the router's client to it."""
     import ray
 
-    from specray.deployments.actor_supervisor import ActorSupervisor
-    from specray.deployments.companion_actor import CompanionActor
-    from specray.deployments.companion_client import CompanionClient
+    from specray.deployments.actors.supervisor import ActorSupervisor
+    from specray.deployments.actors.companion import CompanionActor
+    from specray.deployments.actors.companion_client import CompanionClient
 
     tag = uuid.uuid4().hex[:6]
 
@@ -59,7 +59,7 @@ def start_companion(ecfg: EngineConfig):
 
 def attach(eng, client, ecfg: EngineConfig):
     """Make the engine's chain use the companion for `draft` (as the router does in distributed mode)."""
-    from specray.deployments.companion_actor import companion_speculator_factory
+    from specray.deployments.actors.companion import companion_speculator_factory
 
     eng.chain = Chain(eng.config.chain, companion_speculator_factory(client, ecfg))
     eng.scheduler.chain = eng.chain
@@ -249,8 +249,8 @@ def test_colocated_router_drafts_in_process(smollm2):
     import asyncio
 
     from specray.deployments.local_engine import LocalEngine
-    from specray.deployments.router import RouterCore, next_chunk
-    from specray.deployments.serve_config import ServeConfig
+    from specray.deployments.replica.core import RouterCore, next_chunk
+    from specray.deployments.config import ServeConfig
 
     engine = {"model": "smollm2-135m", "n_ctx": 1024, "slots": 2, "exact": True, "calibrate": False,
               "draft": {"model": "smollm2-135m"}, "chain": {"speculators": ["draft"], "policy": "first"}}

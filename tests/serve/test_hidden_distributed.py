@@ -19,14 +19,11 @@ import numpy as np
 import openai
 import pytest
 
-from specray.engine.chain import Chain
 from specray.engine.config import ChainConfig, EngineConfig, HiddenStateConfig
-from specray.engine.cost import DecodeCostModel
 from specray.engine.request import GenerationRequest, SeqState
 from specray.engine.sampling import SamplingParams
-from specray.engine.scheduler import Scheduler
 
-from specray.deployments.companion_hidden import FLUSH_RECORDS
+from specray.deployments.actors.companion_hidden import FLUSH_RECORDS
 
 from ..conftest import spec_bench_prompts
 from ..hidden_models import eagle3_draft, mtp_target, solo_rows
@@ -45,47 +42,27 @@ def engine_config(model: str, name: str, **hidden) -> EngineConfig:
 
 
 class Distributed:
-    """Target actor + supervised companion actor + the router's scheduler, as RouterCore wires them."""
+    """Target actor + supervised companion actor + the router's scheduler, built as RouterCore builds them
+    (actors.launch.start_actors, builder.build_engine)."""
 
     def __init__(self, cfg: EngineConfig) -> None:
-        import ray
+        from specray.deployments.actors.launch import start_actors
+        from specray.deployments.builder import build_engine
+        from specray.deployments.config import ServeConfig
 
-        from specray.deployments.actor_supervisor import ActorSupervisor
-        from specray.deployments.companion_actor import CompanionActor, companion_speculator_factory
-        from specray.deployments.companion_client import CompanionClient
-        from specray.deployments.target_actor import RemoteTarget, TargetActor
-        from specray.native.model import Model
-
-        tag = uuid.uuid4().hex[:6]
-        self.target = TargetActor.options(num_cpus=0.4, name=f"hidden-target-{tag}", namespace="specray-tests",
-                                          max_concurrency=2).remote(cfg.model_dump())
-        self.target_info = ray.get(self.target.info.remote(), timeout=600)
-
-        def create(gen: int):
-            name = f"hidden-companion-{tag}-{gen}"
-            return CompanionActor.options(num_cpus=0.1, name=name, namespace="specray-tests").remote(
-                cfg.model_dump()), name
-
-        def ready(handle, name: str) -> dict:
-            return ray.get(handle.info.remote(), timeout=600) | {"actor_name": name}
-
-        sup = ActorSupervisor("companion", create, ready, max_attempts=2)
-        sup.start()
-        self.client = CompanionClient(sup, timeout_s=300)
-        self.remote = RemoteTarget(self.target)
-        self.vocab = Model(cfg.model, vocab_only=True)
-        self.chain = Chain(cfg.chain, companion_speculator_factory(self.client, cfg, ack_sink=self.remote.ack_hidden))
-        self.scheduler = Scheduler(cfg, self.remote, self.vocab, self.chain, self.target_info["n_ctx_seq"],
-                                   DecodeCostModel(None))
+        serve_cfg = ServeConfig(mode="distributed", engine=cfg, target_cpus=0.4, companion_cpus=0.1,
+                                actor_restart_attempts=2, actor_start_timeout_s=600, companion_call_timeout_s=300)
+        self.actors = start_actors(serve_cfg, tag=f"hidden-test-{uuid.uuid4().hex[:6]}")
+        parts = build_engine(cfg, actors=self.actors)
+        self.target, self.target_info = self.actors.target.handle, self.actors.target.info
+        self.client, self.remote, self.vocab = self.actors.companion, parts.remote, parts.model
+        self.chain, self.scheduler = parts.chain, parts.scheduler
         self.handles: list = []  # what reached the router for each round's rows
         deliver = self.chain.hidden
         self.chain.hidden = lambda h: (self.handles.append(h), deliver(h))
 
     def close(self) -> None:
-        import ray
-
-        self.client.sup.close()
-        ray.kill(self.target, no_restart=True)
+        self.actors.close()
 
 
 def requests(vocab, prompts, chain, max_tokens):
@@ -135,7 +112,7 @@ def run_routed(d: Distributed, name: str, reqs, solo, positions: str = "all") ->
 def check_transport(d: Distributed, name: str) -> dict:
     import ray
 
-    from specray.deployments.hidden_transport import ObjectStoreHandle
+    from specray.deployments.actors.row_transport import ObjectStoreHandle
 
     assert d.handles and all(isinstance(h, ObjectStoreHandle) for h in d.handles)  # refs only, never rows
     assert d.chain.speculator(name).flush()  # the last rounds' events wait for the next call: send them

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from specray.deployments import cli
-from specray.deployments.http_bench_compare import (compare, deployed, engine_config, select_prompts, serve_configs,
+from specray.cli import main as cli
+from specray.bench.http_compare import (compare, deployed, engine_config, select_prompts, serve_configs,
                                                      table)
 from specray.engine.config import EngineConfig
 
@@ -76,12 +76,12 @@ def test_http_bench_both_modes_and_in_process(ray_serve, tmp_path):
 
 
 def test_select_prompts_round_robin_over_categories():
-    from specray.deployments.bench import default_prompts_path
+    from specray.bench.run import default_prompts_path
 
     ps = select_prompts(default_prompts_path(), None, 3, 8)
     assert len(ps) == 8 and all(p["messages"][0]["role"] == "user" for p in ps)
     assert len({p["messages"][0]["content"] for p in ps}) == 8
-    from specray.deployments.bench import load_prompts
+    from specray.bench.run import load_prompts
 
     cats = {bp.messages[0]["content"]: bp.category for bp in load_prompts(default_prompts_path(), None, 3)}
     assert len({cats[p["messages"][0]["content"]] for p in ps}) == 8  # 13 categories: 8 different ones

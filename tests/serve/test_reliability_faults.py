@@ -20,10 +20,10 @@ import openai
 import pytest
 import ray
 
-from specray.deployments.actor_supervisor import ActorSupervisor
-from specray.deployments.companion_actor import CompanionActor
-from specray.deployments.companion_client import CompanionClient
-from specray.deployments.router import ACTOR_NAMESPACE
+from specray.deployments.actors.supervisor import ActorSupervisor
+from specray.deployments.actors.companion import CompanionActor
+from specray.deployments.actors.companion_client import CompanionClient
+from specray.deployments.actors.launch import ACTOR_NAMESPACE
 
 from .conftest import (
     CHAT_PROMPTS,

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from specray.deployments.router import RequestError, RouterCore, next_chunk
-from specray.deployments.serve_config import ServeConfig
+from specray.deployments.replica.core import RequestError, RouterCore, next_chunk
+from specray.deployments.config import ServeConfig
 
 pytestmark = pytest.mark.model
 

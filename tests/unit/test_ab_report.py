@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from specray.deployments.ab_report import (
+from specray.bench.ab_report import (
     Estimate,
     bootstrap,
     build_report,
@@ -16,8 +16,8 @@ from specray.deployments.ab_report import (
     ratio_of_means,
     separated_winner,
 )
-from specray.deployments.cli import main
-from specray.deployments.metrics import EngineMetrics, spec_totals
+from specray.cli.main import main
+from specray.deployments.replica.metrics import EngineMetrics, spec_totals
 
 
 def _arm(chain: str, itl: np.ndarray, drafts=None, accepted=None, drafted=None, ttft=None) -> dict:

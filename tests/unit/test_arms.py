@@ -9,8 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from specray.deployments.app import arm_serve_config, build_app, replica_options
-from specray.deployments.arm_stats import ArmRecords, aggregate_replicas, merge_snapshots
-from specray.deployments.arms import (
+from specray.deployments.ab.stats import ArmRecords, aggregate_replicas, merge_snapshots
+from specray.deployments.ab.arms import (
     ArmConfig,
     ArmTable,
     autoscaling_config,
@@ -19,9 +19,9 @@ from specray.deployments.arms import (
     resolve_arms,
     sticky_point,
 )
-from specray.deployments.cli import build_parser
-from specray.deployments.serve_cli import config_from_args
-from specray.deployments.serve_config import load_serve_config
+from specray.cli.main import build_parser
+from specray.cli.serve import config_from_args
+from specray.deployments.config import load_serve_config
 from specray.engine.config import ChainConfig
 
 

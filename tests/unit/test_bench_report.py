@@ -1,5 +1,5 @@
 """`specray bench`'s report without a model: the run order, speedups against each configuration's own `none`
-neighbours, and which speculator of a chain carried it."""
+neighbours, which speculator of a chain carried it, the plot and the progress lines."""
 
 from __future__ import annotations
 
@@ -7,15 +7,20 @@ import doctest
 
 import pytest
 
-from specray.deployments import bench_order
-from specray.deployments.bench import (BenchReport, ConfigResult, _compare, _run_lockstep, classify_divergence,
-                                       divergence_margin)
-from specray.deployments.bench_order import baseline_positions, reversed_turn, run_order
+from specray.bench import divergence, order as bench_order, plot as bench_plot, probes, progress as bench_progress
+from specray.bench.divergence import classify_divergence, compare_runs as _compare, divergence_margin
+from specray.bench.lockstep import run_lockstep as _run_lockstep
+from specray.bench.order import baseline_positions, reversed_turn, run_order
+from specray.bench.plot import Bar, plot_bench
+from specray.bench.progress import Progress
+from specray.bench.report import BenchReport, ConfigResult
 from specray.engine.request import SpecCounters
 
 
-def test_docstring_examples():
-    failed, attempted = doctest.testmod(bench_order)
+@pytest.mark.parametrize("module", [bench_order, divergence, probes, bench_progress, bench_plot],
+                         ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_docstring_examples(module):
+    failed, attempted = doctest.testmod(module)
     assert attempted > 0 and failed == 0
 
 
@@ -134,3 +139,94 @@ def test_mismatch_margins_are_kept_per_mismatch_and_summed_over_results():
     total.add(r)
     total.add(r)
     assert total.mismatch_margins == [2.5, 2.5] and r.mismatch_margins == [2.5]
+
+
+def _two_pass_report() -> BenchReport:
+    """Two categories, two passes: `a` is 1.25x then 1.10x on qa, 0.90x then 0.95x on math; `b` 1.05x on
+    qa and as fast as `none` on math."""
+    speeds = {"qa": [{"none": 80, "a": 100, "b": 84}, {"none": 80, "a": 88, "b": 84}],
+              "math": [{"none": 100, "a": 90, "b": 100}, {"none": 100, "a": 95, "b": 100}]}
+    report = BenchReport(model="m", configs=["none", "a", "b"], categories=["qa", "math"],
+                         meta={"slots": 1, "exact": False})
+    for cat, passes in speeds.items():
+        report.results[cat] = {c: ConfigResult(c) for c in report.configs}
+        report.repeat_results[cat] = []
+        for speed in passes:
+            runs = {c: _run(c, speed[c]) for c in report.configs}
+            report.repeat_results[cat].append(runs)
+            for c, r in runs.items():
+                report.results[cat][c].add(r)
+    return report
+
+
+def test_plot_draws_the_speedups_and_the_spread_over_passes(tmp_path):
+    report = _two_pass_report()
+    path = tmp_path / "bench.png"
+    bars = {(b.category, b.config): b for b in plot_bench(report, str(path))}
+    # every configuration but `none` (the 1.0 line), per category, then overall
+    assert list(bars) == [("qa", "a"), ("qa", "b"), ("math", "a"), ("math", "b"), ("overall", "a"), ("overall", "b")]
+    # the passes summed: 200 tokens in 1 s + 100/88 s against 200 tokens in 2.5 s; whiskers: the passes
+    qa = bars[("qa", "a")]
+    assert qa.speedup == pytest.approx(200 / (1 + 100 / 88) / 80)
+    assert (qa.lo, qa.hi) == (pytest.approx(1.10), pytest.approx(1.25))
+    assert bars[("math", "a")].speedup < 1.0 and bars[("math", "a")].lo == pytest.approx(0.90)
+    assert bars[("qa", "b")] == Bar("qa", "b", pytest.approx(1.05), pytest.approx(1.05), pytest.approx(1.05))
+    # the same figures as the table's speedup and range columns
+    js = report.to_json()["configs"]["a"]
+    assert bars[("overall", "a")].speedup == pytest.approx(js["overall"]["speedup"])
+    assert [bars[("overall", "a")].lo, bars[("overall", "a")].hi] == pytest.approx(
+        sorted(js["overall"]["speedup_per_repeat"]))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(str(path)).shape
+    assert width > 800 and height > 500
+
+
+def test_plot_of_a_single_pass_has_no_whiskers_and_needs_none(tmp_path):
+    report = BenchReport(model="m", configs=["none", "a"], categories=["qa"])
+    report.results["qa"] = {"none": _run("none", 80), "a": _run("a", 60)}
+    bars = plot_bench(report, str(tmp_path / "one.png"))
+    # one category: no overall group; a slowdown is drawn as such
+    assert bars == [Bar("qa", "a", pytest.approx(0.75))]
+    assert (tmp_path / "one.png").stat().st_size > 5_000
+    # a category where `none` generated nothing has no ratio to draw
+    report.categories.append("empty")
+    report.results["empty"] = {"none": ConfigResult("none"), "a": _run("a", 60)}
+    assert [b.category for b in plot_bench(report, str(tmp_path / "two.png"))] == ["qa", "overall"]
+    report.configs = ["a"]
+    with pytest.raises(ValueError, match="no `none` configuration"):
+        plot_bench(report, str(tmp_path / "none.png"))
+
+
+def test_progress_lines_are_throttled_and_forced_at_a_category_end():
+    now, lines, counted = [100.0], [], []
+
+    def done(n):
+        return lambda: counted.append(n) or n
+
+    p = Progress(40, lines.append, every=10.0, clock=lambda: now[0])
+    for t, n in ((101, 1), (105, 2), (109.9, 3)):  # a round every few seconds: nothing yet
+        now[0] = t
+        p.update(done(n), "qa")
+    now[0] = 110.0
+    p.update(done(4), "qa")
+    now[0] = 112.0
+    p.update(done(5), "qa")
+    p.report(6, "qa")
+    assert lines == ["bench: 4/40 prompt runs (10%), elapsed 0:10, ETA 1:30 [qa]",
+                     "bench: 6/40 prompt runs (15%), elapsed 0:12, ETA 1:08 [qa]"]
+    assert counted == [4]  # the count is taken only for a line
+
+
+def test_plot_flag_is_refused_where_it_cannot_be_honoured(tmp_path, capsys):
+    from specray.cli.main import main
+
+    # the HTTP bench has no plot; a plot into a missing folder fails before the run, not after it
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--plot", str(tmp_path / "a.png")]) == 2
+    assert "--plot draws the in-process bench's speedups" in capsys.readouterr().err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    assert main(["bench", "--prompts", str(prompts), "--plot", str(tmp_path / "no" / "a.png")]) == 2
+    assert "a.png: no such folder" in capsys.readouterr().err and not (tmp_path / "no").exists()

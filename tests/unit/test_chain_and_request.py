@@ -77,6 +77,11 @@ def test_parse_chain_and_config_errors():
     with pytest.raises(ValueError, match="flash_attn conflicts with exact"):
         EngineConfig(exact=True, flash_attn=True)
     assert EngineConfig(flash_attn=True).flash_attn and EngineConfig(exact=True).exact
+    # weight repacking: refused with exact mode, resolved off there, left to the build otherwise
+    with pytest.raises(ValueError, match="use_extra_bufts conflicts with exact"):
+        EngineConfig(exact=True, use_extra_bufts=True)
+    assert EngineConfig(exact=True).repack_weights is False
+    assert EngineConfig().repack_weights is None and EngineConfig(use_extra_bufts=True).repack_weights is True
     assert ChainConfig(speculators="ngram_mod,suffix").speculators == ["ngram_mod", "suffix"]
 
 

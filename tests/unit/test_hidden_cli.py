@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specray.deployments.cli import build_parser, main
-from specray.deployments.serve_cli import config_from_args
+from specray.cli.main import build_parser, main
+from specray.cli.serve import config_from_args
 
 
 def test_serve_flags_map_to_the_engine_config_and_absent_flags_do_not():

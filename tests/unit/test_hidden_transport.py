@@ -1,4 +1,4 @@
-"""Hidden-row transports (deployments/hidden_transport.py) without a GPU and without Ray.
+"""Hidden-row transports (deployments/actors/row_transport.py) without a GPU and without Ray.
 
 CUDA IPC cannot run on this machine: its bookkeeping (buffer pool, generations,
 acks, handle (de)serialisation, the consumer's mapping cache, the fallback to
@@ -17,7 +17,7 @@ import pickle
 import numpy as np
 import pytest
 
-from specray.deployments.hidden_transport import (
+from specray.deployments.actors.row_transport import (
     IPC_HANDLE_BYTES, CudaIpcHandle, CudaIpcTransport, CudaRuntime, DevicePool, HiddenReceiver, InlineTransport,
     ObjectStoreHandle, ObjectStoreTransport, cuda_ipc_available, make_transport,
 )
@@ -217,7 +217,7 @@ class FakeClient:
 
 
 def test_router_proxy_keeps_event_order_sends_once_per_round_and_returns_acks():
-    from specray.deployments.companion_hidden import FLUSH_RECORDS, CompanionHiddenProxy
+    from specray.deployments.actors.companion_hidden import FLUSH_RECORDS, CompanionHiddenProxy
     from specray.engine.speculator import DraftRequest
     from specray.engine.speculators.mtp import MtpParams
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from specray.deployments.cli import build_parser, main
-from specray.deployments.serve_cli import config_from_args, flag_overrides
-from specray.deployments.serve_config import ServeConfig
+from specray.cli.main import build_parser, main
+from specray.cli.serve import config_from_args, flag_overrides
+from specray.deployments.config import ServeConfig
 from specray.engine.config import EngineConfig
 
 # every value differs from ServeConfig's default, so "the file's value survived" is observable
@@ -130,3 +130,13 @@ def test_help_shows_the_real_defaults(capsys):
                  f"(default: {de.model})", f"(default: {de.chain.label})", f"(default: {de.chain.n_max})"):
         assert text in out, text
     assert "SUPPRESS" not in out
+
+
+def test_cli_doctests():
+    """flag_message's worked example: config errors are given back in flag names."""
+    import doctest
+
+    from specray.cli import main as cli_main
+
+    failed, attempted = doctest.testmod(cli_main)
+    assert attempted >= 1 and failed == 0

@@ -13,8 +13,8 @@ import time
 from collections import deque
 from dataclasses import asdict
 
-from .http_bench import Prompt, aggregate, window_figures
-from .local_engine import LocalEngine
+from specray.bench.http_client import Prompt, aggregate, window_figures
+from specray.deployments.local_engine import LocalEngine
 
 
 def snapshot(engine: LocalEngine) -> dict:

@@ -11,12 +11,12 @@ batched draft decode per draft step, all slots at once). Rounds in which the
 chain's cost policy asks the draft model for nothing make no call at all, and
 the buffer simply waits for the next one.
 
-Calls go through the router's `CompanionClient` (deployments/companion_client.py):
+Calls go through the router's `CompanionClient` (deployments/actors/companion_client.py):
 a companion that is down or fails a call gives no drafts that round and is
 recreated; its `epoch` changes, and a sequence begun on an older companion
 drafts nothing from then on (the new companion has no mirror of it), new
 sequences draft again. The hidden-state speculators (mtp, eagle3) work the
-same way with their own call, `hidden_round` (deployments/companion_hidden.py).
+same way with their own call, `hidden_round` (deployments/actors/companion_hidden.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from specray.engine.config import EngineConfig
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE
 from specray.engine.speculators.draft_base import DraftParams
 
-from .companion_proxy import CompanionProxy, answer_draft_requests
+from specray.deployments.actors.companion_proxy import CompanionProxy, answer_draft_requests
 from specray.engine.speculators.registry import Factory, speculator_factory
 
 #: speculator names that run in the companion
@@ -60,11 +60,11 @@ class CompanionService:
             self.draft_model = DraftModel(cfg.draft, self.target_vocab, slots=cfg.slots, target_n_ctx=cfg.n_ctx,
                                           n_batch=cfg.n_batch, threads=cfg.draft.threads or cfg.threads,
                                           calibrate=cfg.calibrate)
-        self.hidden = None  # mtp / eagle3 heads (deployments/companion_hidden.py)
+        self.hidden = None  # mtp / eagle3 heads (deployments/actors/companion_hidden.py)
         if cfg.hidden.enabled:
             from specray.native.model import Model
 
-            from .companion_hidden import HiddenCompanion
+            from specray.deployments.actors.companion_hidden import HiddenCompanion
 
             if self.target_vocab is None:
                 self.target_vocab = Model(cfg.model, chat_template=cfg.chat_template, vocab_only=True)
@@ -230,7 +230,7 @@ def companion_speculator_factory(client, config: EngineConfig, ack_sink=None) ->
     """Chain factory of the router in distributed mode: `draft`, `mtp` and `eagle3` run in the companion (if
     configured), model-free speculators in the router. `ack_sink` takes CUDA-IPC hidden-row buffer acks back to
     the target (RemoteTarget.ack_hidden)."""
-    from .companion_hidden import hidden_proxy_builders
+    from specray.deployments.actors.companion_hidden import hidden_proxy_builders
 
     builders = hidden_proxy_builders(client, config, ack_sink)
     if config.draft.model:

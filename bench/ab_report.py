@@ -295,7 +295,7 @@ def load_stats(url: str | None = None, path: str | None = None, api_key: str | N
     if path:
         with open(path) as f:
             return json.load(f), path
-    from .http_bench import get_json
+    from specray.bench.http_client import get_json
 
     return get_json(url, "/v1/stats", api_key, timeout), url
 

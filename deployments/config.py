@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specray.engine.config import EngineConfig
 
-from .arms import ArmConfig
+from specray.deployments.ab.arms import ArmConfig
 
 Mode = Literal["colocated", "distributed"]
 
@@ -78,7 +78,7 @@ class ServeConfig(BaseModel):
         "cores); {} keeps libgomp's default (spin briefly, then sleep)",
     )
 
-    # ---- A/B arms (deployments/arms.py) ----------------------------------------------------------------
+    # ---- A/B arms (deployments/ab/arms.py) ----------------------------------------------------------------
     arms: list[ArmConfig] = Field(
         default_factory=list, description="A/B arms, each its own engine deployment with its own chain, weight and "
         "scaling; empty = one implicit arm `default` with engine.chain")

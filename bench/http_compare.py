@@ -24,8 +24,8 @@ from collections import OrderedDict
 
 from specray.engine.config import ChainConfig, EngineConfig, parse_chain
 
-from . import http_bench
-from .bench import default_prompts_path, load_prompts
+from specray.bench import http_client as http_bench
+from specray.bench.run import default_prompts_path, load_prompts
 
 DEFAULT_STREAMS = [1, 8]
 DEFAULT_NUM_PROMPTS = 16
@@ -51,7 +51,7 @@ def select_prompts(path: str, categories: list[str] | None, per_category: int | 
 
 def serve_configs(engine: EngineConfig, modes: list[str]):
     """One ServeConfig per mode: same engine, own app name and route prefix (one Serve instance)."""
-    from .serve_config import ServeConfig
+    from specray.deployments.config import ServeConfig
 
     return [ServeConfig(engine=engine, mode=m, app_name=f"specray-bench-{m}", route_prefix=f"/bench-{m}")
             for m in modes]
@@ -62,7 +62,7 @@ def deployed(base_url: str, cfgs: list, progress=print):
     """Deploy each config as its own app on the running Serve instance; yields {mode: url}; deletes them."""
     from ray import serve
 
-    from .app import build_app_from_config
+    from specray.deployments.app import build_app_from_config
 
     urls: dict[str, str] = {}
     try:
@@ -95,7 +95,7 @@ def compare(
     progress=print,
 ) -> dict:
     """Run every target at every stream count; rows with ratios. engine: a LocalEngine or None."""
-    from .http_bench_local import run_in_process
+    from specray.bench.http_local import run_in_process
 
     infos = [http_bench.describe(u, api_key) for u in urls]
     targets = [{"label": lab} | info for lab, info in zip(_labels(infos), infos)]
@@ -251,7 +251,7 @@ def main_http_bench(args) -> int:
     def local_engine(ecfg: EngineConfig):
         if args.no_in_process:
             return None
-        from .local_engine import LocalEngine
+        from specray.deployments.local_engine import LocalEngine
 
         return LocalEngine(ecfg)
 

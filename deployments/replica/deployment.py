@@ -30,10 +30,9 @@ from ray import serve
 
 from specray.engine.config import ChainConfig
 
-from .arms import DEFAULT_ARM
-from .chain_update import apply_chain_config
-from .router import RequestError, RouterCore, next_chunk
-from .serve_config import ServeConfig, deep_merge
+from specray.deployments.ab.arms import DEFAULT_ARM
+from specray.deployments.replica.core import RequestError, RouterCore, next_chunk
+from specray.deployments.config import ServeConfig, deep_merge
 
 log = logging.getLogger("specray.replica")
 
@@ -56,7 +55,7 @@ class EngineReplica:
         self.base_chain = self.cfg.engine.chain  # user_config's chain is read over this one
         self.core = RouterCore(self.cfg)
         try:
-            from .metrics import EngineMetrics
+            from specray.deployments.replica.metrics import EngineMetrics
 
             self.core.observer = EngineMetrics(arm, self.cfg.engine.slots)
         except Exception:  # no metrics (e.g. outside Ray): serving goes on
@@ -75,7 +74,7 @@ class EngineReplica:
         new = ChainConfig.model_validate(deep_merge(self.base_chain.model_dump(), user_config["chain"]))
         if new == self.core.chain.config:
             return
-        result = self.core.call(lambda: apply_chain_config(self.core, new))
+        result = self.core.set_chain(new)  # on the round thread, between rounds
         self.cfg = self.core.cfg
         log.info("arm %s: chain updated at run time: %s", self.arm, result)
 

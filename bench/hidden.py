@@ -1,6 +1,6 @@
 """What moving hidden rows costs per round, distributed: bytes, object-store put/get time vs round time.
 
-    python -m specray.deployments.hidden_bench --seqs 1 8 --transports object_store inline
+    python -m specray.bench.hidden --seqs 1 8 --transports object_store inline
 
 Starts local Ray, a target actor and a companion actor (as RouterCore does, with
 the round scheduler in this process) and runs the same requests through
@@ -28,38 +28,25 @@ import uuid
 def _run(kind: str, transport: str, n_seqs: int, max_tokens: int, paths: dict, inline_below: int = 0) -> dict:
     import ray
 
-    from specray.engine.chain import Chain
+    from specray.deployments.actors.launch import start_actors
+    from specray.deployments.builder import build_engine
+    from specray.deployments.config import ServeConfig
     from specray.engine.config import ChainConfig, EngineConfig, HiddenStateConfig
-    from specray.engine.cost import DecodeCostModel
     from specray.engine.request import GenerationRequest
     from specray.engine.sampling import SamplingParams
-    from specray.engine.scheduler import Scheduler
-    from specray.native.model import Model
-
-    from .actor_supervisor import ActorSupervisor
-    from .companion_actor import CompanionActor, companion_speculator_factory
-    from .companion_client import CompanionClient
-    from .target_actor import RemoteTarget, TargetActor
 
     hidden = {"mtp": True} if kind == "mtp" else {"eagle3_model": paths["eagle3"]}
     cfg = EngineConfig(model=paths["mtp"] if kind == "mtp" else "smollm2-135m", slots=n_seqs, n_ctx=1024 * n_seqs,
                        calibrate=False, threads=1,
                        chain=ChainConfig(speculators=[kind], policy="first", n_max=4, params={kind: {"n_max": 4}}),
                        hidden=HiddenStateConfig(transport=transport, inline_below_bytes=inline_below, **hidden))
-    tag = uuid.uuid4().hex[:6]
-    target = TargetActor.options(num_cpus=0.5, name=f"hb-target-{tag}", max_concurrency=2).remote(cfg.model_dump())
-    info = ray.get(target.info.remote(), timeout=600)
-
-    def create(gen: int):
-        return CompanionActor.options(num_cpus=0.5, name=f"hb-comp-{tag}-{gen}").remote(cfg.model_dump()), tag
-
-    sup = ActorSupervisor("companion", create, lambda h, n: ray.get(h.info.remote(), timeout=600), max_attempts=1)
-    sup.start()
-    client = CompanionClient(sup, timeout_s=600)
-    remote = RemoteTarget(target)
-    vocab = Model(cfg.model, vocab_only=True)
-    chain = Chain(cfg.chain, companion_speculator_factory(client, cfg, ack_sink=remote.ack_hidden))
-    sched = Scheduler(cfg, remote, vocab, chain, info["n_ctx_seq"], DecodeCostModel(None))
+    # the replica's own actors and engine, with the round scheduler in this process
+    serve_cfg = ServeConfig(mode="distributed", engine=cfg, target_cpus=0.5, companion_cpus=0.5,
+                            actor_restart_attempts=1, actor_start_timeout_s=600, companion_call_timeout_s=600)
+    actors = start_actors(serve_cfg, tag=f"hb-{uuid.uuid4().hex[:6]}")
+    parts = build_engine(cfg, actors=actors)
+    target, sup, chain, sched, vocab = (actors.target.handle, actors.companion.sup, parts.chain, parts.scheduler,
+                                        parts.model)
     prompts = ["Write a haiku about caches.", "Name three primary colors.", "Explain what a hash table is.",
                "Tell me a story about a dog.", "What is TCP?", "List four prime numbers.",
                "Describe the water cycle.", "Why is the sky blue?"]
@@ -87,8 +74,7 @@ def _run(kind: str, transport: str, n_seqs: int, max_tokens: int, paths: dict, i
     tokens = sum(len(s.generated) for s in seqs)
     acc = sum(s.spec_by_name[kind].accepted for s in seqs if kind in s.spec_by_name)
     drafted = sum(s.spec_by_name[kind].drafted for s in seqs if kind in s.spec_by_name)
-    sup.close()
-    ray.kill(target, no_restart=True)
+    actors.close()
     per_round = wall / max(1, rounds)
     return {"kind": kind, "transport": transport, "seqs": n_seqs, "rounds": rounds, "records": records,
             "tokens": tokens, "tokens_per_s": tokens / wall, "round_ms": 1000 * per_round,
@@ -99,7 +85,7 @@ def _run(kind: str, transport: str, n_seqs: int, max_tokens: int, paths: dict, i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specray.deployments.hidden_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m specray.bench.hidden", description=__doc__.split("\n\n")[0])
     p.add_argument("--kinds", nargs="+", default=["mtp", "eagle3"], choices=["mtp", "eagle3"])
     p.add_argument("--seqs", type=int, nargs="+", default=[1, 8], help="concurrent sequences (slots) per run")
     p.add_argument("--transports", nargs="+", default=["object_store", "inline"],

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
-from specray.deployments.bench_order import ORDERS
+from specray.bench.order import ORDERS
 from specray.engine.config import ChainConfig
 
 # the default chain last: the bench answers "is the default worth it here" without flags
@@ -105,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
             "In-process (default): runs every configuration (--configs) on the same prompts in one\n"
             "process (configurations interleaved per category), prints tokens/s, mean acceptance\n"
             "length, acceptance rate and speedup vs 'none' per category, and checks greedy\n"
-            "losslessness against 'none'.\n\n"
+            "losslessness against 'none'. Progress (prompt runs done, elapsed, ETA) goes to stderr;\n"
+            "--plot FILE.png draws the speedups.\n"
+            "  specray bench --configs ngram_mod,suffix --repeats 2 --plot bench.png --json bench.json\n\n"
             "Over HTTP (--url or --http): streams the prompts to specray servers with each --streams\n"
             "count of concurrent clients (default 1 and 8), and runs the in-process engine on the same\n"
             "prompts in the same run. One table, mode x streams: aggregate tokens/s (completion tokens\n"
@@ -139,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "two neighbouring `none` runs; about twice as long. alternate: one after another, the "
                             "order reversed every group (default: lockstep)")
     bench.add_argument("--json", default=None, help="write the results as JSON to this path")
+    bench.add_argument("--plot", default=None, metavar="PNG",
+                       help="in-process: draw the speedup over 'none' by category and configuration to this image "
+                            "file, with whiskers from the slowest to the fastest --repeats pass")
     bench.add_argument("--no-llama-baseline", action="store_true",
                        help="skip the plain llama_cpp.Llama generate reference row (in-process bench)")
     _add_model_args(bench)
@@ -206,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     """`specray serve` flags: default SUPPRESS (absent unless given), so config_from_args can tell
     a flag from the file; the help shows ServeConfig's real defaults."""
-    from specray.deployments.serve_config import ServeConfig
+    from specray.deployments.config import ServeConfig
     from specray.engine.config import ChainConfig, EngineConfig
 
     S = argparse.SUPPRESS
@@ -303,14 +309,16 @@ def _cmd_bench(args) -> int:
             raise ValueError("--repeats is for the in-process bench; the HTTP bench runs each stream count once")
         if args.order is not None:
             raise ValueError("--order is for the in-process bench; the HTTP bench runs one chain")
-        from specray.deployments.http_bench_compare import main_http_bench
+        if args.plot is not None:
+            raise ValueError("--plot draws the in-process bench's speedups; the HTTP bench has no plot")
+        from specray.bench.http_compare import main_http_bench
 
         return main_http_bench(args)
     http_only = [f for f in ("serve_modes", "port", "streams", "num_prompts", "spec", "api_key")
                  if getattr(args, f) is not None] + [f for f in ("no_in_process",) if getattr(args, f)]
     if http_only:
         raise ValueError(f"--{http_only[0].replace('_', '-')} needs --url or --http")
-    from specray.deployments.bench import main_bench
+    from specray.bench.run import main_bench
 
     args.configs = args.configs or list(DEFAULT_BENCH_CONFIGS)
     args.order = args.order or "lockstep"
@@ -319,9 +327,43 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    from specray.deployments.serve_cli import main_serve
+    from specray.cli.serve import main_serve
 
     return main_serve(args)
+
+
+def flag_message(error, dests: set[str]) -> str:
+    """A config ValidationError in the words of the command line: field names that are flags become flags.
+
+    >>> from specray.engine.config import EngineConfig
+    >>> try:
+    ...     EngineConfig(exact=True, flash_attn=True)
+    ... except ValueError as e:
+    ...     print(flag_message(e, {"exact", "flash_attn"}))
+    --flash-attn conflicts with --exact (batch-invariant kernels need flash attention off)
+    """
+    msgs = [err["msg"].removeprefix("Value error, ") for err in error.errors()]
+    pattern = r"\b(" + "|".join(sorted(map(re.escape, dests), key=len, reverse=True)) + r")\b"
+    return "; ".join(re.sub(pattern, lambda m: "--" + m.group(1).replace("_", "-"), m) for m in msgs)
+
+
+def _check_engine_rules(parser: argparse.ArgumentParser, args) -> None:
+    """The engine's rules (exact mode, flash attention, ...) live in EngineConfig's validators; check the flags
+    given against them before anything loads, and name the flags in the error."""
+    from pydantic import ValidationError
+
+    from specray.engine.config import EngineConfig
+
+    given = {k: getattr(args, k) for k in ("exact", "flash_attn") if isinstance(getattr(args, k, None), bool)}
+    try:
+        EngineConfig.model_validate(given)
+    except ValidationError as e:
+        dests = {a.dest for a in parser._actions} | {a.dest for sp in _subparsers(parser) for a in sp._actions}
+        parser.error(flag_message(e, dests))
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    return [sp for a in parser._actions if isinstance(a, argparse._SubParsersAction) for sp in a.choices.values()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,8 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--streams must all be >= 1, got {args.streams}")
     if getattr(args, "n_max", None) is not None and args.n_max < 0:
         parser.error(f"--n-max must be >= 0, got {args.n_max}")
-    if getattr(args, "exact", False) is True and getattr(args, "flash_attn", False) is True:
-        parser.error("--flash-attn conflicts with --exact (exact mode needs flash attention off)")
+    _check_engine_rules(parser, args)
     if getattr(args, "temperature", None) is not None and args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
     try:
@@ -350,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return _cmd_serve(args)
         if args.command == "ab-report":
-            from specray.deployments.ab_report import main_ab_report
+            from specray.bench.ab_report import main_ab_report
 
             if args.bootstrap < 0:
                 parser.error(f"--bootstrap must be >= 0, got {args.bootstrap}")

@@ -32,7 +32,7 @@ class TargetService:
     """Model + Context + TargetRunner, callable locally or as a Ray actor."""
 
     def __init__(self, engine_config: dict | EngineConfig) -> None:
-        from .local_engine import open_target  # llama.cpp import stays out of module import
+        from specray.deployments.builder import open_target  # llama.cpp import stays out of module import
 
         self.config = EngineConfig.model_validate(engine_config)
         self.model, self.ctx = open_target(self.config)
@@ -42,7 +42,7 @@ class TargetService:
             from specray.native.hidden import HiddenOutput
             from specray.native.hidden_heads import target_taps
 
-            from .hidden_transport import make_transport
+            from specray.deployments.actors.row_transport import make_transport
 
             self.runner.hidden_out = HiddenOutput(self.ctx, target_taps(self.config))
             self.hidden_transport = make_transport(self.config.hidden.transport,

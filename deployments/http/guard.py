@@ -16,7 +16,7 @@ import hmac
 import json
 from dataclasses import dataclass
 
-from .openai_schema import error_body
+from specray.deployments.http.openai_schema import error_body
 
 
 @dataclass

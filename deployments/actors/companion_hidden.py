@@ -1,7 +1,7 @@
 """Hidden-state speculators (mtp, eagle3) across actors: the companion's side and the router's proxy.
 
 Distributed mode. The target actor returns each round's hidden rows as a
-transport handle (deployments/hidden_transport.py) inside its step result; the
+transport handle (deployments/actors/row_transport.py) inside its step result; the
 scheduler hands it to the chain (`Chain.hidden`), i.e. to the router's
 `CompanionHiddenProxy`, which only keeps the handle. Like the `draft` proxy, it
 buffers what the scheduler tells it, IN ORDER (sequences ended and begun, round
@@ -28,8 +28,8 @@ from specray.engine.config import EngineConfig
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE
 from specray.engine.speculators.registry import make_params
 
-from .companion_proxy import CompanionProxy, answer_draft_requests
-from .hidden_transport import HiddenReceiver
+from specray.deployments.actors.companion_proxy import CompanionProxy, answer_draft_requests
+from specray.deployments.actors.row_transport import HiddenReceiver
 
 log = logging.getLogger("specray.companion.hidden")
 

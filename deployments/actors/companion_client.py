@@ -13,13 +13,13 @@ were running. `epoch` changes with every companion generation, so a
 model-based speculator records the epoch it began a sequence in and drafts
 nothing for sequences begun on an older one (they finish on n-grams; new
 sequences draft again). The router's `draft` speculator in distributed mode
-(`CompanionDraftProxy`, deployments/companion_actor.py) makes its one call
+(`CompanionDraftProxy`, deployments/actors/companion.py) makes its one call
 per round as `client.call("round", payload, default=None)`.
 """
 
 from __future__ import annotations
 
-from .actor_supervisor import UP, ActorSupervisor
+from specray.deployments.actors.supervisor import UP, ActorSupervisor
 
 
 class CompanionClient:

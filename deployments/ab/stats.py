@@ -18,7 +18,7 @@ import time
 from collections import deque
 from typing import Any
 
-from .metrics import spec_totals
+from specray.deployments.replica.metrics import spec_totals
 
 #: per-request columns of `arms.NAME.records`
 RECORD_FIELDS = ("t", "prompt_tokens", "completion_tokens", "ttft_s", "itl_s", "e2e_s", "drafts", "drafted",

@@ -9,8 +9,8 @@ import time
 
 from specray.engine.config import parse_chain
 
-from .arms import parse_arm_flag, resolve_arms
-from .serve_config import ServeConfig, deep_merge, load_serve_config, read_yaml
+from specray.deployments.ab.arms import parse_arm_flag, resolve_arms
+from specray.deployments.config import ServeConfig, deep_merge, load_serve_config, read_yaml
 
 # argparse flag -> ServeConfig path. The serve flags default to argparse.SUPPRESS: an attribute
 # exists only if the user gave the flag, so "given" never has to be guessed from the value.
@@ -101,7 +101,7 @@ def main_serve(args) -> int:
     import ray
     from ray import serve
 
-    from .app import build_app_from_config
+    from specray.deployments.app import build_app_from_config
 
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):

@@ -7,7 +7,7 @@ the actor hop, speculators, slots, KV cells per slot, cancellations, actor
 restarts, RSS; under `arms`, each A/B arm's figures: request records and
 totals kept here, engine counters summed over the arm's replicas).
 
-A/B arms (deployments/arms.py): each arm is its own engine deployment; a
+A/B arms (deployments/ab/arms.py): each arm is its own engine deployment; a
 request goes to the arm named by `X-Specray-Arm`, else to the one its `user`
 field (or `X-Session-Id` header) hashes to, else to one drawn by weight. The
 response names the arm in the same header and in an `arm` field of the JSON
@@ -36,10 +36,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .arm_stats import ArmRecords, aggregate_replicas, merge_snapshots
-from .arms import ARM_HEADER, SESSION_HEADER, ArmTable, resolve_arms
-from .http_guard import Guard, configure
-from .openai_schema import (
+from specray.deployments.ab.stats import ArmRecords, aggregate_replicas, merge_snapshots
+from specray.deployments.ab.arms import ARM_HEADER, SESSION_HEADER, ArmTable, resolve_arms
+from specray.deployments.http.guard import Guard, configure
+from specray.deployments.http.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
@@ -51,7 +51,7 @@ from .openai_schema import (
     new_id,
     now,
 )
-from .serve_config import ServeConfig
+from specray.deployments.config import ServeConfig
 
 log = logging.getLogger("specray.ingress")
 

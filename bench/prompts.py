@@ -1,0 +1,65 @@
+"""`specray bench`'s prompts: a JSONL file (Spec-Bench's questions by default), by category."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SPEC_BENCH_CANDIDATES = [
+    os.environ.get("SPECRAY_SPEC_BENCH", ""),
+    str(REPO_ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"),
+    str(REPO_ROOT / "shared" / "data" / "spec_bench" / "question.jsonl"),
+]
+
+
+def default_prompts_path() -> str:
+    for p in SPEC_BENCH_CANDIDATES:
+        if p and os.path.isfile(p):
+            return p
+    raise FileNotFoundError(
+        "Spec-Bench questions not found (looked in ../shared/data/spec_bench/question.jsonl); "
+        "pass --prompts FILE.jsonl or set SPECRAY_SPEC_BENCH"
+    )
+
+
+@dataclass
+class BenchPrompt:
+    category: str
+    prompt: str | None = None
+    messages: list[dict] | None = None
+
+
+def load_prompts(path: str, categories: list[str] | None, per_category: int | None) -> list[BenchPrompt]:
+    """JSONL with `prompt` (raw text) or `messages` (chat), or Spec-Bench's `turns`; optional `category`."""
+    out: list[BenchPrompt] = []
+    counts: dict[str, int] = defaultdict(int)
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
+            cat = str(obj.get("category", "default"))
+            if categories and cat not in categories:
+                continue
+            if per_category is not None and counts[cat] >= per_category:
+                continue
+            if "prompt" in obj:
+                bp = BenchPrompt(cat, prompt=str(obj["prompt"]))
+            elif "messages" in obj:
+                bp = BenchPrompt(cat, messages=list(obj["messages"]))
+            elif "turns" in obj:
+                bp = BenchPrompt(cat, messages=[{"role": "user", "content": obj["turns"][0]}])
+            else:
+                raise ValueError(f"{path}:{lineno}: needs 'prompt', 'messages' or 'turns'")
+            counts[cat] += 1
+            out.append(bp)
+    if not out:
+        raise ValueError(f"no prompts selected from {path} (categories={categories})")
+    return out

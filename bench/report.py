@@ -1,0 +1,210 @@
+"""`specray bench`'s figures: one configuration's counters (ConfigResult), and the report over categories,
+configurations and passes (BenchReport: speedups against `none`, the table, the JSON)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from specray.engine.request import SpecCounters
+
+
+@dataclass
+class ConfigResult:
+    name: str
+    tokens: int = 0
+    seconds: float = 0.0  # wall time, prompt processing included
+    prefill_seconds: float = 0.0  # the part of `seconds` spent on prompt rows
+    sequences: int = 0  # each sequence's first token comes out of its prompt's last batch
+    loaded_seconds: float = 0.0  # rounds with every slot generating (see RoundStats)
+    loaded_tokens: int = 0
+    drafts: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    mismatches: int = 0
+    tie_divergences: int = 0
+    identical: int = 0
+    compared: int = 0
+    steal_seconds: float = 0.0  # CPU time the hypervisor gave to others while this ran (/proc/stat steal)
+    rounds: int = 0  # scheduler rounds (draft -> verify -> accept), for the time split per round
+    draft_seconds: float = 0.0  # time in speculators' draft calls (model drafting included)
+    verify_seconds: float = 0.0  # time in target decodes (verification and prompt rows)
+    # the drafts each speculator of a chain got sent (it won the round): which one carries the chain
+    by_speculator: dict[str, SpecCounters] = field(default_factory=dict)
+    # the `none` run's top-2 margin where each mismatch began: how far above the tie bound it lay
+    mismatch_margins: list[float] = field(default_factory=list)
+
+    def add(self, other: "ConfigResult") -> None:
+        for k in ("tokens", "seconds", "prefill_seconds", "sequences", "loaded_seconds", "loaded_tokens", "drafts",
+                  "drafted", "accepted", "mismatches", "tie_divergences", "identical", "compared", "steal_seconds",
+                  "rounds", "draft_seconds", "verify_seconds"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.mismatch_margins = self.mismatch_margins + other.mismatch_margins
+        for name, c in other.by_speculator.items():
+            mine = self.by_speculator.setdefault(name, SpecCounters())
+            mine.drafts, mine.drafted, mine.accepted = (mine.drafts + c.drafts, mine.drafted + c.drafted,
+                                                        mine.accepted + c.accepted)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generation speed under full load: tokens emitted in rounds where every slot was generating,
+        over those rounds' time. With one slot that is llama.cpp's "predicted per second" (the issue's
+        anchors are in this unit); with N slots, the aggregate throughput of N busy slots, without the
+        tail of a closed batch where the last sequences run alone (a loaded server refills its slots)."""
+        if self.loaded_seconds > 0:
+            return self.loaded_tokens / self.loaded_seconds
+        t = self.seconds - self.prefill_seconds
+        return max(0, self.tokens - self.sequences) / t if t > 0 else 0.0
+
+    @property
+    def e2e_tokens_per_s(self) -> float:
+        """All generated tokens over wall time, prompt processing included."""
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class BenchReport:
+    model: str
+    configs: list[str]
+    categories: list[str]
+    results: dict[str, dict[str, ConfigResult]] = field(default_factory=dict)  # cat -> config -> result
+    # cat -> repeat -> config -> result (`results` sums them); one entry per --repeats pass
+    repeat_results: dict[str, list[dict[str, ConfigResult]]] = field(default_factory=dict)
+    # cat -> config -> the `none` runs each configuration is measured against (its neighbours in the run
+    # order with --order sandwich; the group's one `none` run with --order alternate); same for each pass
+    baselines: dict[str, dict[str, ConfigResult]] = field(default_factory=dict)
+    repeat_baselines: dict[str, list[dict[str, ConfigResult]]] = field(default_factory=dict)
+    tie_bound: float = 0.0
+    batch_variance: float = 0.0
+    layout_variance: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        out: dict = {"model": self.model, "tie_bound": self.tie_bound, "batch_variance": self.batch_variance,
+                     "layout_variance": self.layout_variance, "meta": self.meta, "configs": {}}
+        for cfg in self.configs:
+            cats = {}
+            total = ConfigResult(cfg)
+            base_total = ConfigResult("none")
+            for cat in self.categories:
+                r = self.results[cat][cfg]
+                base = self._baseline(cat, cfg)
+                total.add(r)
+                if base is not None:
+                    base_total.add(base)
+                cats[cat] = self._row(r, base)
+            overall = self._row(total, base_total if "none" in self.configs else None)
+            if "none" in self.configs:
+                for cat in self.categories:
+                    cats[cat]["speedup_per_repeat"] = self.repeat_speedups(cfg, [cat])
+                overall["speedup_per_repeat"] = self.repeat_speedups(cfg, self.categories)
+            entry = {"mismatches": total.mismatches, "mismatch_margins": [round(m, 4) for m in total.mismatch_margins],
+                     "tie_divergences": total.tie_divergences,
+                     "identical": total.identical, "compared": total.compared, "categories": cats,
+                     "overall": overall}
+            out["configs"][cfg] = entry
+        return out
+
+    def _baseline(self, cat: str, cfg: str, rep: int | None = None) -> ConfigResult | None:
+        if rep is None:
+            by_cfg, results = self.baselines.get(cat, {}), self.results[cat]
+        else:
+            passes = self.repeat_baselines.get(cat, [])
+            by_cfg, results = passes[rep] if rep < len(passes) else {}, self.repeat_results[cat][rep]
+        return by_cfg.get(cfg, results.get("none"))
+
+    def repeat_speedups(self, cfg: str, categories: list[str]) -> list[float]:
+        """Speedup vs `none` of each --repeats pass over `categories` (their spread shows the noise)."""
+        out = []
+        n_rep = min((len(self.repeat_results.get(c, [])) for c in categories), default=0)
+        for rep in range(n_rep):
+            r, base = ConfigResult(cfg), ConfigResult("none")
+            for cat in categories:
+                r.add(self.repeat_results[cat][rep][cfg])
+                base.add(self._baseline(cat, cfg, rep))
+            out.append(r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0)
+        return out
+
+    @staticmethod
+    def _row(r: ConfigResult, base: ConfigResult | None) -> dict:
+        speedup = r.tokens_per_s / base.tokens_per_s if base is not None and base.tokens_per_s else None
+        e2e = r.e2e_tokens_per_s / base.e2e_tokens_per_s if base is not None and base.e2e_tokens_per_s else None
+        return {"tokens_per_s": r.tokens_per_s, "mean_acceptance_length": r.mean_acceptance_length,
+                "acceptance_rate": r.acceptance_rate, "speedup": speedup, "e2e_tokens_per_s": r.e2e_tokens_per_s,
+                "e2e_speedup": e2e, "tokens": r.tokens, "seconds": r.seconds, "prefill_seconds": r.prefill_seconds,
+                "drafts": r.drafts, "drafted_tokens": r.drafted,
+                "accepted_tokens": r.accepted, "steal_seconds": r.steal_seconds, "rounds": r.rounds,
+                "round_ms": 1000 * r.seconds / r.rounds if r.rounds else None,
+                "draft_ms_per_round": 1000 * r.draft_seconds / r.rounds if r.rounds else None,
+                "verify_ms_per_round": 1000 * r.verify_seconds / r.rounds if r.rounds else None,
+                "by_speculator": {k: v.to_dict() for k, v in sorted(r.by_speculator.items())}}
+
+    def table(self) -> str:
+        js = self.to_json()
+        lines = []
+        spread = max((len(v) for v in self.repeat_results.values()), default=0) > 1
+        for cat in self.categories + ["overall"]:
+            lines.append(f"\n== {cat} ==")
+            lines.append(f"{'config':<34}{'tok/s':>8}{'speedup':>9}{'range' if spread else '':>12}{'e2e':>7}"
+                         f"{'accept_len':>11}{'acc_rate':>9}{'mismatch':>9}{'ties':>6}{'round_ms':>9}{'draft':>7}"
+                         f"{'verify':>7}")
+            for cfg in self.configs:
+                entry = js["configs"][cfg]
+                row = entry["overall"] if cat == "overall" else entry["categories"][cat]
+                sp, e2e = row["speedup"], row["e2e_speedup"]
+                mm = entry["mismatches"] if cat == "overall" else ""
+                ties = entry["tie_divergences"] if cat == "overall" else ""
+                per_rep = row.get("speedup_per_repeat") or []
+                rng = f"{min(per_rep):.2f}-{max(per_rep):.2f}" if spread and per_rep else ""
+                lines.append(
+                    f"{cfg:<34}{row['tokens_per_s']:>8.1f}{(f'{sp:.2f}x' if sp is not None else '-'):>9}{rng:>12}"
+                    f"{(f'{e2e:.2f}x' if e2e is not None else '-'):>7}"
+                    f"{row['mean_acceptance_length']:>11.2f}{row['acceptance_rate']:>9.2f}{mm!s:>9}{ties!s:>6}"
+                    f"{_ms(row['round_ms']):>9}{_ms(row['draft_ms_per_round']):>7}{_ms(row['verify_ms_per_round']):>7}"
+                )
+        lines.extend(self.winner_lines(js))
+        lines.extend(self.steal_warnings())
+        return "\n".join(lines)
+
+    def winner_lines(self, js: dict) -> list[str]:
+        """For chains of several speculators: whose drafts were sent, how many and how well they did."""
+        out = []
+        for cfg in self.configs:
+            won = js["configs"][cfg]["overall"]["by_speculator"]
+            if len(cfg.split(",")) < 2 or not won:
+                continue
+            if not out:
+                out.append("\n== drafts sent, by speculator (overall): drafts, acceptance rate ==")
+            out.append(f"{cfg:<33} " + "  ".join(f"{k} {v['drafts']} ({v['acceptance_rate']:.2f})"
+                                                for k, v in won.items()))
+        return out
+
+    def steal_warnings(self) -> list[str]:
+        """A line per configuration whose run lost more than 2% of its time to the hypervisor (its
+        figures are suspect: the host ran other machines' work on these cores)."""
+        out = []
+        for cfg in self.configs:
+            steal = sum(self.results[c][cfg].steal_seconds for c in self.categories)
+            wall = sum(self.results[c][cfg].seconds for c in self.categories)
+            if wall > 0 and steal / wall > 0.02:
+                out.append(f"warning: {cfg}: {steal:.1f} s of {wall:.1f} s stolen by the host "
+                           f"({100 * steal / wall:.0f}%); its figures are unreliable, run again")
+        return out
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+
+def write_json(report: BenchReport, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report.to_json(), f, indent=2)

@@ -1,0 +1,214 @@
+"""`specray bench`: speculator chains against no speculation, in one run.
+
+Every configuration runs the same prompts on the same loaded model, category
+by category, configurations interleaved so that machine drift hits them all
+alike. At temperature 0 each configuration's tokens are compared with
+`none`'s: a divergence whose first differing position had a top-2 logit
+margin (in the `none` run) below the tie bound counts as `tie_divergence`
+(llama.cpp's CPU kernels are not batch-invariant, so near-ties may flip),
+anything else as a `mismatch`. With --exact every divergence is a mismatch.
+
+The parts, one file each: prompts.py (the prompt file), report.py (figures,
+table, JSON), divergence.py (outputs against `none`'s), probes.py (the tie
+bound's drift probes), lockstep.py (running a group of prompts through the
+configurations), order.py (run order and baselines), progress.py and plot.py.
+This module runs them together; it also re-exports what other code imports
+from `specray.bench.run`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+
+from specray.deployments.local_engine import LocalEngine
+from specray.engine.chain import Chain
+from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig, parse_chain
+from specray.native.lib import build_has_amx, verify_cols_enabled
+
+from .divergence import classify_divergence, compare_runs, divergence_margin
+from .lockstep import ConfigRun, LlamaRun, PlainLlama, cpu_steal_seconds, run_alone, run_lockstep
+from .order import ORDERS, baseline_positions, reversed_turn, run_order
+from .probes import measure_batch_variance, measure_layout_variance, probe_prefix
+from .progress import Progress
+from .prompts import BenchPrompt, default_prompts_path, load_prompts
+from .report import BenchReport, ConfigResult, write_json
+
+__all__ = ["BenchPrompt", "BenchReport", "ConfigResult", "classify_divergence", "cpu_steal_seconds",
+           "default_prompts_path", "divergence_margin", "load_prompts", "main_bench", "measure_batch_variance",
+           "measure_layout_variance", "run_bench", "write_json"]
+
+# the names these had before the split into modules
+_compare, _run_lockstep = compare_runs, run_lockstep
+
+
+def run_bench(
+    *,
+    model: str,
+    configs: list[str],
+    prompts: list[BenchPrompt],
+    max_tokens: int,
+    slots: int,
+    exact: bool,
+    policy: str,
+    n_max: int,
+    threads: int,
+    n_ctx: int,
+    chat_template: str | None = None,
+    llama_baseline: bool = True,
+    progress=print,
+    draft_model: str | None = None,
+    cross_vocab: bool = False,
+    repeats: int = 1,
+    order: str = "lockstep",
+    flash_attn: bool = False,
+    progress_every: float = 10.0,
+) -> BenchReport:
+    """Run every configuration on `prompts`, `repeats` times. Each pass has its own chains (fresh
+    speculators: a second pass must not draft from what the first one generated) and runs the
+    configurations in the opposite order of the pass, category and group before (order.reversed_turn),
+    so a drift in machine speed, or a place in a lockstep round's turn order, cancels;
+    `order`: `lockstep` (each configuration on its own context, all advanced a round at a time in turn:
+    see lockstep.run_lockstep) or one of run_order's. `progress` gets the start-up figures, a line per
+    category and configuration, and progress lines (prompt runs done, elapsed, ETA) at most every
+    `progress_every` seconds and at the end of each category."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if "none" not in configs:
+        configs = ["none"] + configs
+    cfg = EngineConfig(model=model, chat_template=chat_template, slots=slots, exact=exact, flash_attn=flash_attn,
+                       threads=threads, n_ctx=n_ctx, record_margins=True,
+                       chain=ChainConfig(speculators=[], policy=policy, n_max=n_max),
+                       draft=DraftModelConfig(model=draft_model, cross_vocab=cross_vocab))
+    engine = LocalEngine(cfg)
+    # lockstep: a context, scheduler and verify-cost model of its own per configuration (one model, its
+    # weights loaded once; every cost model starts from the same calibration); otherwise one engine
+    engines = {c: engine for c in configs}
+    if order == "lockstep":
+        for c in configs[1:]:
+            engines[c] = LocalEngine(cfg.model_copy(update={"calibrate": False}), model=engine.model)
+            engines[c].scheduler.cost = engine.scheduler.cost.copy()
+    chains = [{c: Chain(ChainConfig(speculators=parse_chain(c), policy=policy, n_max=n_max),
+                        engines[c].speculator_factory) for c in configs} for _ in range(repeats)]
+    categories = list(dict.fromkeys(p.category for p in prompts))
+    report = BenchReport(model=model, configs=list(configs), categories=categories)
+    if llama_baseline and build_has_amx():
+        # llama_cpp.Llama cannot turn weight repacking off, and repacking crashes on AMX builds
+        progress("no llama_cpp reference row: this llama.cpp build has AMX kernels")
+        llama_baseline = False
+    if llama_baseline:
+        report.configs.insert(1, "llama_cpp")
+    if not exact:
+        # the probes' context: the first prompt, a few times over (cut to what fits: any prompt file works)
+        prefix = probe_prefix(engine.prompt_tokens(prompts[0].prompt, prompts[0].messages))
+        # the largest verify batch a round can hold: every slot's last token + a full draft
+        sizes = tuple(sorted({8, min(64, n_max + 1), min(64, slots * (n_max + 1))}))
+        report.batch_variance = measure_batch_variance(engine, prefix, sizes)
+        report.layout_variance = measure_layout_variance(engine, prefix)
+    # an argmax flips only if the top-2 margin is below the two logits' combined drift
+    report.tie_bound = 2.0 * max(report.batch_variance, report.layout_variance)
+    report.meta = {"order": order, "slots": slots, "max_tokens": max_tokens, "exact": exact,
+                   "flash_attn": flash_attn, "policy": policy,
+                   "n_max": n_max, "threads": threads, "verify_cols_kernel": verify_cols_enabled(),
+                   "decode_cost_ms": {k: v * 1000 for k, v in engine.scheduler.cost.table().items()},
+                   "attention_us_per_1k_token_cells": engine.scheduler.cost.attn_seconds * 1e9,
+                   "python": platform.python_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    progress(f"model {model}: batch variance {report.batch_variance:.3f}, KV layout variance "
+             f"{report.layout_variance:.3f}, tie bound {report.tie_bound:.3f}; "
+             f"verify cost ms by batch size {({k: round(v, 1) for k, v in report.meta['decode_cost_ms'].items()})}")
+    llama = PlainLlama(engine, threads, n_ctx) if llama_baseline else None
+    # a prompt run: one prompt through one configuration's run (`sandwich` runs `none` several times a group)
+    runs_per_prompt = len(run_order(report.configs, order, reverse=False))
+    tracker = Progress(repeats * len(prompts) * runs_per_prompt, progress, every=progress_every)
+    runs_done = 0  # prompt runs of the groups finished so far
+    for ci, cat in enumerate(categories):
+        cat_prompts = [p for p in prompts if p.category == cat]
+        tokens = [engine.prompt_tokens(p.prompt, p.messages) for p in cat_prompts]
+        report.results[cat] = {c: ConfigResult(c) for c in report.configs}
+        report.baselines[cat] = {c: ConfigResult("none") for c in report.configs}
+        report.repeat_results[cat], report.repeat_baselines[cat] = [], []
+        for rep in range(repeats):
+            per_rep = {c: ConfigResult(c) for c in report.configs}
+            base_rep = {c: ConfigResult("none") for c in report.configs}
+            report.repeat_results[cat].append(per_rep)
+            report.repeat_baselines[cat].append(base_rep)
+            where = f"{cat}, pass {rep + 1}/{repeats}" if repeats > 1 else cat
+            # configurations interleaved per group of prompts, so a load change on the machine hits every
+            # configuration alike: one prompt at a time with one slot; with several slots the whole
+            # category at once, queued, so a finished sequence's slot is refilled as on a loaded server
+            # (closed groups of `slots` prompts would measure mostly batches emptying out, and a config
+            # that finishes some sequences sooner would leave the all-slots-busy window sooner)
+            step = 1 if slots == 1 else len(tokens)
+            for gi, g in enumerate(range(0, len(tokens), step)):
+                group = tokens[g : g + step]
+                sequence = run_order(report.configs, order, reverse=reversed_turn(rep, ci, gi))
+                runs: list[tuple[str, ConfigResult, list | None]] = []
+                if order == "lockstep":
+                    live = {c: LlamaRun(llama, group, max_tokens) if c == "llama_cpp" else
+                            ConfigRun(engines[c], chains[rep][c], c, group, max_tokens) for c in sequence}
+                    done = run_lockstep(live, on_round=tracker.ticker(runs_done, live.values(), where))
+                    runs = [(c, *done[c]) for c in sequence]
+                else:
+                    for i, c in enumerate(sequence):  # one after another, on the one engine
+                        run = (LlamaRun(llama, group, max_tokens) if c == "llama_cpp" else
+                               ConfigRun(engine, chains[rep][c], c, group, max_tokens))
+                        runs.append((c, *run_alone(run, tracker.ticker(runs_done + i * len(group), [run], where))))
+                runs_done += len(group) * len(sequence)
+                base_seqs = next(seqs for c, _, seqs in runs if c == "none")
+                for i, (c, r, seqs) in enumerate(runs):
+                    if seqs is not None and c != "none":
+                        compare_runs(r, base_seqs, seqs, 0.0 if exact else report.tie_bound)
+                    per_rep[c].add(r)
+                    report.results[cat][c].add(r)
+                    for j in baseline_positions(sequence, i):
+                        base_rep[c].add(runs[j][1])
+                        report.baselines[cat][c].add(runs[j][1])
+        tracker.report(runs_done, cat)
+        for c in report.configs:
+            r = report.results[cat][c]
+            progress(f"{cat:<22} {c:<34} {r.tokens_per_s:7.1f} tok/s  accept_len {r.mean_acceptance_length:.2f}"
+                     f"  identical {r.identical}/{r.compared}")
+    for e in {id(e): e for e in engines.values()}.values():
+        e.close()
+    return report
+
+
+def _check_writable(path: str | None, flag: str) -> None:
+    """Refuse an output file whose folder does not exist before the run, not after an hour of it."""
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise FileNotFoundError(f"{flag} {path}: no such folder")
+
+
+def main_bench(args) -> int:
+    prompts_path = args.prompts or default_prompts_path()
+    categories = [c for c in (args.categories or "").split(",") if c] or None
+    prompts = load_prompts(prompts_path, categories, args.per_category)
+    configs = []
+    for c in args.configs:
+        parse_chain(c)  # syntax check
+        if c not in configs:
+            configs.append(c)
+    plot = getattr(args, "plot", None)
+    _check_writable(plot, "--plot")
+    _check_writable(args.json, "--json")
+    report = run_bench(model=args.model, configs=configs, prompts=prompts, max_tokens=args.max_tokens,
+                       slots=args.slots, exact=args.exact, policy=args.policy, n_max=args.n_max,
+                       threads=args.threads, n_ctx=args.n_ctx, chat_template=args.chat_template,
+                       llama_baseline=not args.no_llama_baseline,
+                       progress=lambda s: print(s, file=sys.stderr, flush=True),
+                       draft_model=args.draft_model, cross_vocab=args.cross_vocab, repeats=args.repeats,
+                       order=args.order, flash_attn=args.flash_attn)
+    print(report.table())
+    if args.json:
+        write_json(report, args.json)
+        print(f"\nwrote {args.json}")
+    if plot:
+        from .plot import plot_bench
+
+        plot_bench(report, plot)
+        print(f"plot: {plot}", file=sys.stderr)
+    return 0

@@ -1,0 +1,167 @@
+"""The one place an engine is assembled: EngineConfig -> target, chain, scheduler, cost model, companions.
+
+Every mode goes through `build_engine`:
+
+- in-process (`LocalEngine`: `specray generate`, `specray bench`) and the
+  co-located replica: the target context, the draft model and the hidden-state
+  heads are opened here, in this process;
+- distributed: the target and companion actors are started by the caller
+  (`actors.launch.start_actors`, which also serves the hidden-row bench) and
+  handed in; this process keeps a vocabulary-only model (tokenize and
+  detokenize), a `RemoteTarget` proxy and the model-free speculators, and the
+  model speculators become proxies of the companion.
+
+The actors open their own llama.cpp contexts with `open_target` and the heads'
+helpers below, so a target is opened the same way whichever process holds it.
+The config's validators hold the rules (exact mode, flash attention, weight
+repacking); nothing here re-checks them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from specray.engine.chain import Chain
+from specray.engine.config import EngineConfig
+from specray.engine.cost import DecodeCostModel
+from specray.engine.scheduler import Scheduler
+from specray.engine.speculators.registry import Factory, speculator_factory
+
+
+@dataclass
+class EngineParts:
+    """An assembled engine. `ctx`/`runner`/`draft_model`/`hidden_heads` are set when the target runs in this
+    process; `remote`/`actors` when it runs in a target actor."""
+
+    config: EngineConfig
+    model: Any  # native Model: with weights in-process, vocabulary only when the target is an actor
+    chain: Chain
+    scheduler: Scheduler
+    n_ctx: int  # cells of the whole context
+    n_ctx_seq: int  # cells one sequence may use
+    speculator_factory: Factory  # builds the chain's speculators (the bench runs several chains on one target)
+    ctx: Any = None
+    runner: Any = None  # engine.target.TargetRunner
+    draft_model: Any = None
+    hidden_heads: Any = None
+    remote: Any = None  # actors.target.RemoteTarget
+    actors: Any = None  # actors.launch.Actors
+
+    @property
+    def target(self):
+        return self.runner if self.runner is not None else self.remote
+
+    def close(self) -> None:
+        """Free what this process opened (the actors belong to whoever started them)."""
+        if self.draft_model is not None:
+            self.draft_model.close()
+        if self.hidden_heads is not None:
+            self.hidden_heads.close()
+        if self.ctx is not None:
+            self.ctx.close()
+
+
+def open_target(config: EngineConfig, model=None):
+    """(Model, Context) of the target, as the config says (in this process or in the target actor)."""
+    from specray.native.context import Context
+    from specray.native.model import Model
+
+    model = model or Model(
+        config.model,
+        n_gpu_layers=config.n_gpu_layers,
+        use_extra_bufts=config.repack_weights,
+        chat_template=config.chat_template,
+        load_mtp=config.hidden.mtp,  # a co-located MTP head shares these weights
+    )
+    ctx = Context(model, n_ctx=config.n_ctx, n_seq_max=config.slots, n_batch=config.n_batch,
+                  n_threads=config.threads, flash_attn=config.flash_attn, exact=config.exact)
+    return model, ctx
+
+
+def open_draft(config: EngineConfig, target, target_ctx):
+    """The draft model of the `draft` speculator (None if none is configured). Checks the vocabularies:
+    an incompatible pair raises VocabMismatchError unless config.draft.cross_vocab."""
+    if not config.draft.model:
+        return None
+    from specray.native.draft_backend import DraftModel
+
+    return DraftModel(config.draft, target, slots=config.slots, target_n_ctx=target_ctx.n_ctx,
+                      n_batch=config.n_batch, threads=config.threads, calibrate=config.calibrate)
+
+
+def open_hidden(config: EngineConfig, target, target_ctx, runner):
+    """The heads of the hidden-state speculators (mtp, eagle3; None if none is configured), in-process; the
+    runner's target context is given the hidden-row taps they read (switched on only when needed)."""
+    if not config.hidden.enabled:
+        return None
+    from specray.native.hidden import HiddenOutput
+    from specray.native.hidden_heads import open_hidden_heads
+
+    heads = open_hidden_heads(config, target, target_n_ctx=target_ctx.n_ctx, target_model=target)
+    runner.hidden_out = HiddenOutput(target_ctx, heads.taps)
+    return heads
+
+
+def local_speculator_factory(draft_model, hidden_heads=None) -> Factory:
+    """Chain factory of an in-process engine: model speculators run on `draft_model` and the hidden-state
+    heads (their rows come from the target in-process, without a copy)."""
+    builders = {"draft": draft_model.speculator} if draft_model is not None else {}
+    if hidden_heads is not None:
+        builders |= hidden_heads.builders()
+    return speculator_factory(builders or None)
+
+
+def build_engine(config: EngineConfig, *, actors=None, model=None, step_timeout_s: float | None = None
+                 ) -> EngineParts:
+    """Assemble an engine. Without `actors`, everything runs in this process (`model`: an already loaded
+    target to reuse). With `actors` (a started actors.launch.Actors), the target and the model speculators
+    run in them. The cost model is measured at start when config.calibrate (where the target decodes)."""
+    if actors is None:
+        return _build_local(config, model)
+    return _build_remote(config, actors, step_timeout_s)
+
+
+def _build_local(config: EngineConfig, model) -> EngineParts:
+    from specray.engine.target import TargetRunner
+
+    model, ctx = open_target(config, model)
+    try:
+        runner = TargetRunner(ctx, record_margins=config.record_margins)
+        cost = DecodeCostModel.calibrated(runner.calibrate_cost()) if config.calibrate else DecodeCostModel()
+        draft_model = open_draft(config, model, ctx)
+        hidden_heads = open_hidden(config, model, ctx, runner)
+    except BaseException:
+        ctx.close()
+        raise
+    factory = local_speculator_factory(draft_model, hidden_heads)
+    chain = Chain(config.chain, factory)
+    # a sequence may use n_ctx_seq cells; with a unified KV cache all slots share n_ctx
+    scheduler = Scheduler(config, runner, model, chain, ctx.n_ctx_seq, cost,
+                          shared_cells=ctx.n_ctx if ctx.kv_unified else None)
+    return EngineParts(config, model, chain, scheduler, ctx.n_ctx, ctx.n_ctx_seq, factory, ctx=ctx, runner=runner,
+                       draft_model=draft_model, hidden_heads=hidden_heads)
+
+
+def _build_remote(config: EngineConfig, actors, step_timeout_s: float | None) -> EngineParts:
+    import ray
+
+    from specray.native.model import Model
+
+    from .actors.companion import companion_speculator_factory
+    from .actors.target import RemoteTarget
+
+    info = actors.target.info
+    # this process only tokenizes and detokenizes: the vocabulary without weights
+    model = Model(config.model, chat_template=config.chat_template, vocab_only=True)
+    remote = RemoteTarget(actors.target.handle, epoch=actors.target.epoch, timeout_s=step_timeout_s)
+    cost = DecodeCostModel()
+    if config.calibrate:
+        cost = DecodeCostModel.calibrated(ray.get(actors.target.handle.calibrate_cost.remote()))
+    # model speculators run in the companion actor, one call per round for all slots
+    factory = companion_speculator_factory(actors.companion, config, ack_sink=remote.ack_hidden)
+    chain = Chain(config.chain, factory)
+    scheduler = Scheduler(config, remote, model, chain, info["n_ctx_seq"], cost,
+                          shared_cells=info["n_ctx"] if info["kv_unified"] else None)
+    return EngineParts(config, model, chain, scheduler, info["n_ctx"], info["n_ctx_seq"], factory, remote=remote,
+                       actors=actors)

@@ -1,0 +1,141 @@
+"""Admission: a replica request dict -> an engine request, or a RequestError that names what is wrong.
+
+Runs on the caller's (asyncio) side, before the round thread sees anything,
+so a bad request costs no round and its answer names the limit it broke.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from specray.engine.config import ChainConfig
+from specray.engine.request import GenerationRequest
+from specray.engine.sampling import SamplingParams
+
+#: stop strings: OpenAI allows 4; the cap keeps the per-token stop matching cheap
+MAX_STOPS, MAX_STOP_CHARS = 16, 512
+
+
+class RequestError(Exception):
+    """A request the router refuses; carries the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class ServeRequest(GenerationRequest):
+    """A GenerationRequest plus what the router did to it on the way in."""
+
+    truncated_prompt_tokens: int = 0  # prompt tokens dropped (from the left) to fit the context
+    t_arrival: float = field(default_factory=time.perf_counter)  # reached the replica (TTFT starts here)
+
+
+def fit_prompt(n_prompt: int, max_tokens: int, n_ctx_seq: int, draft_room: int, truncate: bool) -> int:
+    """Prompt tokens to drop from the left so prompt + max_tokens + a draft + 1 fit a sequence's context
+    (the Scheduler's own check); RequestError if they cannot, or if dropping is not allowed.
+
+    >>> fit_prompt(100, 50, 512, 16, truncate=False)
+    0
+    >>> fit_prompt(500, 50, 512, 16, truncate=True)   # room for 512 - 50 - 16 - 1 = 445 prompt tokens
+    55
+    """
+    room = n_ctx_seq - max_tokens - draft_room - 1
+    if max_tokens >= n_ctx_seq or room < 1:
+        raise RequestError(
+            f"max_tokens ({max_tokens}) does not fit the context of {n_ctx_seq} tokens per sequence "
+            f"(with room for {draft_room} draft tokens)", param="max_tokens")
+    if n_prompt <= room:
+        return 0
+    if truncate:
+        return n_prompt - room
+    raise RequestError(
+        f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context of {n_ctx_seq} "
+        f"tokens per sequence; shorten the prompt or lower max_tokens", param="prompt",
+        code="context_length_exceeded")
+
+
+class Admission:
+    """Builds ServeRequests for one replica: its vocabulary, its context size and its current chain."""
+
+    def __init__(self, model, n_ctx_seq: int, chain_config: Callable[[], ChainConfig], truncate: bool) -> None:
+        self.model = model  # tokenizes (vocabulary only when the target is an actor)
+        self.n_ctx_seq = n_ctx_seq
+        self.chain_config = chain_config  # the running chain's config (it changes with a live update)
+        self.truncate = truncate  # ServeConfig.prompt_overflow == "truncate"
+
+    def make_request(self, request: dict) -> ServeRequest:
+        """The engine request for a replica request dict; RequestError (400) for anything wrong with it."""
+        try:
+            return self._make_request(request)
+        except RequestError:
+            raise
+        except UnicodeError:
+            raise RequestError("text must be valid Unicode (lone surrogate escapes are not)") from None
+        except (ValueError, TypeError, OverflowError) as e:
+            raise RequestError(str(e)) from None
+
+    def prompt_tokens(self, request: dict) -> np.ndarray:
+        if request.get("messages") is not None:
+            msgs = request["messages"]
+            if not msgs:
+                raise RequestError("messages must not be empty", param="messages")
+            return self.model.chat_tokens(msgs)
+        if request.get("prompt_tokens") is not None:
+            return self._token_ids(request["prompt_tokens"])
+        prompt = request.get("prompt")
+        if not prompt:
+            raise RequestError("prompt is empty", param="prompt")
+        return self.model.tokenize(prompt, add_special=True, parse_special=True)
+
+    def _token_ids(self, ids) -> np.ndarray:
+        bad = f"prompt token ids must be in [0, {self.model.n_vocab})"
+        try:
+            toks = np.asarray(ids, dtype=np.int64)
+        except (OverflowError, ValueError, TypeError):
+            raise RequestError(bad, param="prompt") from None
+        if toks.ndim != 1:
+            raise RequestError("prompt token ids must be a flat list of integers", param="prompt")
+        if toks.size == 0:
+            raise RequestError("prompt is empty", param="prompt")
+        if toks.min() < 0 or toks.max() >= self.model.n_vocab:
+            raise RequestError(bad, param="prompt")
+        return toks.astype(np.int32)
+
+    def _make_request(self, request: dict) -> ServeRequest:
+        kw: dict[str, Any] = {}
+        if request.get("request_id"):
+            kw["request_id"] = request["request_id"]
+        chain = request.get("chain")
+        stop = list(request.get("stop") or [])
+        if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise RequestError(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters",
+                               param="stop")
+        max_tokens = int(request.get("max_tokens", 256))
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        n_max = request.get("n_max")
+        prompt = self.prompt_tokens(request)
+        c = self.chain_config()
+        speculates = bool(c.speculators) if chain is None else bool(chain)
+        draft_room = min(c.n_max, c.n_max if n_max is None else n_max) if speculates else 0
+        dropped = fit_prompt(len(prompt), max_tokens, self.n_ctx_seq, draft_room, self.truncate)
+        return ServeRequest(
+            prompt_tokens=prompt[dropped:].copy() if dropped else prompt,
+            max_tokens=max_tokens,
+            sampling=SamplingParams.model_validate(request.get("sampling") or {}),
+            stop=stop,
+            chain=None if chain is None else tuple(chain),
+            n_max=n_max,
+            ignore_eos=bool(request.get("ignore_eos", False)),
+            truncated_prompt_tokens=dropped,
+            **kw,
+        )

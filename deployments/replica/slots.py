@@ -1,0 +1,139 @@
+"""Slots and streams, on the round thread: posted ops (submit, cancel, call) in, round events out.
+
+`Slots` is the only code that pairs scheduler sequences with their callers'
+streams. A submission is answered (admitted, 429 queue full, 503 target down,
+400) at the top of the round after it was posted; a cancellation frees the
+slot and its KV cells there too; a round's events become stream items.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from specray.engine.request import Sequence, SeqState
+from specray.engine.scheduler import Event, QueueFullError, Scheduler
+
+from .admission import RequestError
+from .streams import Op, Outbox, Stream, call_in_loop, end_info, resolve
+
+log = logging.getLogger("specray.router")
+
+
+@dataclass
+class ReliabilityStats:
+    cancelled: int = 0  # sequences cancelled because their caller went away
+    cancel_rounds_max: int = 0  # rounds between a cancel being posted and applied (at most 1 by design)
+    rejected_queue_full: int = 0
+    rejected_target_down: int = 0
+    failed_target_lost: int = 0  # sequences failed because the target actor died under them
+    round_failures: int = 0  # rounds that raised for another reason (bug): their sequences got a 500
+    truncated_prompts: int = 0
+
+
+class Slots:
+    def __init__(self, scheduler: Scheduler, rel: ReliabilityStats) -> None:
+        self.scheduler = scheduler
+        self.rel = rel
+        self.streams: dict[str, Stream] = {}
+        self.observer = None  # metrics.EngineMetrics (set by the replica): told of every finished request
+
+    def apply(self, op: Op, out: Outbox, target_ready: bool = True) -> None:
+        if op.kind == "submit":
+            self._submit(op, target_ready)
+        elif op.kind == "cancel":
+            self._cancel(op)
+        elif op.kind == "call":
+            try:
+                op.result.append((True, op.fn()))
+            except Exception as e:
+                op.result.append((False, e))
+            op.done.set()
+
+    def _submit(self, op: Op, target_ready: bool) -> None:
+        loop = op.stream.loop
+
+        def refuse(e: RequestError) -> None:
+            call_in_loop(loop, resolve, op.future, None, e)
+
+        if not target_ready:
+            self.rel.rejected_target_down += 1
+            return refuse(RequestError("the target model is restarting; retry shortly", 503,
+                                       code="target_unavailable"))
+        try:
+            seq = self.scheduler.submit(op.req)
+        except QueueFullError as e:
+            self.rel.rejected_queue_full += 1
+            return refuse(RequestError(str(e), 429, code="queue_full"))
+        except ValueError as e:
+            return refuse(RequestError(str(e), 400))
+        except Exception as e:
+            log.exception("submit failed")
+            return refuse(RequestError(f"internal error: {e}", 500))
+        if op.stream.abandoned:
+            self.scheduler.cancel(seq)
+            return
+        op.stream.seq = seq
+        self.streams[seq.id] = op.stream
+        call_in_loop(loop, resolve, op.future, seq)
+
+    def _cancel(self, op: Op) -> None:
+        self.streams.pop(op.seq.id, None)
+        if op.seq.finished:
+            return
+        self.rel.cancelled += 1
+        self.rel.cancel_rounds_max = max(self.rel.cancel_rounds_max, self.scheduler.stats.rounds - op.round_posted)
+        try:
+            self.scheduler.cancel(op.seq)
+        except Exception:
+            log.exception("cancel failed")
+        if op.seq.finished:  # cancelled while queued: no round will report it
+            self.finished(op.seq)
+
+    def event(self, ev: Event, out: Outbox) -> None:
+        if ev.finished:
+            self.finished(ev.seq)
+        st = self.streams.get(ev.seq.id)
+        if st is None:
+            return
+        if st.abandoned:
+            del self.streams[ev.seq.id]
+            if not ev.seq.finished:
+                self.scheduler.cancel(ev.seq)
+            return
+        items = out.setdefault(st.loop, [])
+        if ev.text:
+            items.append((st.queue, {"type": "delta", "text": ev.text}))
+        if ev.finished:
+            del self.streams[ev.seq.id]
+            items.append((st.queue, end_info(ev.seq)))
+
+    def finished(self, seq: Sequence) -> None:
+        """Tell the observer once per request (a queued request cancelled never reaches a round)."""
+        if self.observer is None or getattr(seq, "observed", False):
+            return
+        seq.observed = True
+        try:
+            self.observer.request_finished(seq)
+        except Exception:  # metrics never stop the rounds
+            log.exception("metrics update failed")
+
+    def fail(self, seqs: list[Sequence], item: dict, out: Outbox) -> None:
+        """End these sequences' streams with `item` (an error) and free their slots."""
+        for seq in seqs:
+            st = self.streams.pop(seq.id, None)
+            if st is not None:
+                out.setdefault(st.loop, []).append((st.queue, item))
+            if not seq.finished:
+                try:
+                    self.scheduler.cancel(seq)
+                except Exception:
+                    log.exception("cancel of a failed sequence failed")
+
+    def running(self) -> list[Sequence]:
+        """Sequences past the queue whose callers still wait: the active ones, and any a failed
+        round finished without delivering its end."""
+        seqs = list(self.scheduler.active.values())
+        seqs += [st.seq for st in self.streams.values()
+                 if st.seq is not None and st.seq.state != SeqState.QUEUED and st.seq not in seqs]
+        return seqs

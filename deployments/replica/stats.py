@@ -1,0 +1,93 @@
+"""What a replica reports in /v1/stats: scheduler, chain, cost model, reliability, target and companion.
+
+`round_snapshot` runs on the round thread between rounds (the scheduler is
+not thread-safe); `actor_counters` is read afterwards from the caller's
+thread (actor calls must not stall the rounds).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict
+
+from specray.deployments.actors.supervisor import UP, short_error
+
+log = logging.getLogger("specray.router")
+
+
+def process_rss() -> int | None:
+    """Resident set size of this process in bytes (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def round_snapshot(core) -> dict:
+    """Counters of a RouterCore (round thread only)."""
+    parts, s = core.parts, core.scheduler
+    d = {
+        "mode": core.mode,
+        "slots": parts.config.slots,
+        "n_ctx": parts.n_ctx,
+        "n_ctx_seq": parts.n_ctx_seq,
+        "active": len(s.active),
+        "queued": len(s.queue),
+        "free_slots": len(s.free_slots),
+        "reserved_cells": s.reserved,
+        "streams": len(core.slots.streams),
+        "scheduler": asdict(s.stats),
+        "chain": s.config.chain.label,
+        "disabled_speculators": sorted(s.disabled_speculators),
+        "speculators": {k: asdict(v) for k, v in parts.chain.stats().items()},
+        "cost_table": s.cost.table(),
+        "attention_ns_per_token_cell": s.cost.attn_seconds * 1e9,
+        "round_failures": core.rel.round_failures,
+        "reliability": asdict(core.rel),
+        "last_error": core.faults.last_error,
+        "process": {"pid": os.getpid(), "rss_bytes": process_rss()},
+    }
+    if parts.runner is not None:
+        r = parts.runner
+        d["target"] = {
+            "where": "in-process",
+            "rounds": r.rounds,
+            "multi_seq_decodes": r.multi_seq_decodes,
+            "max_seqs_in_decode": r.max_seqs_in_decode,
+            "step_decodes": r.step_decodes,
+            "step_decode_seqs": r.step_decode_seqs,
+            # KV cells per slot (0 = empty): a finished or cancelled sequence leaves none
+            "kv_cells": [parts.ctx.seq_pos_max(i) + 1 for i in range(parts.config.slots)],
+        }
+    if parts.remote is not None:
+        d["hop"] = parts.remote.hop.to_dict()
+        d["placement"] = core.placement
+        d["pending_releases"] = len(parts.remote._releases)
+    return d
+
+
+def actor_counters(actors) -> dict:
+    """The target and companion actors' own counters (caller's thread; a down actor says so)."""
+    import ray
+
+    target = {"where": "actor"} | actors.target.snapshot()
+    if actors.target.state == UP:
+        try:
+            target |= ray.get(actors.target.handle.counters.remote(), timeout=10)
+        except Exception as e:
+            target["counters_error"] = short_error(e)
+    return {"target": target, "companion": actors.companion.snapshot() | actors.companion.counters()}
+
+
+def observe_round(core, idle: bool) -> None:
+    """Tell the metrics observer how the round went (never stops the rounds)."""
+    obs = core.slots.observer
+    if obs is None:
+        return
+    s = core.scheduler
+    try:
+        obs.after_round(core.chain.stats(), len(s.active), len(s.queue), idle)
+    except Exception:
+        log.exception("metrics update failed")

@@ -1,0 +1,113 @@
+"""What flows from the round thread to each request's asyncio stream, and how it gets there.
+
+The round thread never touches an event loop directly: it collects
+(queue, item) pairs per loop during a round and hands each loop its batch with
+one `call_soon_threadsafe` (one wake-up per event loop per round).
+
+Items: {"type": "delta", "text"}, then one of {"type": "end", ...} (end_info)
+or {"type": "error", ...} (error_item).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from specray.engine.request import GenerationRequest, Sequence
+
+from .metrics import timing_of
+
+
+@dataclass
+class Stream:
+    """One request's way back to its caller."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    seq: Sequence | None = None
+    abandoned: bool = False  # the caller went away before the submission was answered
+
+
+@dataclass
+class Op:
+    """Work posted to the round thread, applied at the top of the next round."""
+
+    kind: str  # submit | cancel | call
+    req: GenerationRequest | None = None
+    stream: Stream | None = None
+    future: asyncio.Future | None = None
+    seq: Sequence | None = None
+    fn: Any = None
+    done: threading.Event | None = None
+    result: list = field(default_factory=list)
+    round_posted: int = 0  # scheduler round count when posted (cancel latency in rounds)
+
+
+#: per event loop, the (queue, item) pairs a round produced for it
+Outbox = dict[asyncio.AbstractEventLoop, list]
+
+
+def end_info(seq: Sequence) -> dict:
+    n_prompt = len(seq.req.prompt_tokens)
+    n_gen = len(seq.generated)
+    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+    truncated = getattr(seq.req, "truncated_prompt_tokens", 0)
+    if truncated:
+        usage["truncated_prompt_tokens"] = truncated
+    return {
+        "type": "end",
+        "finish_reason": seq.finish_reason,
+        "usage": usage,
+        "speculative": seq.spec_summary() | {"rounds": seq.rounds},
+        "timing": timing_of(seq),
+    }
+
+
+def error_item(status: int, message: str, code: str | None = None) -> dict:
+    return {"type": "error", "status": status, "message": message, "param": None, "code": code}
+
+
+def resolve(fut: asyncio.Future, value=None, exc: BaseException | None = None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)
+
+
+def deliver(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def call_in_loop(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        pass
+
+
+def flush(out: Outbox) -> None:
+    """Hand every loop the items of this round (one wake-up each)."""
+    for loop, items in out.items():
+        call_in_loop(loop, deliver, items)
+
+
+async def next_chunk(queue: asyncio.Queue) -> tuple[str, dict | None]:
+    """Wait for the next item, then take whatever else is queued already.
+
+    Returns (text, terminal): the text of every delta taken, and the end/error
+    item if one was reached (a stream has nothing after it).
+    """
+    item = await queue.get()
+    texts: list[str] = []
+    while True:
+        if item["type"] != "delta":
+            return "".join(texts), item
+        texts.append(item["text"])
+        if queue.empty():
+            return "".join(texts), None
+        item = queue.get_nowait()
