@@ -236,7 +236,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"packaged alias (smollm2-135m, gemma3-270m) or a .gguf path {d(EngineConfig, 'model')}")
     g.add_argument("--chat-template", default=S,
                    help="chat template name (e.g. gemma, chatml) for models whose GGUF has none")
-    g.add_argument("--threads", type=int, default=S, help=f"CPU threads for the target {d(EngineConfig, 'threads')}")
+    g.add_argument("--threads", type=int, default=S,
+                   help="CPU threads for the target (default: one fewer than the CPUs the target's process may use, "
+                   "at least 1: llama.cpp's threads share the cores with the request pipeline, and on 2 cores 2 "
+                   "threads served at half the in-process speed, 1 thread at 0.95x; set it with several replicas "
+                   "per node)")
     g.add_argument("--n-ctx", type=int, default=S, help=f"context cells shared by all slots {d(EngineConfig, 'n_ctx')}")
     g.add_argument("--exact", action=argparse.BooleanOptionalAction, default=S,
                    help="batch-invariant target (greedy output token-identical to plain decoding, at some speed "

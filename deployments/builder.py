@@ -19,6 +19,7 @@ repacking); nothing here re-checks them.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,11 +113,22 @@ def local_speculator_factory(draft_model, hidden_heads=None) -> Factory:
     return speculator_factory(builders or None)
 
 
-def build_engine(config: EngineConfig, *, actors=None, model=None, step_timeout_s: float | None = None
-                 ) -> EngineParts:
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: a container's or taskset's limit, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def build_engine(config: EngineConfig, *, actors=None, model=None, step_timeout_s: float | None = None,
+                 served: bool = False) -> EngineParts:
     """Assemble an engine. Without `actors`, everything runs in this process (`model`: an already loaded
     target to reuse). With `actors` (a started actors.launch.Actors), the target and the model speculators
-    run in them. The cost model is measured at start when config.calibrate (where the target decodes)."""
+    run in them (they decide their own thread counts where they run). `served`: behind the HTTP pipeline
+    (a replica), which decides the default thread count. The cost model is measured at start when
+    config.calibrate (where the target decodes)."""
+    config = config.with_threads(served, usable_cpus())
     if actors is None:
         return _build_local(config, model)
     return _build_remote(config, actors, step_timeout_s)

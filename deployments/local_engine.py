@@ -24,8 +24,8 @@ class LocalEngine:
     """Everything in-process. Thread-safe: one lock around each round."""
 
     def __init__(self, config: EngineConfig, model=None) -> None:
-        self.config = config
         self.parts = build_engine(config, model=model)
+        self.config = self.parts.config  # with its thread count decided
         p = self.parts
         self.model, self.ctx, self.runner, self.chain, self.scheduler = p.model, p.ctx, p.runner, p.chain, p.scheduler
         self.draft_model, self.hidden_heads = p.draft_model, p.hidden_heads

@@ -126,6 +126,20 @@ class HiddenStateConfig(BaseModel):
         return self.mtp or bool(self.eagle3_model)
 
 
+#: target threads of an in-process engine (generate, bench) unless set
+IN_PROCESS_THREADS = 2
+
+
+def served_threads(n_cpus: int) -> int:
+    """Target threads of a served engine on a host with n_cpus usable CPUs: one core is left to the request
+    pipeline (measured on 2 cores; README, 'Threads when serving').
+
+    >>> [served_threads(n) for n in (1, 2, 4, 16)]
+    [1, 1, 3, 15]
+    """
+    return max(1, n_cpus - 1)
+
+
 class EngineConfig(BaseModel):
     """Everything the in-process engine (target context + round scheduler) needs."""
 
@@ -138,7 +152,12 @@ class EngineConfig(BaseModel):
     n_ctx: int = Field(4096, ge=64, description="context cells shared by all slots (unified KV cache)")
     slots: int = Field(4, ge=1, le=256, description="sequences decoded concurrently (n_seq_max)")
     n_batch: int = Field(512, ge=16, description="max tokens in one target decode (prefill chunks + verify rows)")
-    threads: int = Field(2, ge=1, description="CPU threads for the target context")
+    threads: int | None = Field(
+        None, ge=1, description="CPU threads for the target context. None: 2 in process (generate, bench); served, "
+        "one fewer than the CPUs the serving process may use, at least 1 (served_threads). Served, llama.cpp's "
+        "threads share the cores with the request pipeline (event loop, ingress, HTTP proxy), and a worker thread "
+        "preempted mid-decode stalls the whole decode at its barrier: on 2 cores (SmolLM2, plain decoding, 1 client) "
+        "2 threads decoded a round in 14 ms served against 7 ms in process, 1 thread in 8 ms")
     n_gpu_layers: int = Field(0, ge=0, description="layers offloaded to a GPU (0 on CPU-only machines)")
     flash_attn: bool = Field(
         False, description="flash attention (not with exact mode). Off by default. Measured on SmolLM2 here: it "
@@ -166,6 +185,12 @@ class EngineConfig(BaseModel):
         "co-located, in the companion actor when distributed)")
     calibrate: bool = Field(True, description="measure verify cost by batch size at start (cost policy)")
     record_margins: bool = Field(False, description="record top-2 logit margins of emitted tokens (bench)")
+
+    def with_threads(self, served: bool, n_cpus: int) -> "EngineConfig":
+        """This config with `threads` decided (None -> the default for where it runs); as is when set."""
+        if self.threads is not None:
+            return self
+        return self.model_copy(update={"threads": served_threads(n_cpus) if served else IN_PROCESS_THREADS})
 
     @model_validator(mode="after")
     def _exact_rules(self) -> "EngineConfig":

@@ -47,7 +47,9 @@ class CompanionService:
     """The draft model + context; callable locally or as a Ray actor (`CompanionActor`)."""
 
     def __init__(self, engine_config: dict | EngineConfig) -> None:
-        self.config = EngineConfig.model_validate(engine_config)
+        from specray.deployments.builder import usable_cpus
+
+        self.config = EngineConfig.model_validate(engine_config).with_threads(True, usable_cpus())
         self.draft_model = None
         self.target_vocab = None
         cfg = self.config

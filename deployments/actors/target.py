@@ -34,7 +34,10 @@ class TargetService:
     def __init__(self, engine_config: dict | EngineConfig) -> None:
         from specray.deployments.builder import open_target  # llama.cpp import stays out of module import
 
-        self.config = EngineConfig.model_validate(engine_config)
+        from specray.deployments.builder import usable_cpus
+
+        # the actor decides its thread count on its own node (a cluster's nodes differ from the driver's)
+        self.config = EngineConfig.model_validate(engine_config).with_threads(True, usable_cpus())
         self.model, self.ctx = open_target(self.config)
         self.runner = TargetRunner(self.ctx, record_margins=self.config.record_margins)
         self.hidden_transport = None  # hidden rows for the companion's mtp / eagle3 heads
@@ -58,6 +61,7 @@ class TargetService:
             "n_batch": self.ctx.n_batch,
             "n_seq_max": self.ctx.n_seq_max,
             "n_vocab": self.model.n_vocab,
+            "threads": self.config.threads,
             "model": self.config.model,
             "model_description": self.model.description,
             "pid": os.getpid(),

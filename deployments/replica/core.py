@@ -57,7 +57,7 @@ class RouterCore:
         if cfg.mode == "distributed":
             actors = start_actors(cfg, f"{cfg.app_name}:{_replica_tag()}", on_change=lambda _: self._wake())
         try:
-            self.parts = build_engine(cfg.engine, actors=actors, step_timeout_s=cfg.target_step_timeout_s)
+            self.parts = build_engine(cfg.engine, actors=actors, step_timeout_s=cfg.target_step_timeout_s, served=True)
         except BaseException:
             if actors is not None:
                 actors.close()

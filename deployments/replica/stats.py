@@ -53,6 +53,7 @@ def round_snapshot(core) -> dict:
         r = parts.runner
         d["target"] = {
             "where": "in-process",
+            "threads": parts.config.threads,
             "rounds": r.rounds,
             "multi_seq_decodes": r.multi_seq_decodes,
             "max_seqs_in_decode": r.max_seqs_in_decode,

@@ -144,3 +144,23 @@ def test_a_slow_spell_during_calibration_does_not_become_the_cost_shape(engine, 
     table = engine.runner.measure_decode_costs(sizes=(1, 2, 4, 8))
     for n, secs in table.items():
         assert secs / table[1] == pytest.approx(1 + 0.8 * (n - 1), rel=1e-6), table
+
+
+def test_thread_count_defaults_in_process_and_served(smollm2):
+    """Unset threads: 2 in process; served, one core is left to the request pipeline (README, 'Threads when
+    serving'); the context is opened with what the config says, and a set value is kept either way."""
+    from specray.deployments.builder import build_engine, usable_cpus
+    from specray.engine.config import served_threads
+
+    cfg = EngineConfig(slots=1, n_ctx=256, calibrate=False)
+    for served, want in ((False, 2), (True, served_threads(usable_cpus()))):
+        parts = build_engine(cfg, model=smollm2, served=served)
+        try:
+            assert parts.config.threads == want and parts.ctx.n_threads == want
+        finally:
+            parts.close()
+    parts = build_engine(cfg.model_copy(update={"threads": 2}), model=smollm2, served=True)
+    try:
+        assert parts.ctx.n_threads == 2
+    finally:
+        parts.close()

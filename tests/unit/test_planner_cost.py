@@ -7,13 +7,13 @@ import doctest
 import numpy as np
 import pytest
 
-from specray.engine import acceptance, calibration, cost, drafting, planner, request
+from specray.engine import acceptance, calibration, config, cost, drafting, planner, request
 from specray.engine.acceptance import AcceptanceTracker
 from specray.engine.cost import DecodeCostModel
 from specray.engine.planner import plan_draft_lengths
 
 
-@pytest.mark.parametrize("module", [acceptance, calibration, cost, drafting, planner, request])
+@pytest.mark.parametrize("module", [acceptance, calibration, config, cost, drafting, planner, request])
 def test_docstring_examples(module):
     failed, attempted = doctest.testmod(module)
     assert attempted > 0 and failed == 0
