@@ -225,6 +225,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file of ServeConfig fields (flags override it)")
     p.add_argument("--host", default=S, help=f"bind address {d(ServeConfig, 'host')}")
     p.add_argument("--port", type=int, default=S, help=f"HTTP port {d(ServeConfig, 'port')}")
+    p.add_argument("--address", default=None, metavar="ADDR",
+                   help="Ray cluster to join: HOST:PORT, 'auto' (the one `ray start` left on this machine) or "
+                   "'local' (always a new one). Default: $RAY_ADDRESS, else the running cluster `ray start` "
+                   "recorded here, else a new local Ray; the first line printed says which")
     p.add_argument("--mode", choices=["colocated", "distributed"], default=S,
                    help=f"target in the router process, or in its own actor {d(ServeConfig, 'mode')}")
     p.add_argument("--slots", type=int, default=S, help=f"concurrent sequences per replica {d(EngineConfig, 'slots')}")

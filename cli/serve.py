@@ -1,4 +1,4 @@
-"""`specray serve`: local Ray + the app on --host/--port, until Ctrl-C."""
+"""`specray serve`: Ray (a running cluster, or a local one it starts) + the app on --host/--port, until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -88,6 +88,57 @@ def url_of(cfg: ServeConfig) -> str:
     return f"http://{host}:{cfg.port}{prefix}"
 
 
+def ray_target(flag: str | None, env: str | None, recorded: str | None, running: set[str]) -> tuple[str, str]:
+    """Which Ray cluster `specray serve` uses: (address for ray.init, why). The --address flag wins, then
+    RAY_ADDRESS, then the cluster `ray start` recorded on this machine if its GCS is still running; else a
+    new local one ("local"). A recorded cluster that is gone (stale file) is not joined.
+
+    >>> ray_target(None, None, None, set())
+    ('local', 'no running Ray cluster found')
+    >>> ray_target(None, None, "10.0.0.5:6379", {"10.0.0.5:6379"})
+    ('auto', 'the running cluster ray start left on this machine at 10.0.0.5:6379')
+    >>> ray_target(None, None, "10.0.0.5:6379", set())[0]
+    'local'
+    >>> ray_target("auto", "10.0.0.7:6379", None, set())
+    ('auto', '--address')
+    """
+    if flag:
+        return flag, "--address"
+    if env:
+        return env, "RAY_ADDRESS"
+    if recorded and recorded in running:
+        # "auto", not the address: Ray reads a local cluster's auth token only for one it found itself
+        return "auto", f"the running cluster ray start left on this machine at {recorded}"
+    if recorded:
+        return "local", f"the cluster recorded at {recorded} is not running"
+    return "local", "no running Ray cluster found"
+
+
+def connect_ray(flag: str | None) -> tuple[str, bool]:
+    """ray.init() as ray_target says; returns (a line saying which cluster this is and why, joined). A cluster
+    that is joined keeps its own resources (num_cpus may not be given to one: Ray refuses)."""
+    import ray
+    from ray._private import services
+
+    try:
+        recorded = services.find_bootstrap_address(None)
+        running = set(services.find_gcs_addresses()) if recorded else set()
+    except Exception:  # private API: if it moves, behave as if nothing were recorded
+        recorded, running = None, set()
+    address, why = ray_target(flag, os.environ.get("RAY_ADDRESS") or None, recorded, running)
+    if address == "local":
+        n = max(2, os.cpu_count() or 2)
+        ray.init(address="local", num_cpus=n, include_dashboard=False)
+        return f"started a local Ray ({n} CPUs; {why})", False
+    try:
+        ray.init(address=address)
+    except (ConnectionError, RuntimeError) as e:
+        raise RuntimeError(f"could not join the Ray cluster at {address} (from {why}): {e}") from None
+    res = ray.cluster_resources()
+    return (f"joined the Ray cluster at {ray.get_runtime_context().gcs_address} (from {why}; "
+            f"{res.get('CPU', 0):g} CPUs, {res.get('GPU', 0):g} GPUs, {len(ray.nodes())} nodes)"), True
+
+
 def main_serve(args) -> int:
     cfg = config_from_args(args)
     from specray.native.models import resolve_model
@@ -103,11 +154,10 @@ def main_serve(args) -> int:
 
     from specray.deployments.app import build_app_from_config
 
+    joined = False
     if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init()
-        else:
-            ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False)
+        line, joined = connect_ray(getattr(args, "address", None))
+        print(f"specray: {line}", flush=True)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     t0 = time.perf_counter()
     serve.run(build_app_from_config(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
@@ -138,7 +188,10 @@ def main_serve(args) -> int:
         pass
     print("specray: shutting down", file=sys.stderr, flush=True)
     try:
-        serve.shutdown()
+        if joined:  # a cluster we joined keeps Serve and its other apps: only ours goes
+            serve.delete(cfg.app_name)
+        else:
+            serve.shutdown()
     finally:
         ray.shutdown()
     return 0

@@ -66,7 +66,8 @@ def ray_serve():
     import ray
     from ray import serve
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+    # address="local": a new cluster even where `ray start` left one running (it would refuse num_cpus)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              namespace="specray-tests", _metrics_export_port=METRICS_PORT)
     port = int(os.environ.get("SPECRAY_TEST_PORT", 0)) or _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -56,12 +56,13 @@ def test_file_only_keeps_every_file_value(cfg_file):
 def test_explicit_flag_equal_to_the_default_still_wins_over_the_file(cfg_file):
     d, de = ServeConfig(), EngineConfig()
     cfg = config_from_args(parse("--config", cfg_file, "--slots", str(de.slots), "--port", str(d.port),
-                                 "--mode", d.mode, "--host", d.host, "--threads", str(de.threads),
+                                 "--mode", d.mode, "--host", d.host,
                                  "--n-ctx", str(de.n_ctx), "--model", de.model,
                                  "--policy", de.chain.policy, "--n-max", str(de.chain.n_max)))
     assert (cfg.host, cfg.port, cfg.mode) == (d.host, d.port, d.mode)
     e = cfg.engine
-    assert (e.slots, e.threads, e.n_ctx, e.model) == (de.slots, de.threads, de.n_ctx, de.model)
+    # (threads has no value to repeat: unset, it is decided where the target runs)
+    assert (e.slots, e.n_ctx, e.model) == (de.slots, de.n_ctx, de.model)
     assert (e.chain.policy, e.chain.n_max) == (de.chain.policy, de.chain.n_max)
     assert e.exact is True and e.chain.speculators == ["suffix"]  # not given: still the file's
 
@@ -137,6 +138,8 @@ def test_cli_doctests():
     import doctest
 
     from specray.cli import main as cli_main
+    from specray.cli import serve as cli_serve
 
-    failed, attempted = doctest.testmod(cli_main)
-    assert attempted >= 1 and failed == 0
+    for module, n in ((cli_main, 1), (cli_serve, 4)):  # flag_message; ray_target (which Ray cluster to use)
+        failed, attempted = doctest.testmod(module)
+        assert attempted >= n and failed == 0, module.__name__

@@ -1,0 +1,117 @@
+"""`specray serve` as a user runs it, as a process: on a machine with no Ray running it starts its own; where
+`ray start --head` left a cluster running it joins that one (it used to stop with Ray's "num_cpus and num_gpus
+must not be provided"); both say which on their first line and answer the official openai client.
+
+Each test gets its own TMPDIR, so the clusters here are invisible to the suite's shared Ray session (Ray keeps
+its files, and the address `ray start` records, under the temp dir) and are stopped by killing their own
+process groups, never with `ray stop` (which would stop every Ray on the machine).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+pytestmark = [pytest.mark.serve, pytest.mark.model]
+
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def env():
+    # short: Ray's socket paths live under the temp dir and must stay under 108 characters
+    tmp = tempfile.mkdtemp(prefix="srt", dir="/tmp")
+    e = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"TMPDIR": tmp}
+    yield e
+
+
+def _stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Ctrl-C to the command itself (what a user does), then whatever of its process group is left."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _serve(env: dict) -> tuple[subprocess.Popen, int, list[str]]:
+    """Start `specray serve` and wait until it serves; returns (process, port, its stdout lines so far)."""
+    port = _free_port()
+    proc = subprocess.Popen([str(BIN / "specray"), "serve", "--port", str(port), "--spec", "none", "--slots", "1",
+                             "--n-ctx", "512"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines: list[str] = []
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip())
+        if "specray: serving" in line:
+            return proc, port, lines
+    _stop(proc)
+    pytest.fail("specray serve did not come up:\n" + "\n".join(lines[-40:]))
+
+
+def _ask(port: int) -> str:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=120)
+    r = client.chat.completions.create(model="smollm2-135m", max_tokens=8, temperature=0,
+                                       messages=[{"role": "user", "content": "Name a color."}])
+    return r.choices[0].message.content
+
+
+def test_serve_starts_its_own_ray_where_none_runs(env):
+    proc, port, lines = _serve(env)
+    try:
+        ray_line = next(ln for ln in lines if ln.startswith("specray: ") and "Ray" in ln)
+        assert "started a local Ray" in ray_line and "no running Ray cluster found" in ray_line, lines
+        assert _ask(port)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0
+
+
+def test_serve_joins_the_cluster_ray_start_left_running(env):
+    gcs_port = _free_port()
+    head = subprocess.Popen([str(BIN / "ray"), "start", "--head", f"--port={gcs_port}", "--num-cpus=3",
+                             "--include-dashboard=false", "--block"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        recorded = Path(env["TMPDIR"]) / "ray" / "ray_current_cluster"
+        deadline = time.time() + 120
+        while not recorded.exists() and time.time() < deadline and head.poll() is None:
+            time.sleep(0.5)
+        assert recorded.exists(), head.stdout.read() if head.poll() is not None else "ray start did not record"
+        proc, port, lines = _serve(env)
+        try:
+            ray_line = next(ln for ln in lines if ln.startswith("specray: ") and "Ray" in ln)
+            assert "joined the Ray cluster" in ray_line and f":{gcs_port}" in ray_line, lines
+            assert "3 CPUs" in ray_line  # the cluster's own resources, not ones specray asked for
+            assert _ask(port)
+        finally:
+            _stop(proc)
+        assert proc.returncode == 0
+        assert head.poll() is None  # leaving took only specray's app down, not the user's cluster
+    finally:
+        _stop(head)
