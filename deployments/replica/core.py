@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 
-from specray.deployments.actors.launch import ACTOR_NAMESPACE, start_actors  # noqa: F401  (re-exported)
+from specray.deployments.actors.launch import start_actors
 from specray.deployments.builder import build_engine
 from specray.deployments.config import ServeConfig
 from specray.engine.config import ChainConfig
