@@ -89,7 +89,9 @@ def describe(url: str, api_key: str | None = None) -> dict:
 
 
 def request_body(prompt: Prompt, max_tokens: int, extra: dict) -> tuple[str, dict]:
-    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True} | extra
+    # cache_prompt false: every configuration and client count prefills its prompts in full, as the in-process
+    # engine does (a prompt the server saw in an earlier run would otherwise be served from its prompt cache)
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "cache_prompt": False} | extra
     if prompt.get("messages") is not None:
         return "/v1/chat/completions", body | {"messages": prompt["messages"]}
     return "/v1/completions", body | {"prompt": prompt["prompt"]}

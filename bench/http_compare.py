@@ -222,7 +222,7 @@ def engine_config(args, slots: int, chain_label: str | None) -> EngineConfig:
         extra["draft"] = DraftModelConfig(model=args.draft_model, cross_vocab=bool(getattr(args, "cross_vocab", False)))
     return EngineConfig(model=args.model, chat_template=args.chat_template, n_ctx=args.n_ctx, slots=slots,
                         threads=args.threads, exact=args.exact, flash_attn=bool(getattr(args, "flash_attn", False)),
-                        chain=chain, **extra)
+                        chain=chain, prompt_cache=False, **extra)
 
 
 def main_http_bench(args) -> int:

@@ -82,6 +82,8 @@ def run_bench(
         configs = ["none"] + configs
     cfg = EngineConfig(model=model, chat_template=chat_template, slots=slots, exact=exact, flash_attn=flash_attn,
                        threads=threads, n_ctx=n_ctx, record_margins=True,
+                       # each configuration runs the same prompts: none may find them in the prompt cache
+                       prompt_cache=False,
                        chain=ChainConfig(speculators=[], policy=policy, n_max=n_max),
                        draft=DraftModelConfig(model=draft_model, cross_vocab=cross_vocab))
     engine = LocalEngine(cfg)

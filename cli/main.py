@@ -251,6 +251,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"cost); --no-exact turns off a file's exact: true {d(EngineConfig, 'exact')}")
     g.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=S,
                    help=f"{FLASH_ATTN_HELP} {d(EngineConfig, 'flash_attn')}")
+    g.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=S,
+                   help="keep finished requests' KV in their slots and reuse the longest common prefix for new "
+                        "prompts (the next turn of a chat prefills only the new message); requests opt out with "
+                        f"`cache_prompt: false`. Usage reports prompt_tokens_details.cached_tokens "
+                        f"{d(EngineConfig, 'prompt_cache')}")
     g = p.add_argument_group("speculation")
     g.add_argument("--spec", default=S,
                    help=f"default speculator chain, names joined by commas, or 'none' "

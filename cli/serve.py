@@ -26,6 +26,7 @@ _FLAG_FIELDS = {
     "n_ctx": ("engine", "n_ctx"),
     "exact": ("engine", "exact"),
     "flash_attn": ("engine", "flash_attn"),
+    "prompt_cache": ("engine", "prompt_cache"),
     "policy": ("engine", "chain", "policy"),
     "n_max": ("engine", "chain", "n_max"),
     "draft_model": ("engine", "draft", "model"),

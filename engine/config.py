@@ -173,6 +173,15 @@ class EngineConfig(BaseModel):
         None, description="weight repacking buffers; None = on unless the build has AMX kernels (they crash "
         "here) or exact mode is on (repacked K-quant kernels are not batch-invariant)"
     )
+    prompt_cache: bool = Field(
+        True, description="keep a finished sequence's KV in its slot; a new prompt sharing a prefix with it (the "
+        "next turn of a chat) reuses those cells and prefills only the rest. Requests can opt out with "
+        "`cache_prompt: false`. Output is the same either way (exact mode: token-identical)")
+    prompt_cache_slowdown: float = Field(
+        0.1, ge=0.0, description="with one KV pool for all slots and flash attention off, llama.cpp computes "
+        "every cell in use for each token, so idle slots' cached cells slow the running sequences down: the idle "
+        "cells kept cost at most this share of a one-row decode (priced by the calibrated attention cost per "
+        "cell); the least recently used are evicted beyond it. No limit with flash attention or exact mode")
     prefill_chunk: int = Field(256, ge=16, description="prompt tokens prefilled per round per sequence")
     max_queue: int = Field(256, ge=0, description="requests waiting for a slot before new ones are refused")
     chain: ChainConfig = Field(default_factory=ChainConfig, description="the speculator chain")

@@ -28,6 +28,7 @@ class GenerationRequest:
     chain: tuple[str, ...] | None = None  # None: the engine's chain; () : no speculation
     n_max: int | None = None  # per-request draft cap (<= the chain's)
     ignore_eos: bool = False
+    cache_prompt: bool = True  # may reuse a slot's cached KV of a common prefix (engine/prompt_cache.py)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
 
@@ -95,6 +96,7 @@ class Sequence:
         self.state = SeqState.QUEUED
         self.n_prefilled = 0  # prompt tokens already in the KV cache
         self.n_past = 0  # tokens in the KV cache
+        self.cached_tokens = 0  # prompt tokens found in the slot's KV (prompt cache), not prefilled
         self.generated: list[int] = []
         self.history = np.asarray(req.prompt_tokens, dtype=np.int32).copy()
         self._hist_len = len(self.history)

@@ -26,6 +26,7 @@ from .chain import Chain, Proposal, SeqDraftRequest
 from .config import ChainConfig, EngineConfig
 from .cost import DecodeCostModel
 from .drafting import draft_round
+from .prompt_cache import PromptCache, idle_budget
 from .request import GenerationRequest, Sequence, SeqState, admission_plan
 from .target import StepItem, StepOutput
 
@@ -38,9 +39,9 @@ class Tokenizer(Protocol):
 
 
 class Target(Protocol):
-    def start(self, seq_id: int, params, prompt: np.ndarray) -> None: ...
+    def start(self, seq_id: int, params, prompt: np.ndarray, n_keep: int = 0) -> None: ...
     def step(self, items: list[StepItem]) -> StepOutput: ...
-    def release(self, seq_id: int) -> None: ...
+    def release(self, seq_id: int, keep: int = 0) -> None: ...
 
 
 class QueueFullError(RuntimeError):
@@ -73,6 +74,30 @@ class RoundStats:
     tokens_emitted: int = 0
     speculator_failures: int = 0
 
+    def add_round(self, seconds: float, prefill_share: float, loaded_tokens: int | None) -> None:
+        """One round took `seconds`, `prefill_share` of it prompt rows; loaded_tokens: what it emitted if every
+        slot was generating (None otherwise)."""
+        self.rounds += 1
+        self.round_seconds += seconds
+        self.prefill_seconds += seconds * prefill_share
+        if loaded_tokens is not None:
+            self.loaded_seconds += seconds
+            self.loaded_tokens += loaded_tokens
+
+
+def prefill_share(price: Callable[[int], float], n_total: int, n_prefill: int) -> float:
+    """The share of a round's decode that its prompt rows cost, by the cost model's price of rows.
+
+    >>> round(prefill_share(lambda n: 0.010 + 0.001 * n, 12, 8), 3)   # 8 of 12 rows: (0.022 - 0.014) / 0.022
+    0.364
+    >>> prefill_share(lambda n: 0.01, 4, 0), prefill_share(lambda n: 0.01, 4, 4)
+    (0.0, 1.0)
+    """
+    if not n_prefill:
+        return 0.0
+    full = price(n_total)
+    return 1.0 if n_total == n_prefill or full <= 0 else (full - price(n_total - n_prefill)) / full
+
 
 class Scheduler:
     def __init__(
@@ -85,8 +110,7 @@ class Scheduler:
         cost: DecodeCostModel | None = None,
         shared_cells: int | None = None,
     ) -> None:
-        """n_ctx: KV cells one sequence may use. shared_cells: total cells all
-        slots share (unified KV cache), or None if each slot has its own n_ctx."""
+        """n_ctx: KV cells one sequence may use. shared_cells: all slots' cells (unified KV cache), or None."""
         self.config = config
         self.target = target
         self.tok = tokenizer
@@ -95,6 +119,8 @@ class Scheduler:
         self.shared_cells = shared_cells
         self.cost = cost or DecodeCostModel()
         self.free_slots: list[int] = list(range(config.slots))[::-1]
+        # finished sequences' KV kept in their slots, reused by prompts that share a prefix (prompt_cache.py)
+        self.prompt_cache = PromptCache(config.prompt_cache)
         self.active: dict[int, Sequence] = {}  # slot -> seq
         self.queue: deque[Sequence] = deque()
         self.reserved = 0  # KV cells reserved by active sequences
@@ -141,20 +167,35 @@ class Scheduler:
     def _admit(self) -> None:
         while self.queue and self.free_slots:
             seq = self.queue[0]
-            if self.shared_cells is not None and self.reserved + seq.reserve > self.shared_cells and self.active:
-                break  # wait for cells to free up
+            prompt = seq.req.prompt_tokens
+            # hidden-state speculators need the target's hidden rows of every prompt token, which a reused
+            # prefix never produces: such sequences prefill the whole prompt
+            use = seq.req.cache_prompt and not self._needs_hidden(seq)
+            slot, reuse = self.prompt_cache.pick(self.free_slots, prompt, use)
+            if self.shared_cells is not None:  # one KV pool: idle caches hold cells of it too
+                room = self.shared_cells - self.reserved - seq.reserve
+                if room < 0 and self.active:
+                    break  # wait for cells to free up
+                self.prompt_cache.evict(max(0, room), self.target.release, but=slot)
             self.queue.popleft()
-            slot = self.free_slots.pop()
-            seq.slot = slot
-            seq.state = SeqState.PREFILL
+            self.free_slots.remove(slot)
+            self.prompt_cache.claim(slot, reuse, use)
+            seq.slot, seq.state = slot, SeqState.PREFILL
+            seq.n_prefilled = seq.n_past = seq.cached_tokens = reuse
             self.active[slot] = seq
             self.reserved += seq.reserve
-            self.target.start(slot, seq.req.sampling, seq.req.prompt_tokens)
+            self.target.start(slot, seq.req.sampling, prompt, reuse)  # drops the cells past the reused prefix
             try:
-                self.chain.begin(slot, seq.chain, seq.req.prompt_tokens)
+                self.chain.begin(slot, seq.chain, prompt)
             except Exception:  # a failing speculator degrades to plain decoding
                 log.exception("speculator begin failed; sequence %s decodes without speculation", seq.id)
                 seq.chain = ()
+            if reuse:  # what a prefill of the reused prefix would have told the speculators
+                self._mirror(seq, prompt[:reuse], 0)
+
+    def forget_prompt_cache(self, clear_kv: bool = True) -> None:
+        """Drop every idle cache: the target's KV is gone (clear_kv False: a new target) or cannot be trusted."""
+        self.prompt_cache.evict(-1, self.target.release if clear_kv else (lambda slot: None))
 
     def _finish(self, seq: Sequence) -> None:
         seq.state = SeqState.FINISHED
@@ -164,13 +205,15 @@ class Scheduler:
             del self.active[slot]
             self.reserved -= seq.reserve
             self.free_slots.append(slot)
-            self.target.release(slot)
+            # the KV cells hold the history up to n_past (a draft accepted past the end of generation is in the
+            # cells but not in the history: cut); they stay for a later prompt with the same prefix
+            tokens = seq.history_view()[: seq.n_past]
+            self.target.release(slot, keep=len(tokens) if self.prompt_cache.keep(slot, tokens) else 0)
             try:
                 self.chain.end(slot, seq.chain)
             except Exception:
                 log.exception("speculator end failed")
 
-    # ---- live chain change -------------------------------------------------------------
     def reconfigure_chain(self, new: ChainConfig) -> dict:
         """Swap the chain config for `new` while requests run (Chain.reconfigure: running sequences go on with
         rebuilt speculators); new requests get its chain, n_max and policy, queued ones keep their names.
@@ -192,6 +235,10 @@ class Scheduler:
         self._admit()
         if not self.active:
             return []
+        if self.shared_cells is not None and not self.config.flash_attn:
+            # every cell in use is computed for every token, masked or not: idle caches slow the running sequences
+            self.prompt_cache.evict(idle_budget(self.config.prompt_cache_slowdown, self.cost.cost(1, 0),
+                                                self.cost.attn_seconds), self.target.release)
         budget = self.target_budget()
         # slot order: llama.cpp packs consecutive sequence ids into one ubatch when
         # each slot has its own KV stream (exact mode)
@@ -210,7 +257,11 @@ class Scheduler:
             room -= n
         n_prefill = sum(n for _, n in chunks)
 
-        cells = self._attended_cells(decoding, prefilling)
+        # KV cells a token of this round attends, on average: with one shared KV stream every slot's cells
+        # (masked, but computed; idle caches too), with a stream per slot its own sequence's
+        seqs = decoding or prefilling
+        cells = (float(sum(s.n_past for s in by_slot) + self.prompt_cache.idle_cells()) if self.shared_cells
+                 else float(np.mean([s.n_past for s in seqs])) if seqs else 0.0)
         # memoised for the round: drafts are priced token by token, by every speculator that offers one
         price = functools.lru_cache(maxsize=None)(lambda n: self.cost.cost(n, cells))
         proposals = self._draft(decoding, budget - len(decoding) - n_prefill, len(decoding) + n_prefill, price)
@@ -260,23 +311,16 @@ class Scheduler:
             if len(res.tokens):
                 s.state = SeqState.DECODING
                 events.append(self._emit(s, res.tokens, res.margins))
-        self.stats.rounds += 1
-        round_seconds = time.perf_counter() - t_round
-        self.stats.round_seconds += round_seconds
-        if not n_prefill and not prefilling and len(decoding) == self.config.slots:
-            self.stats.loaded_seconds += round_seconds
-            self.stats.loaded_tokens += sum(len(e.tokens) for e in events)
-        if n_prefill:
-            n_total = sum(len(it.tokens) for it in items)
-            full = price(n_total)
-            share = 1.0 if n_total == n_prefill or full <= 0 else (full - price(n_total - n_prefill)) / full
-            self.stats.prefill_seconds += round_seconds * share
+        n_total = sum(len(it.tokens) for it in items)
+        self.stats.add_round(time.perf_counter() - t_round, prefill_share(price, n_total, n_prefill),
+                             sum(len(e.tokens) for e in events)
+                             if not n_prefill and not prefilling and len(decoding) == self.config.slots else None)
         if self.on_event:
             for e in events:
                 self.on_event(e)
         return events
 
-    def target_budget(self) -> int:
+    def target_budget(self) -> int:  # the most rows one round's decode may carry
         return self.config.n_batch
 
     def _needs_hidden(self, s: Sequence) -> bool:
@@ -292,14 +336,6 @@ class Scheduler:
             self.chain.process(s.slot, s.chain, tokens, pos)
         except Exception:
             log.exception("speculator process failed")
-
-    def _attended_cells(self, decoding: list[Sequence], prefilling: list[Sequence]) -> float:
-        """KV cells a token of this round attends, on average: with one shared KV stream every slot's
-        cells (masked, but computed), with a stream per slot its own sequence's."""
-        if self.shared_cells is not None:
-            return float(sum(s.n_past for s in self.active.values()))
-        seqs = decoding or prefilling
-        return float(np.mean([s.n_past for s in seqs])) if seqs else 0.0
 
     def _draft(self, decoding: list[Sequence], room: int, base_tokens: int,
                price: Callable[[int], float] | None = None) -> list[Proposal]:
@@ -318,8 +354,7 @@ class Scheduler:
             self._finish(s)
         return Event(s, kept, text, s.finished)
 
-    # ---- convenience -------------------------------------------------------------------
-    def run(self, reqs: list[GenerationRequest]) -> list[Sequence]:
+    def run(self, reqs: list[GenerationRequest]) -> list[Sequence]:  # all of them, to the end
         seqs = [self.submit(r) for r in reqs]
         while self.has_work():
             self.step()

@@ -135,17 +135,27 @@ class TargetRunner:
         self.step_decodes = 0  # decodes run by step() (calibration excluded)
         self.step_decode_seqs = 0  # sequences summed over those decodes: / step_decodes = mean batch width
 
-    def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray) -> None:
-        """Register a sequence (its slot's KV cache must be empty)."""
-        self.ctx.clear_seq(seq_id)
+    def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray, n_keep: int = 0) -> None:
+        """Register a sequence whose first `n_keep` prompt tokens are already in its slot's KV cells (the
+        prompt cache: the scheduler knows they match); every cell past them is dropped."""
+        if n_keep <= 0:
+            self.ctx.clear_seq(seq_id)
+        elif not self.ctx.seq_rm(seq_id, n_keep, -1):
+            # a recurrent state cannot be cut back to a prefix: continuing would decode on the wrong state
+            raise RuntimeError(f"the target cannot keep {n_keep} cached tokens of slot {seq_id} (partial KV removal "
+                               "refused): turn the prompt cache off for this model")
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
         sess = _Session(params, seed, np.zeros(0, dtype=np.int32))
+        if n_keep > 0:  # the repetition penalty's window would have seen the reused tokens
+            sess.push(np.asarray(prompt[:n_keep], dtype=np.int32))
         self.sessions[seq_id] = sess
 
-    def release(self, seq_id: int) -> None:
-        """The sequence is done (or cancelled): free its KV cells."""
+    def release(self, seq_id: int, keep: int = 0) -> None:
+        """The sequence is done (or cancelled): free its KV cells but the first `keep` (the prompt cache keeps
+        them for a later prompt with the same prefix)."""
         self.sessions.pop(seq_id, None)
-        self.ctx.clear_seq(seq_id)
+        if keep <= 0 or not self.ctx.seq_rm(seq_id, keep, -1):
+            self.ctx.clear_seq(seq_id)
 
     def step(self, items: list[StepItem]) -> StepOutput:
         """Decode every item's rows, verify drafts, roll back rejected rows."""

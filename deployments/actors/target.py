@@ -78,10 +78,10 @@ class TargetService:
         with self._lock:
             return self.runner.calibrate_cost()
 
-    def start_many(self, starts: list[tuple[int, SamplingParams, np.ndarray]]) -> None:
+    def start_many(self, starts: list[tuple[int, SamplingParams, np.ndarray, int]]) -> None:
         with self._lock:
-            for seq_id, params, prompt in starts:
-                self.runner.start(seq_id, params, prompt)
+            for seq_id, params, prompt, n_keep in starts:
+                self.runner.start(seq_id, params, prompt, n_keep)
 
     def release(self, seq_ids: list[int]) -> None:
         with self._lock:
@@ -91,8 +91,8 @@ class TargetService:
     def step(
         self,
         items: list[StepItem],
-        starts: list[tuple[int, SamplingParams, np.ndarray]] = (),
-        releases: list[int] = (),
+        starts: list[tuple[int, SamplingParams, np.ndarray, int]] = (),
+        releases: list[tuple[int, int]] = (),
         hidden_acks: list = (),
     ) -> tuple[StepOutput, float]:
         """Releases, then starts, then one round. Returns (output, seconds spent in here). Hidden rows
@@ -101,10 +101,10 @@ class TargetService:
         with self._lock:
             if hidden_acks and self.hidden_transport is not None:
                 self.hidden_transport.acknowledge(hidden_acks)
-            for s in releases:
-                self.runner.release(s)
-            for seq_id, params, prompt in starts:
-                self.runner.start(seq_id, params, prompt)
+            for seq_id, keep in releases:
+                self.runner.release(seq_id, keep)
+            for seq_id, params, prompt, n_keep in starts:
+                self.runner.start(seq_id, params, prompt, n_keep)
             out = self.runner.step(items) if items else StepOutput([], 0.0, 0, 0)
             if out.hidden is not None and self.hidden_transport is not None:
                 out.hidden = self.hidden_transport.export(out.hidden)
@@ -173,8 +173,8 @@ class RemoteTarget:
         self.actor = actor
         self.epoch = epoch
         self.timeout_s = timeout_s  # a step that takes longer counts as a hung actor (GetTimeoutError)
-        self._starts: list[tuple[int, SamplingParams, np.ndarray]] = []
-        self._releases: list[int] = []
+        self._starts: list[tuple[int, SamplingParams, np.ndarray, int]] = []
+        self._releases: list[tuple[int, int]] = []  # (slot, KV cells it keeps for the prompt cache)
         self._hidden_acks: list = []  # CUDA-IPC hidden-row buffers the companion is done with
         self.hop = HopStats()
 
@@ -194,14 +194,14 @@ class RemoteTarget:
     def pending(self) -> bool:
         return bool(self._releases or self._starts)
 
-    def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray) -> None:
-        self._starts.append((seq_id, params, np.asarray(prompt, dtype=np.int32)))
+    def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray, n_keep: int = 0) -> None:
+        self._starts.append((seq_id, params, np.asarray(prompt, dtype=np.int32), n_keep))
 
-    def release(self, seq_id: int) -> None:
+    def release(self, seq_id: int, keep: int = 0) -> None:
         # a slot released and started again before the next step: the release must come first,
         # which step() guarantees (releases are applied before starts)
         self._starts = [s for s in self._starts if s[0] != seq_id]
-        self._releases.append(seq_id)
+        self._releases.append((seq_id, keep))
 
     def step(self, items: list[StepItem]) -> StepOutput:
         starts, self._starts = self._starts, []

@@ -4,7 +4,8 @@ Unknown OpenAI fields are ignored (clients send many); fields specray cannot
 honour with a non-default value (n > 1, logprobs, echo, presence/frequency
 penalties, tools) are refused with a 400 naming the field. Extensions:
 `speculative` ({"chain", "n_max", "enabled"}), `top_k`, `min_p`,
-`repeat_penalty` (alias `repetition_penalty`), `ignore_eos`.
+`repeat_penalty` (alias `repetition_penalty`), `ignore_eos`, `cache_prompt` (the prompt cache;
+reported as `usage.prompt_tokens_details.cached_tokens`).
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
     ignore_eos: bool = False
+    cache_prompt: bool = Field(
+        True, description="reuse the KV of a prefix this server still holds from an earlier request (llama-server's "
+        "name for it); false prefills the whole prompt. The output is the same either way")
     # OpenAI fields accepted only at their neutral value
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
@@ -144,6 +148,7 @@ class _Common(BaseModel):
             "chain": chain,
             "n_max": spec.n_max if spec else None,
             "ignore_eos": self.ignore_eos,
+            "cache_prompt": self.cache_prompt,
         }
 
 

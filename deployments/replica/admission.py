@@ -136,6 +136,7 @@ class Admission:
             chain=None if chain is None else tuple(chain),
             n_max=n_max,
             ignore_eos=bool(request.get("ignore_eos", False)),
+            cache_prompt=bool(request.get("cache_prompt", True)),
             truncated_prompt_tokens=dropped,
             **kw,
         )

@@ -61,6 +61,7 @@ class Faults:
             self.slots.fail(running, error_item(503, msg, "target_unavailable"), out)
         if sup.state == UP:  # a fresh actor: nothing of the old one's KV cache exists there
             remote.reset(sup.handle, sup.epoch)
+            self.parts.scheduler.forget_prompt_cache(clear_kv=False)
             return True
         queue = self.parts.scheduler.queue
         if sup.state == FAILED and queue:
@@ -80,6 +81,8 @@ class Faults:
         seqs = self.slots.running()
         log.exception("round failed; failing %d requests", len(seqs))
         self.slots.fail(seqs, error_item(500, f"internal error: {self.last_error}"), out)
+        # what a failed round left in the KV cells is unknown: no later prompt may reuse them
+        self.parts.scheduler.forget_prompt_cache()
 
     def flush_releases(self) -> None:
         """Idle, distributed: send the releases buffered for the target actor (frees its KV cells now)."""

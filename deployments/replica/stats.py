@@ -37,6 +37,10 @@ def round_snapshot(core) -> dict:
         "queued": len(s.queue),
         "free_slots": len(s.free_slots),
         "reserved_cells": s.reserved,
+        # idle slots' KV kept for later prompts with the same prefix; cached_cells: per slot, 0 if none
+        "prompt_cache": s.prompt_cache.stats() | {
+            "cached_cells": [len(c.tokens) if (c := s.prompt_cache.slots.get(i)) else 0
+                             for i in range(parts.config.slots)]},
         "streams": len(core.slots.streams),
         "scheduler": asdict(s.stats),
         "chain": s.config.chain.label,
@@ -59,7 +63,8 @@ def round_snapshot(core) -> dict:
             "max_seqs_in_decode": r.max_seqs_in_decode,
             "step_decodes": r.step_decodes,
             "step_decode_seqs": r.step_decode_seqs,
-            # KV cells per slot (0 = empty): a finished or cancelled sequence leaves none
+            # KV cells per slot (0 = empty): a finished or cancelled sequence leaves none but what the prompt
+            # cache keeps (prompt_cache.cached_cells)
             "kv_cells": [parts.ctx.seq_pos_max(i) + 1 for i in range(parts.config.slots)],
         }
     if parts.remote is not None:

@@ -52,7 +52,9 @@ Outbox = dict[asyncio.AbstractEventLoop, list]
 def end_info(seq: Sequence) -> dict:
     n_prompt = len(seq.req.prompt_tokens)
     n_gen = len(seq.generated)
-    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
+             # as OpenAI reports it: prompt tokens whose KV was reused (the prompt cache), not prefilled
+             "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}
     truncated = getattr(seq.req, "truncated_prompt_tokens", 0)
     if truncated:
         usage["truncated_prompt_tokens"] = truncated

@@ -40,6 +40,7 @@ import numpy as np
 
 from specray.engine.cost import DecodeCostModel
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE, DraftRequest
+from specray.engine.prompt_cache import common_prefix
 
 from ._util import HistoryCursor
 from .draft_base import DraftParams, ModelSpeculator, SlotMirror
@@ -102,17 +103,6 @@ class _Tokens:
 
     def truncate(self, n: int) -> None:
         self.n = min(self.n, max(0, n))
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two int arrays.
-
-    >>> common_prefix(np.array([1, 2, 3]), np.array([1, 2, 4, 5])), common_prefix(np.array([1]), np.array([1, 2]))
-    (2, 1)
-    """
-    m = min(len(a), len(b))
-    diff = np.flatnonzero(a[:m] != b[:m])
-    return int(diff[0]) if len(diff) else m
 
 
 @dataclass

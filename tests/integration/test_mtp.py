@@ -173,3 +173,21 @@ def test_colocated_router_runs_mtp_in_process(prompts, baseline):
         assert sum(b["accepted_tokens"] for b in by) > 0.9 * sum(b["drafted_tokens"] for b in by) > 0
     finally:
         core.close()
+
+
+def test_the_prompt_cache_is_not_used_by_mtp_sequences(prompts, baseline):
+    # the head needs the target's hidden row of every prompt token, which a reused prefix never produces: an mtp
+    # sequence prefills its whole prompt; a plain one on the same slots reuses the cached KV
+    eng = engine(mtp_target("noisy"), mtp=True)
+    try:
+        eng.run(requests(eng, prompts[:SLOTS], ("mtp",)))
+        again = eng.run(requests(eng, prompts[:SLOTS], ("mtp",)))
+        assert [s.cached_tokens for s in again] == [0] * SLOTS
+        assert [s.generated for s in again] == baseline["noisy"][:SLOTS]
+        plain = eng.run(requests(eng, prompts[:SLOTS], ()))
+        assert all(s.cached_tokens == len(s.req.prompt_tokens) - 1 for s in plain)
+        assert [s.generated for s in plain] == baseline["noisy"][:SLOTS]
+        c = eng.chain.speculator("mtp").counters
+        assert c.mismatched == c.unsynced == c.lost == c.failures == 0
+    finally:
+        eng.close()

@@ -50,6 +50,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def kv_is_only_the_cache(st: dict) -> bool:
+    """/v1/stats: every slot's KV cells are what the prompt cache records for it (0 for a slot it has nothing of):
+    no cells leaked by a finished, cancelled or failed sequence, none lost from a cached one."""
+    return st["target"]["kv_cells"] == st["prompt_cache"]["cached_cells"]
+
+
 def concurrent_prompts() -> list[str]:
     return spec_bench_prompts(N_CONCURRENT)
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from .conftest import AUTH, REL_ENGINE, spec_bench_prompts
+from .conftest import AUTH, REL_ENGINE, kv_is_only_the_cache, spec_bench_prompts
 from .test_reliability import N_CTX_SEQ, stats, wait_idle
 
 pytestmark = [pytest.mark.serve, pytest.mark.model]
@@ -185,7 +185,7 @@ def test_load_200_mixed_requests_at_concurrency_16(rel_server, solo):
     bad = [r for r in results if not r["ok"]]
     assert not bad, bad[:5]
     assert st["active"] == 0 and st["queued"] == 0 and st["free_slots"] == st["slots"]
-    assert not any(st["target"]["kv_cells"]) and st["streams"] == 0
+    assert kv_is_only_the_cache(st) and st["streams"] == 0
     assert st["round_failures"] == 0
     assert rel["cancelled"] - st0["reliability"]["cancelled"] == kinds["cancel"]
     assert rss1 - rss0 < RSS_BOUND

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from .conftest import API_KEY, AUTH, CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, REL_ENGINE, REL_MAX_BODY
+from .conftest import kv_is_only_the_cache
 
 pytestmark = [pytest.mark.serve, pytest.mark.model]
 
@@ -38,12 +39,12 @@ def stats(http) -> dict:
 
 
 def wait_idle(http, timeout: float = 60) -> dict:
-    """Stats once no slot is busy, nothing is queued and every slot's KV cache is empty."""
+    """Stats once no slot is busy, nothing is queued and every slot's KV cells are what its prompt cache holds."""
     deadline = time.time() + timeout
     while True:
         st = stats(http)
         idle = (st["active"] == 0 and st["queued"] == 0 and st["streams"] == 0
-                and st["free_slots"] == st["slots"] and not any(st["target"]["kv_cells"]))
+                and st["free_slots"] == st["slots"] and kv_is_only_the_cache(st))
         if idle or time.time() > deadline:
             return st
         time.sleep(0.2)
@@ -250,7 +251,9 @@ def test_disconnect_mid_stream_frees_slot_and_kv_others_unaffected(rel_server, h
         head = read_events(s, 3)  # decoding: the slot is taken and its KV cache holds the sequence
         assert b" 200 " in head.split(b"\r\n", 1)[0], head[:200]
     mid = stats(http)
-    assert mid["active"] == 2 and sum(1 for c in mid["target"]["kv_cells"] if c > 0) == 2, mid["target"]
+    # the two running sequences' slots hold cells the prompt cache does not own
+    grown = [c > k for c, k in zip(mid["target"]["kv_cells"], mid["prompt_cache"]["cached_cells"])]
+    assert mid["active"] == 2 and sum(grown) == 2, (mid["target"], mid["prompt_cache"])
     # two well-behaved streams run alongside; one dropped connection must not disturb them
     out: dict = {}
     others = [threading.Thread(target=_chat_stream, args=(rel_server, p, out, i)) for i, p in enumerate(CHAT_PROMPTS)]
@@ -268,7 +271,7 @@ def test_disconnect_mid_stream_frees_slot_and_kv_others_unaffected(rel_server, h
         assert out.get(i) == reference[("chat", p, MAX_TOKENS)][0], f"stream {i}: {out.get(i)!r}"
     rel = st["reliability"]
     assert st["active"] == 0 and st["free_slots"] == st["slots"], st
-    assert not any(st["target"]["kv_cells"]), st["target"]  # the dropped sequences' KV cells are gone
+    assert kv_is_only_the_cache(st), st["target"]  # the dropped sequences' cells are gone or the cache's
     assert rel["cancelled"] - rel0["cancelled"] == 2, rel
     assert rel["cancel_rounds_max"] <= 1, rel  # applied at the top of the next round
     emitted = st["scheduler"]["tokens_emitted"] - st0["scheduler"]["tokens_emitted"]
@@ -286,7 +289,7 @@ def test_disconnect_of_non_streamed_request_frees_slot(rel_server, http):
         time.sleep(0.1)
     s.close()
     st = wait_idle(http, 60)
-    assert st["active"] == 0 and not any(st["target"]["kv_cells"]), st
+    assert st["active"] == 0 and kv_is_only_the_cache(st), st
     assert st["reliability"]["cancelled"] == c0 + 1
 
 
@@ -316,6 +319,6 @@ def test_overload_gets_429_with_retry_after_then_recovers(rel_server, http):
         for s in socks:
             s.close()
     st = wait_idle(http, 120)
-    assert st["active"] == 0 and st["queued"] == 0 and not any(st["target"]["kv_cells"]), st
+    assert st["active"] == 0 and st["queued"] == 0 and kv_is_only_the_cache(st), st
     r = http.post(COMP, json={"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200

@@ -234,3 +234,50 @@ def test_client_disconnect_frees_the_slot(server, http):
             break
         time.sleep(0.5)
     assert st["active"] == 0 and st["queued"] == 0, st
+
+
+def _converse(client, turns: list[str], cache_prompt: bool, answers: list[str] | None = None):
+    """One chat, turn by turn: [(answer, usage)]; `answers` (another run's) make the history instead."""
+    messages: list[dict] = []
+    out = []
+    for t, user in enumerate(turns):
+        messages.append({"role": "user", "content": user})
+        r = client.chat.completions.create(model="x", messages=messages, max_tokens=24, temperature=0,
+                                           extra_body={"cache_prompt": cache_prompt})
+        out.append((r.choices[0].message.content, r.usage))
+        messages.append({"role": "assistant", "content": answers[t] if answers else out[-1][0]})
+    return out
+
+
+def test_multi_turn_chat_reuses_the_prompt_cache_with_the_same_output(server, client, http):
+    # two conversations at once, three turns each: with the cache (the default) every turn after the first finds
+    # the previous turn's prompt in its slot's KV and reports it as usage.prompt_tokens_details.cached_tokens;
+    # the answers are the same as with cache_prompt: false (exact mode: token-identical)
+    convs = [["Name a fruit.", "What colour is it?", "Say that in French."],
+             ["Name a planet.", "How far is it from the sun?", "Say that in one word."]]
+    results: dict = {}
+
+    def run(i: int, cache: bool, answers=None):
+        results[i, cache] = _converse(client, convs[i], cache, answers)
+
+    for cache in (False, True):
+        threads = [threading.Thread(target=run, args=(i, cache, [a for a, _ in results[i, False]] if cache else None))
+                   for i in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=600)
+    for i in range(2):
+        off, on = results[i, False], results[i, True]
+        assert [a for a, _ in on] == [a for a, _ in off], f"conversation {i} changed with the prompt cache"
+        assert all(u.prompt_tokens_details.cached_tokens == 0 for _, u in off)
+        for t in range(1, 3):
+            assert on[t][1].prompt_tokens_details.cached_tokens >= on[t - 1][1].prompt_tokens, (i, t, on[t][1])
+    pc = http.get("/v1/stats").json()["prompt_cache"]
+    assert pc["enabled"] and pc["hits"] >= 4 and pc["reused_tokens"] > 0, pc
+    # streamed, the final usage chunk says it too
+    stream = client.chat.completions.create(model="x", messages=[{"role": "user", "content": convs[0][0]}],
+                                            max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    usage = [c.usage for c in stream if c.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens > 0, usage

@@ -171,10 +171,10 @@ def nxt(t: int) -> int:
 class CycleTarget:
     """Verifies drafts against the cycle: accepts the draft prefix that continues it, then emits one token."""
 
-    def start(self, seq_id, params, prompt):
+    def start(self, seq_id, params, prompt, n_keep=0):
         pass
 
-    def release(self, seq_id):
+    def release(self, seq_id, keep=False):
         pass
 
     def step(self, items):

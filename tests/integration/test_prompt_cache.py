@@ -1,0 +1,138 @@
+"""The prompt cache (engine/prompt_cache.py): multi-turn chats reuse their slot's KV, and the output does not change.
+
+Conversations run turn by turn, several at once on several slots, speculation on: turn n's prompt is turn n-1's
+prompt, the answer and a new user message. One engine keeps finished sequences' KV (the default), one does not;
+exact mode (batch-invariant target) must give token-identical output, fast mode may diverge only at near-ties.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specray.bench.run import classify_divergence, measure_batch_variance, measure_layout_variance
+from specray.deployments.local_engine import LocalEngine
+from specray.engine.config import ChainConfig, EngineConfig
+from specray.engine.request import GenerationRequest
+
+from ..conftest import spec_bench_questions
+
+pytestmark = pytest.mark.model
+
+CHAIN = ("ngram_mod", "suffix")
+PARAMS = {"ngram_mod": {"n_match": 3, "n_min": 1, "n_max": 8, "pool_size": 1 << 16},
+          "suffix": {"min_match": 1, "p_min": 0.01}}
+FOLLOW_UP = "Now say the same in two sentences."
+
+
+def _engine(model, exact: bool, prompt_cache: bool, slots: int = 4, **kw) -> LocalEngine:
+    cfg = EngineConfig(model="smollm2-135m", slots=slots, n_ctx=1024 * slots, exact=exact, calibrate=False,
+                       record_margins=True, prompt_cache=prompt_cache,
+                       chain=ChainConfig(speculators=list(CHAIN), params=PARAMS, policy="first", n_max=8), **kw)
+    return LocalEngine(cfg, model=model)
+
+
+def _conversations(n: int) -> list[list[str]]:
+    """n Spec-Bench multi-turn questions (two user turns each), plus a third turn."""
+    multi = [q["turns"] for q in spec_bench_questions() if len(q.get("turns", ())) >= 2]
+    return [list(t[:2]) + [FOLLOW_UP] for t in multi[:n]]
+
+
+def _chat(engine: LocalEngine, convs: list[list[str]], max_tokens: int = 40, cache_prompt: bool = True,
+          answers: list[list] | None = None):
+    """Every conversation's turns, all conversations' turn t submitted together; returns [turn][conv] Sequence.
+    `answers` ([turn][conv] Sequence of another run): its answers make the history, so both runs' prompts are the
+    same even where their answers differ."""
+    history: list[list[dict]] = [[] for _ in convs]
+    turns = []
+    for t in range(len(convs[0])):
+        reqs = []
+        for h, conv in zip(history, convs):
+            h.append({"role": "user", "content": conv[t]})
+            req = engine.request(messages=list(h), max_tokens=max_tokens)
+            req.cache_prompt = cache_prompt
+            reqs.append(req)
+        seqs = engine.run(reqs)
+        for c, (h, s) in enumerate(zip(history, seqs)):
+            h.append({"role": "assistant", "content": (answers[t][c] if answers else s).text})
+        turns.append(seqs)
+    return turns
+
+
+@pytest.fixture(scope="module")
+def convs():
+    return _conversations(4)
+
+
+@pytest.fixture(scope="module")
+def exact_without_cache(smollm2, convs):
+    eng = _engine(smollm2, exact=True, prompt_cache=False)
+    turns = _chat(eng, convs)
+    assert eng.scheduler.prompt_cache.stats()["hits"] == 0
+    eng.close()
+    return turns
+
+
+def test_multi_turn_output_is_token_identical_with_the_cache_in_exact_mode(smollm2, convs, exact_without_cache):
+    eng = _engine(smollm2, exact=True, prompt_cache=True)
+    turns = _chat(eng, convs)
+    assert eng.runner.max_seqs_in_decode >= 4  # the conversations really shared batches
+    for t, (with_cache, without) in enumerate(zip(turns, exact_without_cache)):
+        for c, (a, b) in enumerate(zip(with_cache, without)):
+            assert a.generated == b.generated, f"turn {t}, conversation {c} diverged with the prompt cache"
+            assert b.cached_tokens == 0
+            if t == 0:
+                assert a.cached_tokens == 0  # nothing of this conversation was cached before its first turn
+            else:  # at least the whole previous prompt was found in the slot (it is a prefix of this one)
+                prev = turns[t - 1][c]
+                assert a.cached_tokens >= len(prev.req.prompt_tokens), (t, c, a.cached_tokens)
+                assert a.cached_tokens < len(a.req.prompt_tokens)  # the last prompt token is always decoded
+    assert sum(s.spec_total.accepted for seqs in turns for s in seqs) > 0  # speculation was on and paid
+    stats = eng.scheduler.prompt_cache.stats()
+    assert stats["hits"] == 8 and stats["reused_tokens"] == sum(s.cached_tokens for seqs in turns for s in seqs)
+    # KV cells of idle slots are exactly what the cache records: nothing leaked, nothing lost
+    kv = [eng.ctx.seq_pos_max(i) + 1 for i in range(4)]
+    assert kv == [len(eng.scheduler.prompt_cache.slots[i].tokens) for i in range(4)]
+    eng.close()
+
+
+def test_more_conversations_than_slots_and_opting_out(smollm2, convs, exact_without_cache):
+    # 4 conversations on 2 slots: caches are evicted and reused in turn; the output stays the same
+    eng = _engine(smollm2, exact=True, prompt_cache=True, slots=2)
+    turns = _chat(eng, convs)
+    for t, (with_cache, without) in enumerate(zip(turns, exact_without_cache)):
+        assert [s.generated for s in with_cache] == [s.generated for s in without], f"turn {t}"
+    # a request that says cache_prompt: false prefills everything, even where its prefix is cached
+    again = _chat(eng, convs[:2], cache_prompt=False)
+    assert all(s.cached_tokens == 0 for seqs in again for s in seqs)
+    assert [s.generated for s in again[0]] == [s.generated for s in exact_without_cache[0][:2]]
+    eng.close()
+
+
+def test_fast_mode_diverges_only_at_near_ties(smollm2, convs):
+    on, off = (_engine(smollm2, exact=False, prompt_cache=pc) for pc in (True, False))
+    prefix = off.prompt_tokens(messages=[{"role": "user", "content": convs[0][0]}])
+    tie_bound = 2.0 * max(measure_batch_variance(off, prefix), measure_layout_variance(off, prefix))
+    b = _chat(off, convs)
+    a = _chat(on, convs, answers=b)  # the same prompts: a divergence in one turn does not carry into the next
+    assert sum(s.cached_tokens for s in a[-1]) > 0
+    kinds = [classify_divergence(y.generated, x.generated, y.margins, tie_bound)
+             for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
+    print(f"\nprompt cache, fast mode: tie bound {tie_bound:.3f}, outcomes {kinds}")
+    assert "mismatch" not in kinds
+    on.close(), off.close()
+
+
+def test_idle_caches_give_way_to_new_sequences_in_one_kv_pool(smollm2):
+    # 2 slots sharing 2048 cells: a cached conversation is evicted when a new request needs its cells
+    eng = _engine(smollm2, exact=False, prompt_cache=True, slots=2)
+    assert eng.scheduler.shared_cells == 2048
+    first = eng.generate(prompt="Count: " + " ".join(str(i) for i in range(120)), max_tokens=8, chain=())
+    cached = eng.scheduler.prompt_cache.idle_cells()
+    assert cached == first.n_past > 100 and eng.ctx.seq_pos_max(first.slot) + 1 == cached
+    long_prompt = (np.arange(1900, dtype=np.int32) % 500) + 1000  # shares no prefix; leaves < `cached` cells free
+    seq = eng.run([GenerationRequest(long_prompt, max_tokens=8, chain=())])[0]
+    assert seq.slot != first.slot and seq.cached_tokens == 0 and len(seq.generated) == 8
+    assert eng.scheduler.prompt_cache.evicted == 1
+    assert eng.ctx.seq_pos_max(first.slot) + 1 == 0  # the evicted cache's cells were freed
+    eng.close()
