@@ -9,6 +9,10 @@ sequences per target decode and actor hop percentiles (distributed mode).
 The in-process engine produces the same snapshot shape (http_bench_local), so
 every mode's row is computed the same way. Driven by `specray bench --url` /
 `--http` (http_bench_compare); plain `http.client`, so no extra dependency.
+
+Any OpenAI-compatible server works (llama-server included): without /v1/stats
+(a 404) a row simply has no server-window figures (rounds, decode widths, hop),
+and without a `speculative` object in the usage chunk no acceptance figures.
 """
 
 from __future__ import annotations
@@ -26,8 +30,22 @@ import numpy as np
 Prompt = dict
 
 
+class HTTPStatusError(RuntimeError):
+    """A non-200 answer; `status` says which (a 404 on /v1/stats = not a specray server)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class Server:
-    """One keep-alive HTTP connection to a specray server (one per client thread)."""
+    """One HTTP connection to a server at a time (one Server per client thread).
+
+    A streamed request gets a connection of its own, opened by `connect()` before the request's timing starts
+    and closed after its response: llama-server closes the connection after every streamed response (while
+    saying keep-alive), so reusing it fails the next request with RemoteDisconnected, or costs a retry inside
+    the timing. Connecting outside the timing treats every server alike.
+    """
 
     def __init__(self, url: str, timeout: float = 600, api_key: str | None = None) -> None:
         parts = urlsplit(url.rstrip("/"))
@@ -40,16 +58,23 @@ class Server:
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
 
+    def connect(self) -> None:
+        """Open the connection now unless it is open (call it before starting a request's clock)."""
+        if self.conn.sock is None:
+            self.conn.connect()
+
     def get_json(self, path: str) -> dict:
+        self.connect()
         self.conn.request("GET", self.prefix + path, headers=self.headers)
         r = self.conn.getresponse()
         data = r.read()
         if r.status != 200:
-            raise RuntimeError(f"GET {path}: HTTP {r.status}: {data[:300]!r}")
+            raise HTTPStatusError(f"GET {path}: HTTP {r.status}: {data[:300]!r}", r.status)
         return json.loads(data)
 
     def stream(self, path: str, body: dict):
         """POST with stream=true; yields each SSE `data:` object until [DONE]."""
+        self.connect()
         self.conn.request("POST", self.prefix + path, body=json.dumps(body), headers=self.headers)
         r = self.conn.getresponse()
         if r.status != 200:
@@ -66,7 +91,8 @@ class Server:
                     return
                 yield json.loads(line[6:])
         finally:
-            r.read()  # drain, so the connection can carry the next request
+            r.read()
+            self.conn.close()  # see the class docstring: the next request connects afresh, outside its timing
 
     def close(self) -> None:
         self.conn.close()
@@ -80,18 +106,43 @@ def get_json(url: str, path: str, api_key: str | None = None, timeout: float = 6
         s.close()
 
 
+def get_stats(url: str, api_key: str | None = None) -> dict | None:
+    """/v1/stats, or None from a server that has none (llama-server, any other OpenAI-compatible one)."""
+    try:
+        return get_json(url, "/v1/stats", api_key)
+    except HTTPStatusError as e:
+        if e.status == 404:
+            return None
+        raise
+
+
 def describe(url: str, api_key: str | None = None) -> dict:
-    """What the server says about itself: mode, model, chain, slots (labels the bench rows)."""
-    st = get_json(url, "/v1/stats", api_key)
+    """What the server says about itself: mode, model, chain, slots (labels the bench rows); all but the
+    model are None from a server without /v1/stats."""
+    st = get_stats(url, api_key) or {}
     models = get_json(url, "/v1/models", api_key).get("data") or [{}]
     return {"url": url.rstrip("/"), "mode": st.get("mode"), "model": models[0].get("id"), "chain": st.get("chain"),
-            "slots": st.get("slots"), "n_ctx": st.get("n_ctx")}
+            "slots": st.get("slots"), "n_ctx": st.get("n_ctx"), "owned_by": models[0].get("owned_by")}
+
+
+def server_kind(info: dict) -> str:
+    """A row label from describe(): specray's mode, else llama-server (its /v1/models says owned_by
+    "llamacpp"), else "other".
+
+    >>> [server_kind(i) for i in ({"mode": "colocated"}, {"mode": None, "owned_by": "llamacpp"}, {"mode": None})]
+    ['colocated', 'llama-server', 'other']
+    """
+    if info.get("mode"):
+        return info["mode"]
+    return "llama-server" if info.get("owned_by") == "llamacpp" else "other"
 
 
 def request_body(prompt: Prompt, max_tokens: int, extra: dict) -> tuple[str, dict]:
+    # include_usage: llama-server (like OpenAI) sends usage in a stream only when asked; specray always does.
     # cache_prompt false: every configuration and client count prefills its prompts in full, as the in-process
-    # engine does (a prompt the server saw in an earlier run would otherwise be served from its prompt cache)
-    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "cache_prompt": False} | extra
+    # engine does (a prompt the server saw in an earlier run would otherwise come from its prompt cache)
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "cache_prompt": False,
+            "stream_options": {"include_usage": True}} | extra
     if prompt.get("messages") is not None:
         return "/v1/chat/completions", body | {"messages": prompt["messages"]}
     return "/v1/completions", body | {"prompt": prompt["prompt"]}
@@ -99,6 +150,7 @@ def request_body(prompt: Prompt, max_tokens: int, extra: dict) -> tuple[str, dic
 
 def one_request(server: Server, prompt: Prompt, max_tokens: int, extra: dict) -> dict:
     path, body = request_body(prompt, max_tokens, extra)
+    server.connect()  # outside the timing: a reconnect is the client's business
     t0 = time.perf_counter()
     ttft = None
     usage = spec = None
@@ -114,15 +166,17 @@ def one_request(server: Server, prompt: Prompt, max_tokens: int, extra: dict) ->
     if usage is None:
         raise RuntimeError("the stream ended without usage")
     return {"seconds": time.perf_counter() - t0, "ttft": ttft, "tokens": usage["completion_tokens"],
-            "speculative": spec or {}}
+            "speculative": spec}  # None: the server reports no speculation figures
 
 
 def _percentile(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 3) if values else None
 
 
-def window_figures(before: dict, after: dict) -> dict:
-    """The run's own figures from two /v1/stats-shaped snapshots (counters are cumulative)."""
+def window_figures(before: dict | None, after: dict | None) -> dict:
+    """The run's own figures from two /v1/stats-shaped snapshots (counters are cumulative); {} without them."""
+    if before is None or after is None:
+        return {}
     sb, sa = before["scheduler"], after["scheduler"]
     rounds = sa["rounds"] - sb["rounds"]
     per_round = max(1, rounds)
@@ -160,9 +214,11 @@ def aggregate(results: list[dict], errors: list[str], wall: float, concurrency: 
     """Client-side figures of one run (requests' tokens, latency, speculation)."""
     tokens = sum(r["tokens"] for r in results)
     ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
-    drafts = sum(r["speculative"].get("drafts", 0) for r in results)
-    drafted = sum(r["speculative"].get("drafted_tokens", 0) for r in results)
-    accepted = sum(r["speculative"].get("accepted_tokens", 0) for r in results)
+    specs = [r["speculative"] for r in results if r["speculative"] is not None]
+    drafts = sum(s.get("drafts", 0) for s in specs)
+    drafted = sum(s.get("drafted_tokens", 0) for s in specs)
+    accepted = sum(s.get("accepted_tokens", 0) for s in specs)
+    known = bool(specs)  # a server without speculation figures: None, not a made-up 1.0
     return {
         "streams": concurrency,
         "requests": len(results),
@@ -173,10 +229,10 @@ def aggregate(results: list[dict], errors: list[str], wall: float, concurrency: 
         "tokens_per_s": round(tokens / wall, 2) if wall > 0 else None,
         "mean_latency_s": round(sum(r["seconds"] for r in results) / len(results), 3) if results else None,
         "mean_ttft_ms": round(1000 * sum(ttfts) / len(ttfts), 1) if ttfts else None,
-        "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
-        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
-        "drafted_tokens": drafted,
-        "accepted_tokens": accepted,
+        "acceptance_rate": (round(accepted / drafted, 3) if drafted else 0.0) if known else None,
+        "mean_acceptance_length": (round(1 + accepted / drafts, 3) if drafts else 1.0) if known else None,
+        "drafted_tokens": drafted if known else None,
+        "accepted_tokens": accepted if known else None,
     }
 
 
@@ -210,7 +266,7 @@ def run(url: str, prompts: list[Prompt], concurrency: int, max_tokens: int = 128
         finally:
             server.close()
 
-    before = get_json(url, "/v1/stats", api_key)
+    before = get_stats(url, api_key)
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     t0 = time.perf_counter()
     for t in threads:
@@ -218,6 +274,6 @@ def run(url: str, prompts: list[Prompt], concurrency: int, max_tokens: int = 128
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    after = get_json(url, "/v1/stats", api_key)
-    return {"url": url, "mode": after.get("mode")} | aggregate(results, errors, wall, concurrency) | \
+    after = get_stats(url, api_key) if before is not None else None
+    return {"url": url, "mode": (after or {}).get("mode")} | aggregate(results, errors, wall, concurrency) | \
         window_figures(before, after)

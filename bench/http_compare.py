@@ -79,7 +79,7 @@ def deployed(base_url: str, cfgs: list, progress=print):
 
 
 def _labels(infos: list[dict]) -> list[str]:
-    modes = [i["mode"] or "unknown" for i in infos]
+    modes = [http_bench.server_kind(i) for i in infos]
     return [m if modes.count(m) == 1 else f"{m}@{i['url']}" for m, i in zip(modes, infos)]
 
 
@@ -120,7 +120,8 @@ def compare(
             row = {"label": t["label"]} | run_one(t, c, prompts, max_tokens)
             rows.append(row)
             hop = row.get("hop") or {}
-            progress(f"{t['label']:<12} streams {c:>2}: {row['tokens_per_s']:7.1f} tok/s, {row['rounds']} rounds"
+            progress(f"{t['label']:<12} streams {c:>2}: {_f(row['tokens_per_s'], '7.1f')} tok/s"
+                     + (f", {row['rounds']} rounds" if row.get("rounds") is not None else "")
                      + (f", hop p50 {hop['p50_ms']} ms" if hop.get("p50_ms") is not None else "")
                      + (f", {row['n_errors']} errors" if row["n_errors"] else ""))
     for c in streams:
@@ -153,26 +154,42 @@ def _f(v, fmt: str, suffix: str = "") -> str:
     return "-" if v is None else f"{v:{fmt}}{suffix}"
 
 
+#: the table's columns: header, width, value(row), format; a column no row has a value for is left out
+#: (a server without /v1/stats has no rounds, hop or decode figures, one without `speculative` no acc_len)
+COLUMNS = [
+    ("streams", 8, lambda r: r["streams"], "d"),
+    ("tok/s", 9, lambda r: r["tokens_per_s"], ".1f"),
+    ("vs colo", 9, lambda r: r.get("vs_colocated"), ".2fx"),
+    ("vs in-proc", 11, lambda r: r.get("vs_in_process"), ".2fx"),
+    ("hop p50", 9, lambda r: (r.get("hop") or {}).get("p50_ms"), ".2f"),
+    ("hop p95", 9, lambda r: (r.get("hop") or {}).get("p95_ms"), ".2f"),
+    ("rounds", 8, lambda r: r.get("rounds"), "d"),
+    ("round ms", 9, lambda r: r.get("round_ms"), ".1f"),
+    ("draft", 7, lambda r: r.get("draft_ms_per_round"), ".1f"),
+    ("verify", 7, lambda r: r.get("target_ms_per_round"), ".1f"),
+    ("seqs/dec", 9, lambda r: r.get("mean_seqs_per_decode"), ".2f"),
+    ("acc_len", 8, lambda r: r.get("mean_acceptance_length"), ".2f"),
+    ("ttft ms", 9, lambda r: r.get("mean_ttft_ms"), ".0f"),
+    ("errors", 7, lambda r: r["n_errors"], "d"),
+]
+
+
+def _cell(v, fmt: str) -> str:
+    return _f(v, fmt[:-1], "x") if fmt.endswith("x") else _f(v, fmt)
+
+
 def table(report: dict) -> str:
     m = report.get("meta", {})
     lines = []
     if m:
         lines.append(f"HTTP bench: {m.get('model')}, chain {m.get('chain')}, {m.get('prompts')} prompts x "
                      f"{m.get('max_tokens')} max tokens, slots {m.get('slots')}")
-    lines.append(f"{'mode':<14}{'streams':>8}{'tok/s':>9}{'vs colo':>9}{'vs in-proc':>11}{'hop p50':>9}"
-                 f"{'hop p95':>9}{'rounds':>8}{'round ms':>9}{'draft':>7}{'verify':>7}{'seqs/dec':>9}{'acc_len':>8}"
-                 f"{'ttft ms':>9}{'errors':>7}")
-    for r in report["rows"]:
-        hop = r.get("hop") or {}
-        lines.append(
-            f"{r['label']:<14}{r['streams']:>8}{_f(r['tokens_per_s'], '.1f'):>9}{_f(r['vs_colocated'], '.2f', 'x'):>9}"
-            f"{_f(r['vs_in_process'], '.2f', 'x'):>11}"
-            f"{_f(hop.get('p50_ms'), '.2f'):>9}{_f(hop.get('p95_ms'), '.2f'):>9}"
-            f"{r['rounds']:>8}{_f(r.get('round_ms'), '.1f'):>9}{_f(r.get('draft_ms_per_round'), '.1f'):>7}"
-            f"{_f(r.get('target_ms_per_round'), '.1f'):>7}"
-            f"{_f(r['mean_seqs_per_decode'], '.2f'):>9}{r['mean_acceptance_length']:>8.2f}"
-            f"{_f(r['mean_ttft_ms'], '.0f'):>9}{r['n_errors']:>7}"
-        )
+    rows = report["rows"]
+    cols = [c for c in COLUMNS if any(c[2](r) is not None for r in rows)]
+    width = max([14] + [len(r["label"]) + 2 for r in rows])
+    lines.append(f"{'mode':<{width}}" + "".join(f"{h:>{w}}" for h, w, _, _ in cols))
+    for r in rows:
+        lines.append(f"{r['label']:<{width}}" + "".join(f"{_cell(get(r), fmt):>{w}}" for _, w, get, fmt in cols))
     s = report["summary"]
     parts = [f"{c} stream{'s' if c != '1' else ''} {_f(v, '.2f', 'x')}"
              for c, v in s["distributed_vs_colocated"].items()]

@@ -115,7 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
             "/ wall time), ratio vs co-located and vs in-process, actor hop ms p50/p95 per round\n"
             "(distributed), rounds, mean sequences per target decode. --json writes it.\n"
             "  specray bench --http --num-prompts 8 --max-tokens 64         # local Ray, both modes\n"
-            "  specray bench --url http://127.0.0.1:8000 --url http://10.0.0.2:8000"))
+            "  specray bench --url http://127.0.0.1:8000 --url http://10.0.0.2:8000\n"
+            "Any OpenAI-compatible server (llama-server too) can be a --url: without /v1/stats its rows\n"
+            "have no server-side columns.\n\n"
+            "Multi-turn chat (--url with --turns N): conversations of N turns, each turn the whole history\n"
+            "plus a new user message (Spec-Bench's MT-bench questions, chained), every turn sent with\n"
+            "cache_prompt true and false; per turn: prompt tokens, time to first token with and without\n"
+            "the prompt cache, their ratio and the cached tokens the server reports.\n"
+            "  specray bench --url http://127.0.0.1:8000 --turns 6 --max-tokens 128 --json mt.json"))
     bench.add_argument("--prompts", default=None,
                        help="JSONL: one object per line with 'prompt' (raw text) or 'messages' (chat), optional "
                             "'category' (default: Spec-Bench questions from ../shared/data/spec_bench)")
@@ -173,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--api-key", default=None,
                    help="bearer token for servers that require one (default: $SPECRAY_API_KEY)")
     h.add_argument("--timeout", type=float, default=600, help="seconds per HTTP request (default: %(default)s)")
+    mt = bench.add_argument_group("multi-turn chat over HTTP (with --url)")
+    mt.add_argument("--turns", type=int, default=None, metavar="N",
+                    help="run the multi-turn bench instead: conversations of N turns (history grows every turn), "
+                         "each turn with cache_prompt true and false; prints TTFT per turn with and without the "
+                         "prompt cache. --prompts must have entries with 2+ 'turns' (default: Spec-Bench's)")
+    mt.add_argument("--conversations", type=int, default=None, metavar="K",
+                    help="with --turns: conversations per server, one after another; the table shows per-turn "
+                         "medians (default: 3)")
 
     serve = sub.add_parser(
         "serve", help="start the OpenAI-compatible server on Ray Serve",
@@ -313,6 +328,8 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if args.turns is not None or args.conversations is not None:
+        return _cmd_bench_multiturn(args)
     if args.url or args.http:
         if args.url and args.http:
             raise ValueError("--url benches running servers, --http starts its own: give one of them")
@@ -337,6 +354,20 @@ def _cmd_bench(args) -> int:
     args.order = args.order or "lockstep"
     args.slots = args.slots or 1
     return main_bench(args)
+
+
+def _cmd_bench_multiturn(args) -> int:
+    if args.turns is None:
+        raise ValueError("--conversations is for the multi-turn bench: give --turns N too")
+    if not args.url:
+        raise ValueError("--turns benches running servers: give --url URL")
+    for flag in ("http", "streams", "num_prompts", "configs", "plot", "order", "serve_modes", "port"):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} does not apply to the multi-turn bench (--turns), "
+                             "which sends one request at a time")
+    from specray.bench.multiturn import main_multiturn
+
+    return main_multiturn(args)
 
 
 def _cmd_serve(args) -> int:
@@ -385,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    for flag in ("max_tokens", "threads", "n_ctx", "per_category", "slots", "num_prompts", "repeats"):
+    for flag in ("max_tokens", "threads", "n_ctx", "per_category", "slots", "num_prompts", "repeats", "turns",
+                 "conversations"):
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")

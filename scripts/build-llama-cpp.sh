@@ -17,23 +17,18 @@
 set -euo pipefail
 
 PY=${1:-python3}
-VERSION=0.3.36
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-PATCHES=("$HERE"/native/patches/*.patch)
+# shellcheck source=cpu-flags.sh
+source "$HERE/scripts/cpu-flags.sh"   # LLAMA_CPP_VERSION, GGML_CPU_ARGS, SPECRAY_PATCHES
+VERSION=$LLAMA_CPP_VERSION
+PATCHES=("${SPECRAY_PATCHES[@]}")
 CACHE=${SPECRAY_WHEEL_CACHE:-$HOME/.cache/specray/wheels}
 
-flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
-has() { [[ " $flags " == *" $1 "* ]]; }
-onoff() { if has "$1"; then echo ON; else echo OFF; fi; }
-
-CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_LLAMAFILE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-CMAKE_ARGS+=" -DGGML_SSE42=$(onoff sse4_2) -DGGML_AVX=$(onoff avx) -DGGML_AVX2=$(onoff avx2)"
-CMAKE_ARGS+=" -DGGML_FMA=$(onoff fma) -DGGML_F16C=$(onoff f16c) -DGGML_BMI2=$(onoff bmi2)"
-CMAKE_ARGS+=" -DGGML_AVX_VNNI=$(onoff avx_vnni) -DGGML_AVX512=$(onoff avx512f)"
-CMAKE_ARGS+=" -DGGML_AVX512_VBMI=$(onoff avx512vbmi) -DGGML_AVX512_VNNI=$(onoff avx512_vnni)"
-CMAKE_ARGS+=" -DGGML_AVX512_BF16=$(onoff avx512_bf16)"
+CMAKE_ARGS="$GGML_CPU_ARGS"
 CMAKE_ARGS+=" -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
 
+# The key hashes the exact same text as before cpu-flags.sh was split out, so
+# machines (and CI) with a cached wheel keep it.
 key=$( (echo "$VERSION $CMAKE_ARGS"; cat "${PATCHES[@]}") | sha256sum | cut -c1-16)
 wheel_dir="$CACHE/$key"
 
