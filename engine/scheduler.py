@@ -147,6 +147,7 @@ class Scheduler:
             slot = self.free_slots.pop()
             seq.slot = slot
             seq.state = SeqState.PREFILL
+            seq.t_admit = time.perf_counter()
             self.active[slot] = seq
             self.reserved += seq.reserve
             self.target.start(slot, seq.req.sampling, seq.req.prompt_tokens)
