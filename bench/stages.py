@@ -46,7 +46,8 @@ def summarize(per_request: list[tuple[dict, int]]) -> dict | None:
         vals = np.array([s[k] for s, _ in per_request], dtype=float)
         per_tok = np.array([s[k] / max(1, n) for s, n in per_request], dtype=float)
         out[k] = {"mean": round(float(vals.mean()), 3), "p50": round(float(np.median(vals)), 3),
-                  "mean_per_token": round(float(per_tok.mean()), 4), "p50_per_token": round(float(np.median(per_tok)), 4)}
+                  "mean_per_token": round(float(per_tok.mean()), 4),
+                  "p50_per_token": round(float(np.median(per_tok)), 4)}
     out["per_chunk"] = {k: round(float(np.mean([s[k] for s, _ in per_request if k in s])), 4)
                         for k in PER_CHUNK if any(k in s for s, _ in per_request)}
     return out

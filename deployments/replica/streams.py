@@ -4,7 +4,8 @@ The round thread never touches an event loop directly: it collects
 (queue, item) pairs per loop during a round and hands each loop its batch with
 one `call_soon_threadsafe` (one wake-up per event loop per round).
 
-Items: {"type": "delta", "text", "t"} ("t": perf_counter when the round produced it), then one of {"type": "end", ...} (end_info)
+Items: {"type": "delta", "text", "t"} ("t": perf_counter when the round
+produced it), then one of {"type": "end", ...} (end_info)
 or {"type": "error", ...} (error_item).
 """
 
