@@ -3,7 +3,8 @@
 `run(url, prompts, c, ...)`: `c` client threads pull prompts from a shared
 list and stream each answer (chat prompts to /v1/chat/completions, raw ones to
 /v1/completions); aggregate tokens/s = completion tokens of all requests /
-wall time. The server's /v1/stats is read before and after, and
+wall time; each request's per-stage timing (bench/stages.py) is summarised
+per run. The server's /v1/stats is read before and after, and
 `window_figures` turns the two snapshots into the run's own rounds, mean
 sequences per target decode and actor hop percentiles (distributed mode).
 The in-process engine produces the same snapshot shape (http_bench_local), so
@@ -25,6 +26,8 @@ import time
 from urllib.parse import urlsplit
 
 import numpy as np
+
+from specray.bench import stages as stage_mod
 
 #: a prompt as the bench sends it: {"prompt": str} (raw, /v1/completions) or {"messages": [...]} (chat)
 Prompt = dict
@@ -54,7 +57,8 @@ class Server:
         cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         self.conn = cls(parts.hostname, parts.port, timeout=timeout)
         self.prefix = parts.path.rstrip("/")
-        self.headers = {"Content-Type": "application/json"}
+        # the per-stage timing in every stream's final chunk (deployments/http/timing.py; bench/stages.py)
+        self.headers = {"Content-Type": "application/json", "X-Specray-Timing": "1"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
 
@@ -153,7 +157,8 @@ def one_request(server: Server, prompt: Prompt, max_tokens: int, extra: dict) ->
     server.connect()  # outside the timing: a reconnect is the client's business
     t0 = time.perf_counter()
     ttft = None
-    usage = spec = None
+    usage = spec = timing = None
+    client_ms = 0.0
     for obj in server.stream(path, body):
         if "error" in obj:
             raise RuntimeError(obj["error"].get("message"))
@@ -163,10 +168,14 @@ def one_request(server: Server, prompt: Prompt, max_tokens: int, extra: dict) ->
                 ttft = time.perf_counter() - t0
         if obj.get("usage"):
             usage, spec = obj["usage"], obj.get("speculative")
+        if "specray_timing" in obj:  # the final chunk: the client's end-to-end ends here, as the ingress's does
+            client_ms = 1000.0 * (time.perf_counter() - t0)
+            timing = obj["specray_timing"]
     if usage is None:
         raise RuntimeError("the stream ended without usage")
     return {"seconds": time.perf_counter() - t0, "ttft": ttft, "tokens": usage["completion_tokens"],
-            "speculative": spec}  # None: the server reports no speculation figures
+            "speculative": spec,  # None: the server reports no speculation figures
+            "stages": stage_mod.request_stages(timing, client_ms) if timing is not None else None}
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -233,6 +242,7 @@ def aggregate(results: list[dict], errors: list[str], wall: float, concurrency: 
         "mean_acceptance_length": (round(1 + accepted / drafts, 3) if drafts else 1.0) if known else None,
         "drafted_tokens": drafted if known else None,
         "accepted_tokens": accepted if known else None,
+        "stages": stage_mod.summarize([(r["stages"], r["tokens"]) for r in results if r.get("stages")]),
     }
 
 

@@ -8,7 +8,8 @@ prompts too. Per stream count, every target runs in turn (targets interleaved,
 so machine drift hits them alike), after one unmeasured warm-up request each.
 A row: aggregate tokens/s, its ratio to co-located and to in-process at the
 same stream count, the actor hop per round (p50/p95 ms, distributed), rounds
-and mean sequences per target decode.
+and mean sequences per target decode. Then, per HTTP row, where a request's
+time went, stage by stage (bench/stages.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections import OrderedDict
 from specray.engine.config import ChainConfig, EngineConfig, parse_chain
 
 from specray.bench import http_client as http_bench
+from specray.bench.stages import table as stage_table
 from specray.bench.run import default_prompts_path, load_prompts
 
 DEFAULT_STREAMS = [1, 8]
@@ -198,6 +200,10 @@ def table(report: dict) -> str:
                  f"{s['at_streams']} streams: {verdict}); hop = router-side wall time of the target call minus "
                  "the actor's own time, ms; round/draft/verify = ms per round: the whole round, the speculators' "
                  "drafting (companion call included), the target's own decode time")
+    for r in report["rows"]:
+        if r.get("stages"):
+            lines.append("")
+            lines.append(stage_table(r["label"], r["streams"], r["stages"]))
     return "\n".join(lines)
 
 

@@ -111,6 +111,7 @@ class Sequence:
         self.spec_by_name: dict[str, SpecCounters] = {}
         self.rounds = 0
         self.t_submit = time.perf_counter()
+        self.t_admit: float | None = None  # got its slot (the serve path's per-stage timing starts rounds here)
         self.t_first_token: float | None = None
         self.t_finish: float | None = None
         self.cancelled = False

@@ -180,7 +180,7 @@ class Scheduler:
             self.queue.popleft()
             self.free_slots.remove(slot)
             self.prompt_cache.claim(slot, reuse, use)
-            seq.slot, seq.state = slot, SeqState.PREFILL
+            seq.slot, seq.state, seq.t_admit = slot, SeqState.PREFILL, time.perf_counter()
             seq.n_prefilled = seq.n_past = seq.cached_tokens = reuse
             self.active[slot] = seq
             self.reserved += seq.reserve

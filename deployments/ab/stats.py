@@ -5,7 +5,8 @@ it (and whether that replica has since been scaled away), so it keeps the
 per-request records: token counts, speculation counters and the timings the
 replica measured (TTFT from arrival at the replica, mean inter-token latency,
 end to end). They are kept as columns (compact JSON), the newest
-`max_records` per arm; the totals count every request. The engine counters
+`max_records` per arm; the totals count every request. Streamed requests' per-stage
+timings (ms, http/timing.py) are averaged in `stages_ms`. The engine counters
 (slots, rounds, speculators) come from every live replica of the arm
 (`DeploymentHandle.broadcast`) and are summed here.
 
@@ -23,6 +24,10 @@ from specray.deployments.replica.metrics import spec_totals
 #: per-request columns of `arms.NAME.records`
 RECORD_FIELDS = ("t", "prompt_tokens", "completion_tokens", "ttft_s", "itl_s", "e2e_s", "drafts", "drafted",
                  "accepted")
+#: streamed requests' stages (ms, http/timing.py) averaged in `arms.NAME.stages_ms` (proxy: only the
+#: client sees it)
+STAGE_FIELDS = ("ingress_parse_ms", "handle_ms", "tokenize_ms", "admission_ms", "prefill_ms", "decode_ms",
+                "emit_tail_ms", "sse_tail_ms", "ingress_ms", "emit_mean_ms", "sse_mean_ms", "handle_first_ms")
 TOTAL_FIELDS = ("requests", "errors", "prompt_tokens", "completion_tokens", "drafts", "draft_tokens",
                 "accepted_tokens")
 
@@ -41,6 +46,8 @@ class ArmRecords:
         self.finish_reasons: dict[str, int] = {}
         self.error_statuses: dict[str, int] = {}
         self.cols: dict[str, deque] = {f: deque(maxlen=max_records) for f in RECORD_FIELDS}
+        self.stage_requests = 0
+        self.stage_sums: dict[str, float] = {}
 
     def add(self, result: dict) -> None:
         """A finished request: the replica's end chunk (or non-streamed result) with usage, speculative,
@@ -63,13 +70,23 @@ class ArmRecords:
         for k, v in row.items():
             self.cols[k].append(v)
 
+    def add_stages(self, stages: dict) -> None:
+        """A finished stream's per-stage timing (http/timing.py): summed, for the means in `stages_ms`."""
+        self.stage_requests += 1
+        sums = self.stage_sums
+        for k in STAGE_FIELDS:
+            v = stages.get(k)
+            if v is not None:
+                sums[k] = sums.get(k, 0.0) + v
+
     def add_error(self, status: int) -> None:
         self.totals["errors"] += 1
         self.error_statuses[str(status)] = self.error_statuses.get(str(status), 0) + 1
 
     def snapshot(self) -> dict:
         return {**self.totals, "finish_reasons": dict(self.finish_reasons), "error_statuses": dict(self.error_statuses),
-                "records": {k: list(v) for k, v in self.cols.items()}}
+                "records": {k: list(v) for k, v in self.cols.items()},
+                "stage_sums": {"requests": self.stage_requests} | self.stage_sums}
 
 
 def merge_snapshots(snaps: list[dict]) -> dict:
@@ -77,6 +94,7 @@ def merge_snapshots(snaps: list[dict]) -> dict:
     out: dict[str, Any] = dict.fromkeys(TOTAL_FIELDS, 0)
     out["finish_reasons"], out["error_statuses"] = {}, {}
     out["records"] = {f: [] for f in RECORD_FIELDS}
+    sums: dict[str, float] = {}
     for s in snaps:
         for k in TOTAL_FIELDS:
             out[k] += s.get(k, 0)
@@ -85,6 +103,10 @@ def merge_snapshots(snaps: list[dict]) -> dict:
                 out[key][r] = out[key].get(r, 0) + n
         for f in RECORD_FIELDS:
             out["records"][f].extend(s.get("records", {}).get(f, []))
+        for k, v in s.get("stage_sums", {}).items():
+            sums[k] = sums.get(k, 0) + v
+    n = sums.get("requests", 0)
+    out["stages_ms"] = {"requests": n} | {k: round(sums[k] / n, 3) for k in STAGE_FIELDS if n and k in sums}
     return out | ratios(out)
 
 

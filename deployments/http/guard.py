@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import hmac
 import json
+import time
 from dataclasses import dataclass
+from time import perf_counter
 
 from specray.deployments.http.openai_schema import error_body
+from specray.deployments.http.timing import SCOPE_T0, SCOPE_WALL0
 
 
 @dataclass
@@ -80,6 +83,8 @@ class Guard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        # arrival, for the per-stage timing (timing.py): ingress_parse starts here, before the body is read
+        scope[SCOPE_T0], scope[SCOPE_WALL0] = perf_counter(), time.time()
         s = _settings
         if s.api_key and relative_path(scope) not in OPEN_PATHS:
             why = check_key(scope, s.api_key)

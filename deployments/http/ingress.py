@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import os
+from time import perf_counter
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,6 +43,7 @@ from specray.deployments.http.guard import Guard, configure
 from specray.deployments.http.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
+    DeltaTemplate,
     OpenAIError,
     chat_chunk,
     chat_response,
@@ -51,6 +53,7 @@ from specray.deployments.http.openai_schema import (
     new_id,
     now,
 )
+from specray.deployments.http.timing import StreamClock, wants_timing
 from specray.deployments.config import ServeConfig
 
 log = logging.getLogger("specray.ingress")
@@ -260,15 +263,16 @@ class Ingress:
     async def completions(self, body: CompletionRequest, request: Request):
         arm = self._pick_arm(request, body)
         req = body.to_engine()
-        return await self._generate(req, body, chat=False, arm=arm)
+        return await self._generate(req, body, chat=False, arm=arm, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         arm = self._pick_arm(request, body)
         req = body.to_engine()
-        return await self._generate(req, body, chat=True, arm=arm)
+        return await self._generate(req, body, chat=True, arm=arm, request=request)
 
-    async def _generate(self, req: dict, body, chat: bool, arm: str):
+    async def _generate(self, req: dict, body, chat: bool, arm: str, request: Request):
+        clock = StreamClock(request.scope)
         rid = new_id("chatcmpl" if chat else "cmpl")
         req["request_id"] = rid
         engine, records = self.engines[arm], self.records[arm]
@@ -290,9 +294,11 @@ class Ingress:
                                 headers=arm_header
                                 | (_truncation_header(result["usage"].get("truncated_prompt_tokens", 0)) or {}))
 
+        clock.called()
         gen = engine.options(stream=True).generate_stream.remote(req)
         try:
             first = await gen.__anext__()
+            clock.first_chunk()
         except StopAsyncIteration:
             records.add_error(500)
             raise OpenAIError("the engine ended the stream without an answer", 500) from None
@@ -307,41 +313,51 @@ class Ingress:
                                    headers=arm_header)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            self._sse_stream(gen, rid, chat, include_usage, arm),
+            self._sse_stream(gen, rid, chat, include_usage, arm, clock, wants_timing(request.headers)),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | arm_header
             | (_truncation_header(first.get("truncated_prompt_tokens", 0)) or {}),
         )
 
-    async def _sse_stream(self, gen, rid: str, chat: bool, include_usage: bool, arm: str):
+    async def _sse_stream(self, gen, rid: str, chat: bool, include_usage: bool, arm: str, clock: StreamClock,
+                          timing: bool = False):
+        """The SSE body. Deltas (one per round per stream at most: the replica merges what queued up) are
+        written from a per-stream template: no dict or json.dumps per chunk (openai_schema.DeltaTemplate).
+        With `timing` the final chunk carries the per-stage breakdown under `specray_timing` (timing.py)."""
         created = now()
         model = self.model_id
         finished = False
         records = self.records[arm]
         tag = {"arm": arm}
+        delta = DeltaTemplate(rid, model, created, chat, tag)
         try:
             if chat:
                 yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}) | tag)
             async for chunk in gen:
+                t_got = perf_counter()
                 t = chunk["type"]
                 if t == "delta":
-                    if chat:
-                        yield _sse(chat_chunk(rid, model, created, {"content": chunk["text"]}) | tag)
-                    else:
-                        yield _sse(completion_chunk(rid, model, created, chunk["text"]) | tag)
+                    line = delta.sse(chunk["text"])
+                    clock.sse_s += perf_counter() - t_got
+                    clock.sse_n += 1
+                    yield line
                 elif t == "end":
+                    clock.end_chunk()
                     records.add(chunk)
                     last = (chat_chunk(rid, model, created, {}, chunk["finish_reason"]) if chat
                             else completion_chunk(rid, model, created, "", chunk["finish_reason"])) | tag
                     if include_usage:
                         yield _sse(last)
-                        yield _sse({"id": rid, "object": last["object"], "created": created, "model": model,
-                                    "choices": [], "usage": chunk["usage"], "speculative": chunk["speculative"]}
-                                   | tag)
+                        last = {"id": rid, "object": last["object"], "created": created, "model": model,
+                                "choices": [], "usage": chunk["usage"], "speculative": chunk["speculative"]} | tag
                     else:
                         last["usage"] = chunk["usage"]
                         last["speculative"] = chunk["speculative"]
-                        yield _sse(last)
+                    stages = clock.stages(chunk.get("timing") or {})
+                    records.add_stages(stages)
+                    if timing:
+                        last["specray_timing"] = stages
+                    yield _sse(last)
                     finished = True
                 elif t == "error":
                     records.add_error(chunk["status"])

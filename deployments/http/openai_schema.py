@@ -10,8 +10,10 @@ reported as `usage.prompt_tokens_details.cached_tokens`).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from json.encoder import encode_basestring_ascii
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
@@ -263,3 +265,39 @@ def completion_chunk(rid: str, model: str, created: int, text: str, finish_reaso
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+# ---- SSE chunks on the hot path --------------------------------------------------------------------
+_TEXT_MARK = "@@specray-text@@"
+
+
+class DeltaTemplate:
+    r"""A stream's delta chunks as one precomputed SSE prefix and suffix around the JSON-escaped text.
+
+    The chunk JSON (chat_chunk / completion_chunk, plus `extra` fields such as the arm) is the same for
+    every delta of a stream but its text, so it is serialised once per stream; a delta then costs one
+    C-level string escape and a concatenation, not a dict and a json.dumps (which, with non-default
+    separators, also builds a new JSONEncoder per call). The bytes are exactly json.dumps' with
+    separators (',', ':') and ensure_ascii:
+
+    >>> t = DeltaTemplate("cmpl-1", "m", 7, chat=False, extra={"arm": "a"})
+    >>> t.sse('say "hi"')
+    'data: {"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":"say \\"hi\\"","finish_reason":null,"logprobs":null}],"arm":"a"}\n\n'
+    >>> c = DeltaTemplate("chatcmpl-1", "m", 7, chat=True, extra={"arm": "a"})
+    >>> text = 'line\n\u00e9 \\ "q" \U0001F600'
+    >>> c.sse(text) == "data: " + json.dumps(chat_chunk("chatcmpl-1", "m", 7, {"content": text}) | {"arm": "a"},
+    ...                                      separators=(",", ":")) + "\n\n"
+    True
+    """
+
+    def __init__(self, rid: str, model: str, created: int, chat: bool, extra: dict | None = None) -> None:
+        obj = (chat_chunk(rid, model, created, {"content": _TEXT_MARK}) if chat
+               else completion_chunk(rid, model, created, _TEXT_MARK)) | (extra or {})
+        doc = json.dumps(obj, separators=(",", ":"))
+        mark = json.dumps(_TEXT_MARK)
+        assert doc.count(mark) == 1, "the text marker must appear once (a model id or arm equal to it?)"
+        head, tail = doc.split(mark)
+        self.prefix, self.suffix = "data: " + head, tail + "\n\n"
+
+    def sse(self, text: str) -> str:
+        return self.prefix + encode_basestring_ascii(text) + self.suffix

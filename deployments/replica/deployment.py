@@ -11,7 +11,9 @@ Request dicts come from the ingress (already validated, OpenAI fields mapped):
     {"type": "start", "id", "prompt_tokens", "truncated_prompt_tokens"}
                                                   first, once the request is admitted
     {"type": "delta", "text"}                     new text (merged per wake-up)
-    {"type": "end", "finish_reason", "usage", "speculative"}
+    {"type": "end", "finish_reason", "usage", "speculative", "timing"}
+                                                  timing: ttft/itl/e2e (s) and the replica's
+                                                  stages (ms, metrics.replica_stages)
     {"type": "error", "status", "message", "param", "code"}
                                                   instead of start (400 bad request, 429
                                                   queue full, 503 target restarting) or
@@ -25,13 +27,17 @@ the next round.
 from __future__ import annotations
 
 import logging
+import time
+from time import perf_counter
 
 from ray import serve
 
 from specray.engine.config import ChainConfig
 
 from specray.deployments.ab.arms import DEFAULT_ARM
-from specray.deployments.replica.core import RequestError, RouterCore, next_chunk
+from specray.deployments.replica.core import RequestError, RouterCore
+from specray.deployments.replica.metrics import replica_stages
+from specray.deployments.replica.streams import next_chunk_stamped
 from specray.deployments.config import ServeConfig, deep_merge
 
 log = logging.getLogger("specray.replica")
@@ -79,22 +85,35 @@ class EngineReplica:
         log.info("arm %s: chain updated at run time: %s", self.arm, result)
 
     async def generate_stream(self, request: dict):
+        t_start = perf_counter()
+        wall_start = time.time()
         try:
             req = self.core.make_request(request)
+            t_request = perf_counter()
             seq, queue = await self.core.submit(req)
         except Exception as e:
             yield error_chunk(e)
             return
         done = False
+        emit_s, emit_chunks = 0.0, 0  # the emit stage, summed over the delta chunks (two clock reads each)
         try:
+            to_start = perf_counter() - t_start
             yield {"type": "start", "id": seq.id, "prompt_tokens": len(req.prompt_tokens),
                    "truncated_prompt_tokens": getattr(req, "truncated_prompt_tokens", 0)}
             while True:
-                text, term = await next_chunk(queue)
+                text, term, t_made = await next_chunk_stamped(queue)
                 if text:
+                    if t_made is not None:
+                        emit_s += perf_counter() - t_made
+                        emit_chunks += 1
                     yield {"type": "delta", "text": text}
                 if term is not None:
                     done = True
+                    if term["type"] == "end":  # the ingress adds its own stages (once per request)
+                        term["timing"] |= replica_stages(t_start, t_request, seq.t_admit, seq.t_first_token,
+                                                         seq.t_finish, perf_counter(), emit_s, emit_chunks,
+                                                         to_start)
+                        term["timing"]["wall"] = {"replica_start": wall_start, "replica_end": time.time()}
                     yield term
                     return
         finally:

@@ -54,6 +54,34 @@ def timing_of(seq) -> dict[str, float | None]:
             "decode_tokens_per_s": 1.0 / itl if itl else None}
 
 
+def replica_stages(t_start: float, t_request: float, t_admit: float | None, t_first: float | None,
+                   t_finish: float | None, t_end: float, emit_s: float, emit_chunks: int,
+                   to_start_s: float) -> dict[str, float | int]:
+    """The replica's part of a streamed request's per-stage timing (ms; perf_counter stamps of this process):
+    tokenize (generate_stream called -> engine request built), admission (-> the round that gave it a slot),
+    prefill (-> first token), decode (-> last token), emit_tail (last token -> the end chunk yielded by the
+    replica's event loop). They add up to replica_ms (generate_stream called -> end chunk yielded). Not
+    additive: emit_mean_ms over emit_chunks (each delta chunk: round thread produced it -> event loop yielded
+    it; overlaps the next rounds) and to_start_ms (-> the start chunk yielded: the ingress subtracts it from
+    its wait for that chunk to price one handle round trip).
+
+    >>> d = replica_stages(0.0, 0.001, 0.003, 0.050, 0.250, 0.2505, emit_s=0.004, emit_chunks=40, to_start_s=0.002)
+    >>> d["tokenize_ms"], d["admission_ms"], d["prefill_ms"], d["decode_ms"], d["emit_tail_ms"], d["replica_ms"]
+    (1.0, 2.0, 47.0, 200.0, 0.5, 250.5)
+    >>> d["emit_mean_ms"], d["emit_chunks"], d["to_start_ms"]
+    (0.1, 40, 2.0)
+    """
+    t_admit = t_request if t_admit is None else t_admit  # (never None once a round ran it)
+    t_finish = t_end if t_finish is None else t_finish
+    t_first = t_finish if t_first is None else t_first  # ended without a token: all of it was prefill
+    ms = lambda s: round(1000.0 * s, 3)  # noqa: E731
+    return {"tokenize_ms": ms(t_request - t_start), "admission_ms": ms(t_admit - t_request),
+            "prefill_ms": ms(t_first - t_admit), "decode_ms": ms(t_finish - t_first),
+            "emit_tail_ms": ms(t_end - t_finish), "replica_ms": ms(t_end - t_start),
+            "emit_mean_ms": ms(emit_s / emit_chunks) if emit_chunks else 0.0, "emit_chunks": emit_chunks,
+            "to_start_ms": ms(to_start_s)}
+
+
 def spec_totals(spec_stats: dict[str, Any]) -> tuple[int, int, int, list[int]]:
     """(drafts, draft tokens, accepted tokens, accepted per position) summed over a chain's speculators
     (values: SpeculatorStats or their to_dict())."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from time import perf_counter
 
 from specray.engine.request import Sequence, SeqState
 from specray.engine.scheduler import Event, QueueFullError, Scheduler
@@ -103,7 +104,8 @@ class Slots:
             return
         items = out.setdefault(st.loop, [])
         if ev.text:
-            items.append((st.queue, {"type": "delta", "text": ev.text}))
+            # "t": when the round produced it; the replica's loop measures the emit stage from it
+            items.append((st.queue, {"type": "delta", "text": ev.text, "t": perf_counter()}))
         if ev.finished:
             del self.streams[ev.seq.id]
             items.append((st.queue, end_info(ev.seq)))

@@ -4,7 +4,8 @@ The round thread never touches an event loop directly: it collects
 (queue, item) pairs per loop during a round and hands each loop its batch with
 one `call_soon_threadsafe` (one wake-up per event loop per round).
 
-Items: {"type": "delta", "text"}, then one of {"type": "end", ...} (end_info)
+Items: {"type": "delta", "text", "t"} ("t": perf_counter when the round
+produced it), then one of {"type": "end", ...} (end_info)
 or {"type": "error", ...} (error_item).
 """
 
@@ -104,12 +105,24 @@ async def next_chunk(queue: asyncio.Queue) -> tuple[str, dict | None]:
     Returns (text, terminal): the text of every delta taken, and the end/error
     item if one was reached (a stream has nothing after it).
     """
+    text, term, _ = await next_chunk_stamped(queue)
+    return text, term
+
+
+async def next_chunk_stamped(queue: asyncio.Queue) -> tuple[str, dict | None, float | None]:
+    """next_chunk, plus when the round thread produced the oldest delta taken (perf_counter; None if
+    no delta was taken): the replica's emit stage is "now" minus that, once per chunk it yields."""
     item = await queue.get()
+    if item["type"] != "delta":
+        return "", item, None
+    t_made = item.get("t")
+    if queue.empty():  # the common case: one round's delta, nothing to merge
+        return item["text"], None, t_made
     texts: list[str] = []
     while True:
         if item["type"] != "delta":
-            return "".join(texts), item
+            return "".join(texts), item, t_made
         texts.append(item["text"])
         if queue.empty():
-            return "".join(texts), None
+            return "".join(texts), None, t_made
         item = queue.get_nowait()

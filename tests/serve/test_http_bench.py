@@ -9,6 +9,7 @@ import pytest
 from specray.cli import main as cli
 from specray.bench.http_compare import (compare, deployed, engine_config, select_prompts, serve_configs,
                                                      table)
+from specray.bench.stages import STAGES
 from specray.engine.config import EngineConfig
 
 from .conftest import ENGINE, concurrent_prompts
@@ -31,6 +32,7 @@ def test_http_bench_both_modes_and_in_process(ray_serve, tmp_path):
         finally:
             engine.close()
         print("\n" + table(report))
+        assert "stages: colocated, 3 streams" in table(report) and "stages: in-process" not in table(report)
 
         # the CLI's --url path against a running app, JSON included
         out = tmp_path / "url.json"
@@ -44,6 +46,11 @@ def test_http_bench_both_modes_and_in_process(ray_serve, tmp_path):
     assert 0 < row["completion_tokens"] <= 2 * MAX_TOKENS and row["tokens_per_s"] > 0
     assert row["vs_colocated"] is None and js["summary"]["distributed_vs_colocated"] == {"2": None}
     assert js["meta"]["max_tokens"] == MAX_TOKENS and js["meta"]["streams"] == [2]
+    st = row["stages"]  # every request asked for its per-stage timing (X-Specray-Timing)
+    assert st["requests"] == 2 and all(st[k]["mean"] >= 0 and st[k]["p50_per_token"] >= 0 for k in STAGES)
+    assert sum(st[k]["mean"] for k in STAGES) == pytest.approx(st["total"]["mean"], abs=0.01)
+    assert st["total"]["mean"] <= 1000 * row["mean_latency_s"] + 1  # to the final chunk, not past [DONE]
+    assert st["per_chunk"]["emit_chunks"] >= 1 and st["per_chunk"]["sse_chunks"] == st["per_chunk"]["emit_chunks"]
 
     rows = report["rows"]
     assert [(r["label"], r["streams"]) for r in rows] == [
@@ -53,6 +60,7 @@ def test_http_bench_both_modes_and_in_process(ray_serve, tmp_path):
     assert 0 < tokens.pop() <= len(prompts) * MAX_TOKENS
     for r in rows:
         assert r["requests"] == len(prompts) and r["n_errors"] == 0, r["errors"]
+        assert (r["stages"] is None) == (r["mode"] == "in-process")
         assert r["tokens_per_s"] == pytest.approx(r["completion_tokens"] / r["seconds"], rel=0.02)
         assert r["rounds"] >= len(prompts) and r["mean_ttft_ms"] > 0
         if r["streams"] == 1:  # one request at a time: every target decode holds one sequence

@@ -174,6 +174,18 @@ def test_arm_records_totals_caps_and_merge_across_ingress_replicas():
     assert m["acceptance_rate"] == pytest.approx(24 / 44)
 
 
+def test_stage_means_merge_across_ingress_replicas():
+    a, b = ArmRecords(max_records=3), ArmRecords(max_records=3)
+    a.add_stages({"ingress_parse_ms": 1.0, "handle_ms": 2.0, "decode_ms": 100.0, "proxy_ms": 9.0})
+    a.add_stages({"ingress_parse_ms": 3.0, "handle_ms": 4.0, "decode_ms": 200.0})
+    b.add_stages({"ingress_parse_ms": 5.0, "handle_ms": None, "decode_ms": 300.0})
+    st = merge_snapshots([a.snapshot(), b.snapshot()])["stages_ms"]
+    assert st["requests"] == 3 and st["ingress_parse_ms"] == 3.0 and st["decode_ms"] == 200.0
+    assert st["handle_ms"] == 2.0  # a missing figure counts as 0 (every stream reports all of them)
+    assert "proxy_ms" not in st  # only the client can see the proxy leg
+    assert merge_snapshots([ArmRecords(3).snapshot()])["stages_ms"] == {"requests": 0}
+
+
 def test_replica_stats_are_summed_per_arm():
     spec = {"drafts_chosen": 3, "tokens_generated": 12, "tokens_accepted": 5, "accepted_per_pos": [3, 2]}
     r1 = {"slots": 4, "active": 1, "queued": 0, "free_slots": 3, "scheduler": {"rounds": 10},
