@@ -81,11 +81,11 @@ def get_json(url: str, path: str, api_key: str | None = None, timeout: float = 6
 
 
 def describe(url: str, api_key: str | None = None) -> dict:
-    """What the server says about itself: mode, model, chain, slots (labels the bench rows)."""
+    """What the server says about itself: mode, model, chain, slots, layout (labels the bench rows)."""
     st = get_json(url, "/v1/stats", api_key)
     models = get_json(url, "/v1/models", api_key).get("data") or [{}]
     return {"url": url.rstrip("/"), "mode": st.get("mode"), "model": models[0].get("id"), "chain": st.get("chain"),
-            "slots": st.get("slots"), "n_ctx": st.get("n_ctx")}
+            "slots": st.get("slots"), "n_ctx": st.get("n_ctx"), "layout": (st.get("ingress") or {}).get("layout")}
 
 
 def request_body(prompt: Prompt, max_tokens: int, extra: dict) -> tuple[str, dict]:
