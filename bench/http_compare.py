@@ -65,18 +65,21 @@ def serve_configs(engine: EngineConfig, modes: list[str], layouts: list[str] | N
 
 @contextlib.contextmanager
 def deployed(base_url: str, cfgs: list, progress=print):
-    """Deploy each config as its own app on the running Serve instance; yields {app name: url}; deletes them."""
+    """Deploy each config as its own app on the running Serve instance; yields {mode (mode/layout where modes
+    repeat): url}; deletes them."""
     from ray import serve
 
     from specray.deployments.app import build_app_from_config
 
     urls: dict[str, str] = {}
+    modes = [cfg.mode for cfg in cfgs]
     try:
         for cfg in cfgs:
             t0 = time.perf_counter()
             serve.run(build_app_from_config(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
-            urls[cfg.app_name] = base_url.rstrip("/") + cfg.route_prefix
-            progress(f"deployed {cfg.mode} ({cfg.layout}) at {urls[cfg.app_name]} in {time.perf_counter() - t0:.1f}s")
+            key = cfg.mode if modes.count(cfg.mode) == 1 else f"{cfg.mode}/{cfg.layout}"
+            urls[key] = base_url.rstrip("/") + cfg.route_prefix
+            progress(f"deployed {key} ({cfg.layout}) at {urls[key]} in {time.perf_counter() - t0:.1f}s")
         yield urls
     finally:
         for cfg in cfgs:

@@ -159,7 +159,8 @@ def direct_ingress_env(port: int) -> dict[str, str]:
     '8000'
     """
     return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # range(MIN, MAX): one port
             "RAY_SERVE_PORT_QUARANTINE_S": "0", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
@@ -190,10 +191,10 @@ def main_serve(args) -> int:
 
     proxy_port = cfg.port
     if cfg.direct_ingress:
-        check_direct_ingress(cfg)
         if "ray.serve" in sys.modules:  # Serve read its flags at import: too late to set them
             raise RuntimeError("--direct-ingress must be set before Ray Serve is imported in this process")
         os.environ.update(direct_ingress_env(cfg.port))
+        check_direct_ingress(cfg)  # (imports the app, so Serve: after the environment is set)
         proxy_port = _free_port()  # Serve's proxy still runs (head node): out of the replica's way
 
     import ray

@@ -95,5 +95,5 @@ def test_direct_ingress_wants_one_ingress_replica():
         check_direct_ingress(load_serve_config({"direct_ingress": True, "layout": "split", "ingress_replicas": 2}))
     env = direct_ingress_env(8123)
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
-    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8123"
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("8123", "8124")
     assert config_from_args(build_parser().parse_args(["serve", "--direct-ingress"])).direct_ingress
