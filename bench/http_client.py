@@ -121,12 +121,13 @@ def get_stats(url: str, api_key: str | None = None) -> dict | None:
 
 
 def describe(url: str, api_key: str | None = None) -> dict:
-    """What the server says about itself: mode, model, chain, slots (labels the bench rows); all but the
-    model are None from a server without /v1/stats."""
+    """What the server says about itself: mode, model, chain, slots, layout (labels the bench rows); all but
+    the model are None from a server without /v1/stats."""
     st = get_stats(url, api_key) or {}
     models = get_json(url, "/v1/models", api_key).get("data") or [{}]
     return {"url": url.rstrip("/"), "mode": st.get("mode"), "model": models[0].get("id"), "chain": st.get("chain"),
-            "slots": st.get("slots"), "n_ctx": st.get("n_ctx"), "owned_by": models[0].get("owned_by")}
+            "slots": st.get("slots"), "n_ctx": st.get("n_ctx"), "owned_by": models[0].get("owned_by"),
+            "layout": (st.get("ingress") or {}).get("layout")}
 
 
 def server_kind(info: dict) -> str:

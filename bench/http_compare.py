@@ -32,6 +32,7 @@ from specray.bench.run import default_prompts_path, load_prompts
 DEFAULT_STREAMS = [1, 8]
 DEFAULT_NUM_PROMPTS = 16
 SERVE_MODES = ("colocated", "distributed")
+LAYOUTS = ("fused", "split")
 #: issue 3's bar: the actor hop may cost distributed mode at most 15% at 8 streams
 TARGET_RATIO = 0.85
 WARMUP_TOKENS = 8
@@ -51,28 +52,36 @@ def select_prompts(path: str, categories: list[str] | None, per_category: int | 
     return out
 
 
-def serve_configs(engine: EngineConfig, modes: list[str]):
-    """One ServeConfig per mode: same engine, own app name and route prefix (one Serve instance)."""
+def serve_configs(engine: EngineConfig, modes: list[str], layouts: list[str] | None = None):
+    """One ServeConfig per mode (and per layout, when several are asked for): same engine, own app name and
+    route prefix (one Serve instance). None: ServeConfig's default layout."""
     from specray.deployments.config import ServeConfig
 
-    return [ServeConfig(engine=engine, mode=m, app_name=f"specray-bench-{m}", route_prefix=f"/bench-{m}")
-            for m in modes]
+    if not layouts or len(layouts) == 1:
+        extra = {"layout": layouts[0]} if layouts else {}
+        return [ServeConfig(engine=engine, mode=m, app_name=f"specray-bench-{m}", route_prefix=f"/bench-{m}",
+                            **extra) for m in modes]
+    return [ServeConfig(engine=engine, mode=m, layout=lay, app_name=f"specray-bench-{m}-{lay}",
+                        route_prefix=f"/bench-{m}-{lay}") for m in modes for lay in layouts]
 
 
 @contextlib.contextmanager
 def deployed(base_url: str, cfgs: list, progress=print):
-    """Deploy each config as its own app on the running Serve instance; yields {mode: url}; deletes them."""
+    """Deploy each config as its own app on the running Serve instance; yields {mode (mode/layout where modes
+    repeat): url}; deletes them."""
     from ray import serve
 
     from specray.deployments.app import build_app_from_config
 
     urls: dict[str, str] = {}
+    modes = [cfg.mode for cfg in cfgs]
     try:
         for cfg in cfgs:
             t0 = time.perf_counter()
             serve.run(build_app_from_config(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
-            urls[cfg.mode] = base_url.rstrip("/") + cfg.route_prefix
-            progress(f"deployed {cfg.mode} at {urls[cfg.mode]} in {time.perf_counter() - t0:.1f}s")
+            key = cfg.mode if modes.count(cfg.mode) == 1 else f"{cfg.mode}/{cfg.layout}"
+            urls[key] = base_url.rstrip("/") + cfg.route_prefix
+            progress(f"deployed {key} ({cfg.layout}) at {urls[key]} in {time.perf_counter() - t0:.1f}s")
         yield urls
     finally:
         for cfg in cfgs:
@@ -81,8 +90,20 @@ def deployed(base_url: str, cfgs: list, progress=print):
 
 
 def _labels(infos: list[dict]) -> list[str]:
+    """Row labels: the server's kind (specray's mode, llama-server, other); with the layout (mode/layout) where
+    kinds repeat; with the URL where both do.
+
+    >>> _labels([{"mode": "colocated", "layout": "fused", "url": "u1"}, {"mode": "distributed", "url": "u2"}])
+    ['colocated', 'distributed']
+    >>> _labels([{"mode": "colocated", "layout": "fused", "url": "u1"}, {"mode": "colocated", "layout": "split",
+    ...          "url": "u2"}, {"mode": "colocated", "layout": "split", "url": "u3"}])
+    ['colocated/fused', 'colocated/split@u2', 'colocated/split@u3']
+    >>> _labels([{"mode": None, "owned_by": "llamacpp", "url": "u1"}, {"mode": "colocated", "url": "u2"}])
+    ['llama-server', 'colocated']
+    """
     modes = [http_bench.server_kind(i) for i in infos]
-    return [m if modes.count(m) == 1 else f"{m}@{i['url']}" for m, i in zip(modes, infos)]
+    labels = [m if modes.count(m) == 1 else f"{m}/{i.get('layout') or '?'}" for m, i in zip(modes, infos)]
+    return [lab if labels.count(lab) == 1 else f"{lab}@{i['url']}" for lab, i in zip(labels, infos)]
 
 
 def compare(
@@ -284,12 +305,16 @@ def main_http_bench(args) -> int:
         if bad or not modes:
             raise ValueError(f"--serve-modes: expected a comma-separated subset of {','.join(SERVE_MODES)}, "
                              f"got {args.serve_modes!r}")
+        layouts = [x for x in (args.layouts or "").split(",") if x] or None
+        if layouts and any(x not in LAYOUTS for x in layouts):
+            raise ValueError(f"--layouts: expected a comma-separated subset of {','.join(LAYOUTS)}, got "
+                             f"{args.layouts!r}")
         ecfg = engine_config(args, args.slots or max(streams), args.spec)
         with local_serve(args.port or 0, progress) as base, \
-                deployed(base, serve_configs(ecfg, modes), progress) as urls:
+                deployed(base, serve_configs(ecfg, modes, layouts), progress) as urls:
             engine = local_engine(ecfg)
             try:
-                report = compare([urls[m] for m in modes], prompts, streams, args.max_tokens, engine,
+                report = compare(list(urls.values()), prompts, streams, args.max_tokens, engine,
                                  api_key=api_key, timeout=args.timeout, progress=progress)
             finally:
                 if engine is not None:

@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(routes /bench-colocated, /bench-distributed), bench them, shut everything down")
     h.add_argument("--serve-modes", default=None,
                    help="with --http: comma-separated deployment modes (default: colocated,distributed)")
+    h.add_argument("--layouts", default=None,
+                   help="with --http: comma-separated serving layouts (fused, split), one app per mode and layout, "
+                        "rows labelled MODE/LAYOUT (default: ServeConfig's default layout only)")
     h.add_argument("--port", type=int, default=None, help="with --http: HTTP port (default: a free one)")
     h.add_argument("--streams", type=int, nargs="+", default=None,
                    help="concurrent client streams, one table row per mode each (default: 1 8)")
@@ -246,6 +249,16 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    "recorded here, else a new local Ray; the first line printed says which")
     p.add_argument("--mode", choices=["colocated", "distributed"], default=S,
                    help=f"target in the router process, or in its own actor {d(ServeConfig, 'mode')}")
+    p.add_argument("--layout", choices=["fused", "split"], default=S,
+                   help="fused: with one arm, the engine replica deployment serves HTTP itself (one process "
+                   "fewer per streamed token: replica -> Serve's proxy -> client); split: an Ingress deployment in "
+                   "front of the engine deployment (replica -> ingress -> proxy). Several --arm, or autoscaling, always run split "
+                   f"{d(ServeConfig, 'layout')}")
+    p.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=S,
+                   help="the ingress replica (fused: the engine replica) listens on --port itself, no HTTP proxy "
+                   "process in between (Ray Serve's direct ingress; Serve's proxy moves to a free port). Needs the "
+                   "local Ray specray serve starts (not a joined cluster) and one ingress replica "
+                   f"{d(ServeConfig, 'direct_ingress')}")
     p.add_argument("--slots", type=int, default=S, help=f"concurrent sequences per replica {d(EngineConfig, 'slots')}")
     p.add_argument("--api-key", default=S,
                    help="require `Authorization: Bearer KEY` on every endpoint but /health (default: the file's "
@@ -344,7 +357,7 @@ def _cmd_bench(args) -> int:
         from specray.bench.http_compare import main_http_bench
 
         return main_http_bench(args)
-    http_only = [f for f in ("serve_modes", "port", "streams", "num_prompts", "spec", "api_key")
+    http_only = [f for f in ("serve_modes", "layouts", "port", "streams", "num_prompts", "spec", "api_key")
                  if getattr(args, f) is not None] + [f for f in ("no_in_process",) if getattr(args, f)]
     if http_only:
         raise ValueError(f"--{http_only[0].replace('_', '-')} needs --url or --http")

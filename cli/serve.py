@@ -19,6 +19,8 @@ _FLAG_FIELDS = {
     "port": ("port",),
     "api_key": ("api_key",),
     "mode": ("mode",),
+    "layout": ("layout",),
+    "direct_ingress": ("direct_ingress",),
     "slots": ("engine", "slots"),
     "model": ("engine", "model"),
     "chat_template": ("engine", "chat_template"),
@@ -83,6 +85,14 @@ def config_from_args(args, environ: dict | None = None) -> ServeConfig:
     return cfg
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def url_of(cfg: ServeConfig) -> str:
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     prefix = cfg.route_prefix.rstrip("/")
@@ -140,6 +150,36 @@ def connect_ray(flag: str | None) -> tuple[str, bool]:
             f"{res.get('CPU', 0):g} CPUs, {res.get('GPU', 0):g} GPUs, {len(ray.nodes())} nodes)"), True
 
 
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """Environment that makes Ray Serve (2.60) run direct ingress with the ingress replica on `port`: Serve reads
+    these at import, in the controller and the replicas, so they must be set before Ray starts. One port in the
+    range = one ingress replica per node; a replaced replica takes the port again at once (no quarantine: that
+    is for HAProxy's stale backends) and a stopping one drains 2 s, not 30 (no load balancer in front).
+
+    >>> direct_ingress_env(8000)["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]
+    '8000'
+    """
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # range(MIN, MAX): one port
+            "RAY_SERVE_PORT_QUARANTINE_S": "0", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+
+
+def check_direct_ingress(cfg: ServeConfig) -> None:
+    """ValueError naming --direct-ingress when the config could start more than one ingress replica (they
+    would all want `port`)."""
+    from specray.deployments.app import uses_fused
+
+    if uses_fused(cfg):
+        many = (resolve_arms(cfg)[0].num_replicas or cfg.num_replicas) > 1
+        what = "the fused engine deployment's num_replicas"
+    else:
+        many, what = cfg.ingress_replicas > 1, "ingress_replicas"
+    if many:
+        raise ValueError(f"--direct-ingress serves --port from one ingress replica; {what} may be more than 1 "
+                         "(drop --direct-ingress, or serve one replica)")
+
+
 def main_serve(args) -> int:
     cfg = config_from_args(args)
     from specray.native.models import resolve_model
@@ -150,16 +190,28 @@ def main_serve(args) -> int:
     if cfg.engine.hidden.eagle3_model:
         resolve_model(cfg.engine.hidden.eagle3_model)
 
+    proxy_port = cfg.port
+    if cfg.direct_ingress:
+        if "ray.serve" in sys.modules:  # Serve read its flags at import: too late to set them
+            raise RuntimeError("--direct-ingress must be set before Ray Serve is imported in this process")
+        os.environ.update(direct_ingress_env(cfg.port))
+        check_direct_ingress(cfg)  # (imports the app, so Serve: after the environment is set)
+        proxy_port = _free_port()  # Serve's proxy still runs (head node): out of the replica's way
+
     import ray
     from ray import serve
 
-    from specray.deployments.app import build_app_from_config
+    from specray.deployments.app import build_app_from_config, uses_fused
 
     joined = False
     if not ray.is_initialized():
         line, joined = connect_ray(getattr(args, "address", None))
         print(f"specray: {line}", flush=True)
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    if joined and cfg.direct_ingress:
+        ray.shutdown()
+        raise ValueError("--direct-ingress needs a Ray that specray serve starts itself (Serve reads the setting "
+                         "from its processes' environment): add --address local")
+    serve.start(http_options={"host": cfg.host, "port": proxy_port})
     t0 = time.perf_counter()
     serve.run(build_app_from_config(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
     url = url_of(cfg)
@@ -168,7 +220,10 @@ def main_serve(args) -> int:
         what = f"arms {arms}"
     else:
         what = f"chain {cfg.engine.chain.label}"
-    print(f"specray: serving {cfg.model_id} ({cfg.mode}, {what}, "
+    layout = "fused: the engine replica serves HTTP" if uses_fused(cfg) else "split: ingress + engine deployments"
+    if cfg.direct_ingress:
+        layout += f"; direct ingress: the replica listens on {cfg.port}, Serve's proxy on {proxy_port}"
+    print(f"specray: serving {cfg.model_id} ({cfg.mode}, {layout}, {what}, "
           f"{cfg.engine.slots} slots per replica) at {url}/v1  [ready in {time.perf_counter() - t0:.1f}s]",
           flush=True)
     auth = " -H 'Authorization: Bearer <api key>'" if cfg.api_key else ""

@@ -1,4 +1,10 @@
-"""App builders: ServeConfig -> Serve application (ingress -> one engine deployment per A/B arm).
+"""App builders: ServeConfig -> Serve application.
+
+Two layouts (ServeConfig.layout): `split`, an Ingress deployment in front of
+one engine deployment per A/B arm; `fused` (one arm at a fixed replica
+count; several arms or autoscaling are always split), the arm's engine
+deployment serving HTTP itself (deployments/fused.py), one process fewer on
+every token's way out.
 
 `build_app(args)` is the import path for Ray's own CLI:
 
@@ -14,7 +20,7 @@ with its own chain, replicas / autoscaling. What may change at run time is
 in the deployments' `user_config`, which Serve applies without restarting
 replicas (`serve deploy` with `deployments: [{name, user_config}]`):
 the Ingress takes `{"weights": {ARM: WEIGHT}}`, an arm's engine
-`{"chain": ChainConfig fields}`.
+`{"chain": ChainConfig fields}` (fused: the one deployment takes both).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from ray.serve.config import BackpressureConfig
 from specray.cluster.placement import STRATEGY, replica_bundles
 
 from specray.deployments.ab.arms import ArmConfig, autoscaling_config, deployment_name, resolve_arms
+from specray.deployments.fused import FusedReplica
 from specray.deployments.http.ingress import Ingress
 from specray.deployments.replica.deployment import EngineReplica
 from specray.deployments.config import ServeConfig, load_serve_config
@@ -68,9 +75,33 @@ def arm_serve_config(cfg: ServeConfig, arm: ArmConfig) -> ServeConfig:
     })
 
 
+def uses_fused(cfg: ServeConfig) -> bool:
+    """Whether this config deploys the fused layout: asked for, one arm (A/B needs the Ingress to route between
+    the arms' deployments) and a fixed replica count (under autoscaling the Ingress keeps the request records
+    of engine replicas that scale away; fused, they would go with the replica)."""
+    arms = resolve_arms(cfg)
+    if cfg.layout != "fused" or len(arms) != 1:
+        return False
+    return (arms[0].autoscaling if arms[0].autoscaling is not None else cfg.autoscaling) is None
+
+
+def build_fused(cfg: ServeConfig, arm: ArmConfig) -> Application:
+    """One arm, fused: the engine replica deployment serves HTTP itself (deployments/fused.py)."""
+    acfg = arm_serve_config(cfg, arm)
+    return FusedReplica.options(
+        **replica_options(acfg),
+        name=deployment_name(arm.name, explicit=bool(cfg.arms)),
+        user_config={"chain": acfg.engine.chain.model_dump(mode="json"), "weights": {arm.name: arm.weight}},
+        # the HTTP proxy calls this deployment: Serve's own 503 + Retry-After when its queue is full
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.retry_after_s or None),
+    ).bind(cfg.model_dump(mode="json"), acfg.model_dump(mode="json"), arm.name, acfg.num_replicas)
+
+
 def build_app_from_config(cfg: ServeConfig) -> Application:
     conf = cfg.model_dump(mode="json")
     arms = resolve_arms(cfg)
+    if uses_fused(cfg):
+        return build_fused(cfg, arms[0])
     engines = {}
     for arm in arms:
         acfg = arm_serve_config(cfg, arm)

@@ -34,6 +34,12 @@ Mode = Literal["colocated", "distributed"]
 DEFAULT_MODE: Mode = "colocated"
 
 
+Layout = Literal["fused", "split"]
+
+#: the default serving layout (README 'Serving layouts': measured with specray bench over HTTP)
+DEFAULT_LAYOUT: Layout = "fused"
+
+
 #: extra environment of the engine processes; none by default (see worker_env)
 DEFAULT_WORKER_ENV: dict[str, str] = {}
 
@@ -55,6 +61,22 @@ class ServeConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (specray serve)")
     served_model_name: str | None = Field(None, description="model id in /v1/models and responses (default: engine.model)")
 
+    layout: Layout = Field(
+        DEFAULT_LAYOUT,
+        description="fused: with one arm, the engine replica deployment serves HTTP itself (a token goes round "
+        "thread -> replica event loop -> Serve's proxy; measured faster on a small CPU box, see README 'Serving "
+        "layouts'); split: an Ingress deployment in front of the engine deployment (one more process and Serve "
+        "handle hop per token; ingress_replicas / ingress_cpus apply). Several arms or autoscaling are always "
+        "split (the Ingress routes between the arms' deployments and keeps the request records of replicas "
+        "that scale away)",
+    )
+    direct_ingress: bool = Field(
+        False,
+        description="specray serve only: the app's ingress replica (fused: the engine replica) listens on `port` "
+        "itself (Ray Serve's direct ingress, RAY_SERVE_ENABLE_DIRECT_INGRESS), so no HTTP proxy process "
+        "handles the requests; Serve's proxy moves to another port. Needs a Ray that specray serve starts (the "
+        "setting is in Ray's processes' environment) and one ingress replica (Serve gives each its own port)",
+    )
     num_replicas: int = Field(1, ge=1, description="engine replicas (ignored when autoscaling is set)")
     autoscaling: dict[str, Any] | None = Field(
         None, description="passed as is to Serve's autoscaling_config of the engine replica deployment"

@@ -5,9 +5,9 @@ It runs before FastAPI parses anything, so a request without the right key
 costs neither JSON parsing nor model work. `/health` needs no key (load
 balancers and Serve's probes call it). Errors use OpenAI's body.
 
-The settings come from the deployment's ServeConfig: `Ingress.__init__`
-calls `configure` (one ingress replica per process, so a module-level
-setting is the replica's own).
+The settings come from the deployment's ServeConfig: `IngressRoutes.__init__`
+(the Ingress, or the fused engine replica) calls `configure` (one ingress
+replica per process, so a module-level setting is the replica's own).
 """
 
 from __future__ import annotations

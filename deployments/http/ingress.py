@@ -7,6 +7,11 @@ the actor hop, speculators, slots, KV cells per slot, cancellations, actor
 restarts, RSS; under `arms`, each A/B arm's figures: request records and
 totals kept here, engine counters summed over the arm's replicas).
 
+The routes live in `IngressRoutes`, over one engine link per arm
+(engine_link.py). Split layout: the `Ingress` deployment below serves them in
+front of the arms' engine deployments (Serve handles). Fused layout (one arm,
+deployments/fused.py): the engine replica serves them itself, in-process.
+
 A/B arms (deployments/ab/arms.py): each arm is its own engine deployment; a
 request goes to the arm named by `X-Specray-Arm`, else to the one its `user`
 field (or `X-Session-Id` header) hashes to, else to one drawn by weight. The
@@ -37,8 +42,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specray.deployments.ab.stats import ArmRecords, aggregate_replicas, merge_snapshots
+from specray.deployments.ab.stats import ArmRecords, merge_snapshots
 from specray.deployments.ab.arms import ARM_HEADER, SESSION_HEADER, ArmTable, resolve_arms
+from specray.deployments.http.engine_link import HandleEngine
 from specray.deployments.http.guard import Guard, configure
 from specray.deployments.http.openai_schema import (
     ChatCompletionRequest,
@@ -143,13 +149,21 @@ def _handle_error(e: Exception) -> OpenAIError:
     return OpenAIError(f"internal error: {name}: {e}", 500)
 
 
-@serve.deployment(name="Ingress")
-@serve.ingress(app)
-class Ingress:
-    def __init__(self, engines, config: dict) -> None:
+class IngressRoutes:
+    """The routes and the A/B arm table, over links to the arms' engines (deployments/http/engine_link.py).
+    Two deployments serve them (deployments/app.py): `Ingress` below (split layout: the engines are other
+    deployments, reached through handles) and `FusedReplica` (deployments/fused.py: the one arm's engine in
+    the same replica, called in-process)."""
+
+    #: one ingress replica: /v1/stats' records are this replica's own (no broadcast to the others)
+    solo = True
+    #: ServeConfig.layout this deployment serves (/v1/stats -> ingress.layout)
+    layout = "split"
+
+    def __init__(self, engines: dict, config: dict) -> None:
         self.cfg = ServeConfig.model_validate(config)
-        # {arm: DeploymentHandle of that arm's EngineReplica deployment}, in arm order
-        self.engines = engines if isinstance(engines, dict) else {"default": engines}
+        # {arm: EngineLink of that arm's engine}, in arm order
+        self.engines = engines
         arms = resolve_arms(self.cfg)
         self.arms = ArmTable(arms, salt=self.cfg.arm_salt)
         self.init_weights = {a.name: a.weight for a in arms}
@@ -197,7 +211,7 @@ class Ingress:
         per_arm: dict[str, dict] = {}
         for name, handle in self.engines.items():
             try:
-                per_arm[name] = await handle.health.remote()
+                per_arm[name] = await handle.health()
             except Exception as e:
                 if len(self.engines) == 1:
                     return _error_response(f"unhealthy: {type(e).__name__}: {e}", 503)
@@ -217,11 +231,11 @@ class Ingress:
         per arm its weight, chain, request totals and records (all ingress replicas) and its engine
         counters summed over its live replicas."""
         try:
-            top = await self.engine.stats.remote()
+            top = await self.engine.stats()
         except Exception as e:
             raise _handle_error(e) from None
         records = await self._all_records()
-        engines = await asyncio.gather(*(self._arm_engine(h) for h in self.engines.values()))
+        engines = await asyncio.gather(*(h.stats_all() for h in self.engines.values()))
         shares = self.arms.shares()
         top["arms"] = {
             name: {"weight": w, "share": shares[name], "chain": eng.get("chain") or self.chains[name]}
@@ -229,18 +243,8 @@ class Ingress:
             for (name, w), eng in zip(zip(self.arms.names, self.arms.weights), engines)
         }
         top["ingress"] = {"replicas": len(records), "pids": [r["pid"] for r in records],
-                          "weights": [r["weights"] for r in records]}
+                          "weights": [r["weights"] for r in records], "layout": self.layout}
         return top
-
-    async def _arm_engine(self, handle) -> dict:
-        try:
-            if hasattr(handle, "broadcast"):
-                results = await handle.broadcast("stats").results_async(timeout_s=30, return_exceptions=True)
-            else:  # Ray < 2.60 has no broadcast: one replica's counters
-                results = [await handle.stats.remote()]
-        except Exception as e:
-            return {"replicas": 0, "errors": [f"{type(e).__name__}: {e}"]}
-        return aggregate_replicas(results)
 
     def arm_records(self) -> dict:
         """This ingress replica's per-arm request records (merged over ingress replicas by /v1/stats)."""
@@ -248,7 +252,7 @@ class Ingress:
                 "arms": {name: r.snapshot() for name, r in self.records.items()}}
 
     async def _all_records(self) -> list[dict]:
-        if self.cfg.ingress_replicas <= 1:
+        if self.solo:
             return [self.arm_records()]
         try:
             ctx = serve.get_replica_context()
@@ -279,7 +283,7 @@ class Ingress:
         arm_header = {ARM_HEADER: arm}
         if not body.stream:
             try:
-                result = await engine.generate.remote(req)
+                result = await engine.generate(req)
             except Exception as e:
                 err = _handle_error(e)
                 records.add_error(err.status)
@@ -295,7 +299,7 @@ class Ingress:
                                 | (_truncation_header(result["usage"].get("truncated_prompt_tokens", 0)) or {}))
 
         clock.called()
-        gen = engine.options(stream=True).generate_stream.remote(req)
+        gen = engine.stream(req)
         try:
             first = await gen.__anext__()
             clock.first_chunk()
@@ -373,3 +377,15 @@ class Ingress:
             if not finished:
                 gen.cancel()  # the client went away: the replica frees the slot
         yield _sse("[DONE]")
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(app)
+class Ingress(IngressRoutes):
+    """The split layout's ingress: its own deployment in front of the arms' engine deployments (A/B)."""
+
+    def __init__(self, engines, config: dict) -> None:
+        # {arm: DeploymentHandle of that arm's EngineReplica deployment}, in arm order
+        handles = engines if isinstance(engines, dict) else {"default": engines}
+        super().__init__({arm: HandleEngine(h) for arm, h in handles.items()}, config)
+        self.solo = self.cfg.ingress_replicas <= 1

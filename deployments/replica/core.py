@@ -213,6 +213,9 @@ class RouterCore:
         return d
 
     def close(self) -> None:
+        if getattr(self, "_closed", False):  # the fused deployment closes it, then the replica's __del__ again
+            return
+        self._closed = True
         with self._cv:
             self._stopping = True
             self._cv.notify()

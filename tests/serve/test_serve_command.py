@@ -55,11 +55,11 @@ def _stop(proc: subprocess.Popen, timeout: float = 60) -> None:
         pass
 
 
-def _serve(env: dict) -> tuple[subprocess.Popen, int, list[str]]:
+def _serve(env: dict, *flags: str) -> tuple[subprocess.Popen, int, list[str]]:
     """Start `specray serve` and wait until it serves; returns (process, port, its stdout lines so far)."""
     port = _free_port()
     proc = subprocess.Popen([str(BIN / "specray"), "serve", "--port", str(port), "--spec", "none", "--slots", "1",
-                             "--n-ctx", "512"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--n-ctx", "512", *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     lines: list[str] = []
     deadline = time.time() + 240
@@ -115,3 +115,42 @@ def test_serve_joins_the_cluster_ray_start_left_running(env):
         assert head.poll() is None  # leaving took only specray's app down, not the user's cluster
     finally:
         _stop(head)
+
+
+def _listener_pid(port: int) -> int | None:
+    """The process listening on 127.0.0.1:port (Linux: the socket's inode in /proc/net/tcp, then whose fd it is)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(f"socket:[{cols[9]}]")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def test_serve_direct_ingress_the_engine_replica_listens_on_the_port(env):
+    """--direct-ingress (fused layout): the engine replica itself answers on --port (no proxy process in the
+    way), streams, and Serve's proxy, moved to the port the serving line names, still answers too."""
+    proc, port, lines = _serve(env, "--direct-ingress")
+    try:
+        line = next(ln for ln in lines if "specray: serving" in ln)
+        assert f"direct ingress: the replica listens on {port}" in line, line
+        proxy_port = int(line.split("Serve's proxy on ")[1].split(",")[0])
+        stats = openai.OpenAI(base_url=f"http://127.0.0.1:{port}", api_key="x").get("/v1/stats", cast_to=object)
+        assert stats["ingress"]["layout"] == "fused"
+        assert _listener_pid(port) == stats["ingress"]["pids"][0] == stats["process"]["pid"]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=120)
+        chunks = list(client.chat.completions.create(model="smollm2-135m", max_tokens=8, temperature=0, stream=True,
+                                                     messages=[{"role": "user", "content": "Name a color."}]))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert _ask(proxy_port)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0

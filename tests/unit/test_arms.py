@@ -108,7 +108,7 @@ def test_config_without_arms_is_one_default_arm_deployed_as_before():
     cfg = load_serve_config({})
     arms = resolve_arms(cfg)
     assert [a.name for a in arms] == ["default"] and arm_serve_config(cfg, arms[0]).engine == cfg.engine
-    engines = build_app({})._bound_deployment.init_args[0]  # the ingress's {arm: engine deployment}
+    engines = build_app({"layout": "split"})._bound_deployment.init_args[0]  # the ingress's {arm: engine deployment}
     assert {k: v._bound_deployment.name for k, v in engines.items()} == {"default": "EngineReplica"}
     with pytest.raises(ValidationError, match="unique"):
         load_serve_config({"arms": [{"name": "a"}, {"name": "a"}]})
