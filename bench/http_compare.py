@@ -15,7 +15,6 @@ time went, stage by stage (bench/stages.py).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import platform
 import socket
@@ -27,6 +26,7 @@ from specray.engine.config import ChainConfig, EngineConfig, parse_chain
 
 from specray.bench import http_client as http_bench
 from specray.bench.stages import table as stage_table
+from specray.bench.report import print_report
 from specray.bench.run import default_prompts_path, load_prompts
 
 DEFAULT_STREAMS = [1, 8]
@@ -285,12 +285,7 @@ def main_http_bench(args) -> int:
     def finish(report: dict, ecfg: EngineConfig) -> int:
         report["meta"] = meta | {"model": ecfg.model, "chain": ecfg.chain.label, "slots": ecfg.slots,
                                  "n_ctx": ecfg.n_ctx}
-        print(table(report))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2)
-            print(f"\nwrote {args.json}")
-        return 0
+        return print_report(table(report), report, args.json)
 
     def local_engine(ecfg: EngineConfig):
         if args.no_in_process:

@@ -25,11 +25,12 @@ shows medians over them.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
 from specray.bench.http_client import Server
+from specray.bench.prompts import read_jsonl
+from specray.bench.report import print_report
 
 DEFAULT_CONVERSATIONS = 3
 
@@ -64,17 +65,10 @@ def chain_turns(entries: list[list[str]], n_turns: int, n_conversations: int) ->
 def load_multiturn(path: str) -> list[list[str]]:
     """The `turns` lists of a JSONL file's entries that have two or more (Spec-Bench: the 80 MT-bench ones)."""
     entries = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
-            turns = obj.get("turns")
-            if isinstance(turns, list) and len(turns) >= 2 and all(isinstance(t, str) for t in turns):
-                entries.append(turns)
+    for _, obj in read_jsonl(path):
+        turns = obj.get("turns")
+        if isinstance(turns, list) and len(turns) >= 2 and all(isinstance(t, str) for t in turns):
+            entries.append(turns)
     if not entries:
         raise ValueError(f"{path}: no entries with two or more 'turns' (the multi-turn bench needs Spec-Bench's "
                          "MT-bench questions or the like)")
@@ -294,9 +288,4 @@ def main_multiturn(args) -> int:
     report["meta"] = {"turns": args.turns, "conversations": n_conv, "max_tokens": args.max_tokens,
                       "prompts_path": path, "servers": infos, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                       "cpus": os.cpu_count(), "command": " ".join(sys.argv)}
-    print(report_text(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"\nwrote {args.json}")
-    return 0
+    return print_report(report_text(report), report, args.json)

@@ -33,33 +33,38 @@ class BenchPrompt:
     messages: list[dict] | None = None
 
 
-def load_prompts(path: str, categories: list[str] | None, per_category: int | None) -> list[BenchPrompt]:
-    """JSONL with `prompt` (raw text) or `messages` (chat), or Spec-Bench's `turns`; optional `category`."""
-    out: list[BenchPrompt] = []
-    counts: dict[str, int] = defaultdict(int)
+def read_jsonl(path: str):
+    """(line number, object) of each non-blank line of a JSONL file; ValueError naming the line that is not JSON."""
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
-            cat = str(obj.get("category", "default"))
-            if categories and cat not in categories:
-                continue
-            if per_category is not None and counts[cat] >= per_category:
-                continue
-            if "prompt" in obj:
-                bp = BenchPrompt(cat, prompt=str(obj["prompt"]))
-            elif "messages" in obj:
-                bp = BenchPrompt(cat, messages=list(obj["messages"]))
-            elif "turns" in obj:
-                bp = BenchPrompt(cat, messages=[{"role": "user", "content": obj["turns"][0]}])
-            else:
-                raise ValueError(f"{path}:{lineno}: needs 'prompt', 'messages' or 'turns'")
-            counts[cat] += 1
-            out.append(bp)
+
+
+def load_prompts(path: str, categories: list[str] | None, per_category: int | None) -> list[BenchPrompt]:
+    """JSONL with `prompt` (raw text) or `messages` (chat), or Spec-Bench's `turns`; optional `category`."""
+    out: list[BenchPrompt] = []
+    counts: dict[str, int] = defaultdict(int)
+    for lineno, obj in read_jsonl(path):
+        cat = str(obj.get("category", "default"))
+        if categories and cat not in categories:
+            continue
+        if per_category is not None and counts[cat] >= per_category:
+            continue
+        if "prompt" in obj:
+            bp = BenchPrompt(cat, prompt=str(obj["prompt"]))
+        elif "messages" in obj:
+            bp = BenchPrompt(cat, messages=list(obj["messages"]))
+        elif "turns" in obj:
+            bp = BenchPrompt(cat, messages=[{"role": "user", "content": obj["turns"][0]}])
+        else:
+            raise ValueError(f"{path}:{lineno}: needs 'prompt', 'messages' or 'turns'")
+        counts[cat] += 1
+        out.append(bp)
     if not out:
         raise ValueError(f"no prompts selected from {path} (categories={categories})")
     return out

@@ -208,3 +208,14 @@ def _ms(v: float | None) -> str:
 def write_json(report: BenchReport, path: str) -> None:
     with open(path, "w") as f:
         json.dump(report.to_json(), f, indent=2)
+
+
+def print_report(text: str, report: dict, json_path: str | None) -> int:
+    """Print a bench's table; with json_path, write its JSON there too and say so. Returns 0 (the exit code)."""
+    print(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"\nwrote {json_path}")
+    return 0
+
