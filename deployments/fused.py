@@ -73,11 +73,13 @@ class InProcessEngine:
         return self.replica.health()
 
     async def stats(self) -> dict:
-        return self.replica.stats()
+        # off the event loop: the counters are read on the round thread between rounds (RouterCore.call), and
+        # this loop is the one that streams every running request's tokens
+        return await asyncio.to_thread(self.replica.stats)
 
     async def stats_all(self) -> dict:
         if self.peers_fn is None:
-            return aggregate_replicas([self.replica.stats()])
+            return aggregate_replicas([await self.stats()])
         try:
             results = await self.peers_fn().broadcast("engine_stats").results_async(
                 timeout_s=30, return_exceptions=True)
