@@ -235,15 +235,18 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_serve(port: int = 0, progress=print):
-    """A fresh local Ray + Serve on 127.0.0.1:port (0 = a free port); yields the base URL; shuts both down."""
+def local_serve(port: int = 0, progress=print, apps: int = 1):
+    """A fresh local Ray + Serve on 127.0.0.1:port (0 = a free port); yields the base URL; shuts both down.
+    `apps`: how many apps will be deployed at once. Each reserves its CPUs (its placement group, in distributed
+    mode) though only one is loaded at a time, so Ray is told of that many times the cores: four apps on a
+    2-core box otherwise wait forever for a placement group that cannot fit."""
     import ray
     from ray import serve
 
     port = port or _free_port()
     t0 = time.perf_counter()
     # address="local": always a new cluster, even when RAY_ADDRESS points at one
-    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2) * max(1, apps), include_dashboard=False,
              logging_level="WARNING", log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -305,8 +308,9 @@ def main_http_bench(args) -> int:
             raise ValueError(f"--layouts: expected a comma-separated subset of {','.join(LAYOUTS)}, got "
                              f"{args.layouts!r}")
         ecfg = engine_config(args, args.slots or max(streams), args.spec)
-        with local_serve(args.port or 0, progress) as base, \
-                deployed(base, serve_configs(ecfg, modes, layouts), progress) as urls:
+        configs = serve_configs(ecfg, modes, layouts)
+        with local_serve(args.port or 0, progress, apps=len(configs)) as base, \
+                deployed(base, configs, progress) as urls:
             engine = local_engine(ecfg)
             try:
                 report = compare(list(urls.values()), prompts, streams, args.max_tokens, engine,
