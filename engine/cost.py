@@ -81,7 +81,8 @@ def paired_decode_costs(sizes: Sequence[int], reps: int, timed: Callable[[int], 
 
 class DecodeCostModel:
     def __init__(self, seconds_by_n: dict[int, float] | None = None, ema: float = 0.05,
-                 attn_seconds: float = 0.0, ref_cells: int = 64, speed_ema: float = 0.2) -> None:
+                 attn_seconds: float = 0.0, ref_cells: int = 64, speed_ema: float = 0.2,
+                 read_seconds: float = 0.0) -> None:
         # a plausible CPU shape until calibrated: 10 ms + 2.5 ms per extra token
         table = seconds_by_n or {1: 0.010, 2: 0.0125, 4: 0.0175, 8: 0.0275, 16: 0.0475, 32: 0.0875}
         self._ns = sorted(table)
@@ -94,6 +95,9 @@ class DecodeCostModel:
         self._speed = 1.0
         self._seen: dict[int, int] = {}  # decodes observed per size: the most seen one anchors the shape
         self._attn_ref = max(0.0, float(attn_seconds))  # per token per KV cell beyond ref_cells
+        # per KV cell in use, for a one-row decode: what a cell nobody attends (an idle slot's cached prompt in one
+        # KV pool, computed and masked with flash attention off) costs every decode; a row of several shares it
+        self._read_ref = max(0.0, float(read_seconds))
         self.ref_cells = ref_cells  # cells the table's measurements attended
         self._lock = threading.Lock()
 
@@ -101,6 +105,11 @@ class DecodeCostModel:
     def attn_seconds(self) -> float:
         """Seconds per (token x KV cell) beyond ref_cells, at the current speed."""
         return self._speed * self._attn_ref
+
+    @property
+    def read_seconds(self) -> float:
+        """Seconds per KV cell in use for a one-row decode, at the current speed (0: not measured)."""
+        return self._speed * self._read_ref
 
     @property
     def speed(self) -> float:
@@ -111,12 +120,13 @@ class DecodeCostModel:
     def calibrated(cls, measured: dict) -> DecodeCostModel:
         """From TargetRunner.calibrate_cost()'s answer (possibly through Ray: keys may arrive as strings)."""
         table = {int(n): float(s) for n, s in measured["table"].items()}
-        return cls(table, attn_seconds=measured["attn_seconds"], ref_cells=CALIBRATION_PREFIX)
+        return cls(table, attn_seconds=measured["attn_seconds"], ref_cells=CALIBRATION_PREFIX,
+                   read_seconds=measured.get("read_seconds", 0.0))
 
     def copy(self) -> DecodeCostModel:
         """An independent model that starts where this one is (it learns on its own from here)."""
         return DecodeCostModel(self.table(), ema=self._ema, attn_seconds=self.attn_seconds,
-                               ref_cells=self.ref_cells, speed_ema=self._speed_ema)
+                               ref_cells=self.ref_cells, speed_ema=self._speed_ema, read_seconds=self.read_seconds)
 
     def table(self) -> dict[int, float]:
         """Seconds per decode by batch size, at the current speed."""

@@ -80,12 +80,12 @@ def choose_slot(free: list[int], cached: dict[int, Cached], prompt: np.ndarray) 
 
 def idle_budget(slowdown: float, one_row_seconds: float, per_cell_seconds: float) -> int:
     """Idle cached KV cells allowed in one KV pool for all slots with flash attention off, where llama.cpp
-    computes every cell in use for each token, masked or not: cells whose price (per_cell_seconds per token, the
-    cost model's attention cost) stays within `slowdown` of a one-row decode; no limit (a huge number) when the
-    price is unknown (no calibration).
+    computes every cell in use for each token, masked or not: cells whose price (per_cell_seconds per one-row
+    decode, calibrated: the cost model's read_seconds) stays within `slowdown` of a one-row decode; no limit (a huge
+    number) when the price is unknown (no calibration).
 
-    >>> idle_budget(0.1, 0.007, 0.5e-6)        # SmolLM2-sized: 0.7 ms of attention buys 1400 cells
-    1400
+    >>> idle_budget(0.1, 0.0058, 2.1e-6)       # SmolLM2 on 2 EPYC cores: 1,800 idle cells made 5.8 ms 9.5 ms
+    276
     >>> idle_budget(0.1, 0.007, 0.0) > 10**9
     True
     """

@@ -238,7 +238,7 @@ class Scheduler:
         if self.shared_cells is not None and not self.config.flash_attn:
             # every cell in use is computed for every token, masked or not: idle caches slow the running sequences
             self.prompt_cache.evict(idle_budget(self.config.prompt_cache_slowdown, self.cost.cost(1, 0),
-                                                self.cost.attn_seconds), self.target.release)
+                                                self.cost.read_seconds), self.target.release)
         budget = self.target_budget()
         # slot order: llama.cpp packs consecutive sequence ids into one ubatch when
         # each slot has its own KV stream (exact mode)

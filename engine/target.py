@@ -231,8 +231,11 @@ class TargetRunner:
 
     def calibrate_cost(self) -> dict:
         """What the cost model starts from: {"table": seconds by batch size, "attn_seconds": per token x KV
-        cell}. Uses slot 0, which must be idle."""
-        return {"table": self.measure_decode_costs(), "attn_seconds": self.measure_attention_cost()}
+        cell, "read_seconds": per KV cell of a one-row decode}. Uses slot 0, which must be idle."""
+        # read_seconds: the same slope for one row, which pays each cell's read alone (prompt cache: what an
+        # idle slot's cells cost every decode in one KV pool without flash attention)
+        return {"table": self.measure_decode_costs(), "attn_seconds": self.measure_attention_cost(),
+                "read_seconds": self.measure_attention_cost(sizes=(1,))}
 
     def measure_decode_costs(
         self, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), reps: int = 5,

@@ -13,6 +13,7 @@ import pytest
 from specray.bench.run import classify_divergence, measure_batch_variance, measure_layout_variance
 from specray.deployments.local_engine import LocalEngine
 from specray.engine.config import ChainConfig, EngineConfig
+from specray.engine.cost import DecodeCostModel
 from specray.engine.request import GenerationRequest
 
 from ..conftest import spec_bench_questions
@@ -135,4 +136,20 @@ def test_idle_caches_give_way_to_new_sequences_in_one_kv_pool(smollm2):
     assert seq.slot != first.slot and seq.cached_tokens == 0 and len(seq.generated) == 8
     assert eng.scheduler.prompt_cache.evicted == 1
     assert eng.ctx.seq_pos_max(first.slot) + 1 == 0  # the evicted cache's cells were freed
+    eng.close()
+
+
+def test_idle_caches_are_capped_by_their_price_with_flash_attention_off(smollm2):
+    # one KV pool, flash attention off: every idle cell is computed (masked) by each decode; priced here so that
+    # 150 idle cells cost the allowed 10% of a one-row decode, one 107-cell cache stays, two do not
+    eng = _engine(smollm2, exact=False, prompt_cache=True)
+    assert not eng.config.flash_attn and eng.scheduler.shared_cells is not None
+    eng.scheduler.cost = DecodeCostModel({1: 0.006, 8: 0.012}, read_seconds=0.1 * 0.006 / 150)
+    a, b, c = (eng.run([GenerationRequest(np.arange(100, dtype=np.int32) + base, max_tokens=8, chain=())])[0]
+               for base in (1000, 2000, 3000))
+    assert a.n_past == b.n_past == 107 and len({a.slot, b.slot, c.slot}) == 3
+    # b decoded beside a's 107 idle cells (within the price); c beside a's and b's 214: the older, a's, went
+    assert eng.scheduler.prompt_cache.evicted == 1
+    assert sorted(eng.scheduler.prompt_cache.slots) == sorted([b.slot, c.slot])
+    assert eng.ctx.seq_pos_max(a.slot) + 1 == 0
     eng.close()
