@@ -168,6 +168,9 @@ class Chain:
         self.calibrations: dict[str, PrefixCalibration] = {}  # per speculator: its tracker's bias by position
         self.explore_budget: dict[str, float] = {}  # model speculator -> seconds it may spend exploring
         self._exploring: set[str] = set()  # model speculators asked for an exploring draft this round
+        # host time of each speculator's draft calls and the sequences it was asked for (what a look-up costs)
+        self.draft_seconds: dict[str, float] = {}
+        self.draft_asks: dict[str, int] = {}
         for name in config.speculators:
             self.speculator(name)  # fail fast on unknown names / bad params
 
@@ -295,8 +298,11 @@ class Chain:
                 self._exploring.discard(name)
                 t0 = time.perf_counter()
                 drafts = spec.draft([DraftRequest(requests[i].seq_id, requests[i].history, n_max[i]) for i in idx])
+                dt = time.perf_counter() - t0
+                self.draft_seconds[name] = self.draft_seconds.get(name, 0.0) + dt
+                self.draft_asks[name] = self.draft_asks.get(name, 0) + len(idx)
                 if exploring:  # an exploring draft is charged what it took, not what it was priced at
-                    self.explore_budget[name] -= time.perf_counter() - t0
+                    self.explore_budget[name] -= dt
                 for i, d in zip(idx, drafts):
                     props[i].asked += (name,)
                     if len(d) == 0:
