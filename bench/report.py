@@ -212,10 +212,13 @@ class BenchReport:
             return []
         out = ["\n== round stages (overall): ms per round; host = all but decode, per round and per decoding "
                "sequence-round =="]
-        out.append(f"{'config':<34}" + "".join(f"{k:>9}" for k in stages) + f"{'host':>8}{'host/seq':>9}")
+        out.append(f"{'config':<34}" + "".join(f"{k:>{max(9, len(k) + 2)}}" for k in stages)
+                   + f"{'host':>8}{'host/seq':>9}")
         for cfg, r in rows.items():
             ms = r["ms_per_round"]
-            out.append(f"{cfg:<34}" + "".join(f"{_ms(ms.get(k), 3):>9}" for k in stages)
+            if not ms:  # no scheduler rounds (the llama_cpp reference loop)
+                continue
+            out.append(f"{cfg:<34}" + "".join(f"{_ms(ms.get(k), 3):>{max(9, len(k) + 2)}}" for k in stages)
                        + f"{_ms(r['host_ms_per_round'], 3):>8}{_ms(r['host_ms_per_seq_round'], 3):>9}")
             if r["speculator_ms_per_ask"]:
                 out.append(f"{'':<34}look-up ms per sequence asked: " + ", ".join(

@@ -35,11 +35,13 @@ class HostCostModel:
         # forget: each round's weight decays by this factor per later round (0.995: ~200 rounds of memory)
         self._forget = forget
         self._refit_every = refit_every
-        # weighted sums of x x^T and x y over rounds, x = (1, sequences, draft rows); the prior: 1 round's
-        # weight pulling the slopes to 0 (a host that never drafted has no evidence that rows cost anything)
-        self._xx = np.diag([1e-6, 1e-3, 1e-3])
-        self._xy = np.zeros(3)
-        self._coef = np.zeros(3)
+        # weighted sums over rounds of x x^T (its 6 distinct entries: 11 1s 1r ss sr rr) and x y, x = (1,
+        # sequences, draft rows), kept as Python floats: this runs every round, and numpy's per-call cost on
+        # 3-vectors was most of it. The prior: a weak pull of the slopes to 0 (a host that never drafted has
+        # no evidence that rows cost anything)
+        self._xx = [1e-6, 0.0, 0.0, 1e-3, 0.0, 1e-3]
+        self._xy = [0.0, 0.0, 0.0]
+        self._coef = (0.0, 0.0, 0.0)
         self._n = 0
         self._lock = threading.Lock()
 
@@ -47,25 +49,30 @@ class HostCostModel:
         """One round's host time (its wall time minus the target's decode)."""
         if seconds < 0 or n_sequences <= 0:
             return
-        x = np.array([1.0, float(n_sequences), float(n_draft_rows)])
+        f, s, r = self._forget, float(n_sequences), float(n_draft_rows)
         with self._lock:
-            self._xx = self._forget * self._xx + np.outer(x, x)
-            self._xy = self._forget * self._xy + x * seconds
+            xx, xy = self._xx, self._xy
+            for i, v in enumerate((1.0, s, r, s * s, s * r, r * r)):
+                xx[i] = f * xx[i] + v
+            for i, v in enumerate((seconds, s * seconds, r * seconds)):
+                xy[i] = f * xy[i] + v
             self._n += 1
             if self._n % self._refit_every == 0 or self._n <= self._refit_every:
                 self._refit()
 
     def _refit(self) -> None:
+        a, b, c, d, e, g = self._xx
+        m = np.array([[a, b, c], [b, d + 1e-9, e], [c, e, g + 1e-9]])
         try:
-            coef = np.linalg.solve(self._xx + np.diag([0.0, 1e-9, 1e-9]), self._xy)
+            coef = np.linalg.solve(m, np.array(self._xy))
         except np.linalg.LinAlgError:
             return
-        self._coef = np.maximum(coef, 0.0)  # a negative cost would make rows look like they save time
+        # a negative cost would make rows look like they save time
+        self._coef = tuple(float(x) for x in np.maximum(coef, 0.0))
 
     def coefficients(self) -> tuple[float, float, float]:
         """(seconds per round, per decoding sequence, per draft row)."""
-        with self._lock:
-            return tuple(float(c) for c in self._coef)
+        return self._coef
 
     def round_seconds(self, n_sequences: int, n_draft_rows: int) -> float:
         a, b, c = self.coefficients()

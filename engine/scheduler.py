@@ -309,7 +309,7 @@ class Scheduler:
         # (masked, but computed; idle caches too), with a stream per slot its own sequence's
         seqs = decoding or prefilling
         cells = (float(sum(s.n_past for s in by_slot) + self.prompt_cache.idle_cells()) if self.shared_cells
-                 else float(np.mean([s.n_past for s in seqs])) if seqs else 0.0)
+                 else sum(s.n_past for s in seqs) / len(seqs) if seqs else 0.0)
         # memoised for the round: drafts are priced token by token, by every speculator that offers one
         base_rows = len(decoding) + n_prefill
         price = functools.lru_cache(maxsize=None)(lambda n: self.pricer.price(n, base_rows, len(decoding), cells))
@@ -381,6 +381,8 @@ class Scheduler:
 
     def _draft(self, decoding: list[Sequence], room: int, base_tokens: int,
                price: Callable[[int], float] | None = None) -> list[Proposal]:
+        if not any(s.chain for s in decoding):  # plain decoding: nothing to ask
+            return [Proposal(s.slot, None) for s in decoding]
         reqs = []
         for s in decoding:
             chain = tuple(n for n in s.chain if n not in self.disabled_speculators)
