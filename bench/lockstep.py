@@ -45,8 +45,8 @@ class ConfigRun:
                 for t in prompts]
         st = engine.scheduler.stats
         self.before = (st.prefill_seconds, st.loaded_seconds, st.loaded_tokens, st.rounds, st.draft_seconds,
-                       st.target_seconds, dict(st.stage_seconds), st.seq_rounds, dict(chain.draft_seconds),
-                       dict(chain.draft_asks))
+                       st.target_seconds, dict(st.stage_seconds), st.seq_rounds, dict(chain.gate.seconds),
+                       dict(chain.gate.asks))
         self.chain = chain
         self.seqs = [engine.submit(r) for r in reqs]
         self.seconds = 0.0
@@ -71,8 +71,8 @@ class ConfigRun:
                          rounds=st.rounds - before[3], draft_seconds=st.draft_seconds - before[4],
                          verify_seconds=st.target_seconds - before[5],
                          stage_seconds=_minus(st.stage_seconds, before[6]), seq_rounds=st.seq_rounds - before[7],
-                         speculator_seconds=_minus(self.chain.draft_seconds, before[8]),
-                         speculator_asks=_minus(self.chain.draft_asks, before[9]))
+                         speculator_seconds=_minus(self.chain.gate.seconds, before[8]),
+                         speculator_asks=_minus(self.chain.gate.asks, before[9]))
         for s in self.seqs:
             r.sequences += 1 if s.generated else 0
             r.tokens += len(s.generated)

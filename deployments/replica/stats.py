@@ -47,8 +47,10 @@ def round_snapshot(core) -> dict:
         # the round's time by stage, host time per round and per decoding sequence (engine/round_stages.py), each
         # speculator's look-up cost, and what the planner prices as host work (engine/host_cost.py)
         "round_stages": breakdown(s.stats.stage_seconds, s.stats.rounds, s.stats.seq_rounds) | {
-            "speculator_ms_per_ask": {k: 1e3 * v / s.chain.draft_asks[k] for k, v in s.chain.draft_seconds.items()
-                                      if s.chain.draft_asks.get(k)}},
+            "speculator_ms_per_ask": {k: 1e3 * v / s.chain.gate.asks[k] for k, v in s.chain.gate.seconds.items()
+                                      if s.chain.gate.asks.get(k)},
+            # rounds a speculator was not asked in: its winnings did not pay for its look-ups (lookup_gate.py)
+            "lookups_skipped": dict(s.chain.gate.skipped)},
         "host_cost": s.pricer.host.to_dict() | {"shape_change_penalty": s.cost.shape_change_penalty},
         "chain": s.config.chain.label,
         "disabled_speculators": sorted(s.disabled_speculators),

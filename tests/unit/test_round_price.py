@@ -7,16 +7,17 @@ import doctest
 import numpy as np
 import pytest
 
-from specray.engine import host_cost, round_price, round_stages
+from specray.engine import host_cost, lookup_gate, round_price, round_stages
 from specray.engine.cost import DecodeCostModel
 from specray.engine.host_cost import HostCostModel
+from specray.engine.lookup_gate import LookupGate
 from specray.engine.planner import plan_draft_lengths
 from specray.engine.round_price import RoundPricer
 
 H100 = {1: 0.0016, 2: 0.0025, 4: 0.0025, 8: 0.0025, 16: 0.0040, 32: 0.0070}
 
 
-@pytest.mark.parametrize("mod", [host_cost, round_price, round_stages])
+@pytest.mark.parametrize("mod", [host_cost, lookup_gate, round_price, round_stages])
 def test_doctests(mod):
     assert doctest.testmod(mod).failed == 0
 
@@ -68,3 +69,20 @@ def test_prefill_rounds_teach_neither_the_table_nor_the_host_model():
     before = p.cost.table()
     p.observe([64], 0.5, None, True, 1, 0, 0.1)
     assert p.cost.table() == before and p.host.rounds == 0 and p.last_shape == 64
+
+
+def test_a_speculator_whose_winnings_pay_its_look_ups_is_always_asked():
+    g = LookupGate(warmup=8, probe_every=4)
+    for i in range(200):
+        for name, won in (("suffix", 2 if i % 5 == 0 else 0), ("ngram_mod", 0)):
+            g.asked(name, 1, 0.00004)
+            g.won(name, won)
+    # suffix wins 0.4 tokens a look-up: worth 0.64 ms at 1.6 ms a token, far above its 0.04 ms look-up
+    assert not any(g.skip("suffix", 0.0016) for _ in range(50))
+    skips = [g.skip("ngram_mod", 0.0016) for _ in range(40)]
+    assert skips.count(False) == 10 and g.skipped["ngram_mod"] == 30  # probed every 4th round
+    # on a CPU round of 10 ms a token, a speculator that wins once in 200 look-ups pays its 0.04 ms
+    g.won("ngram_mod", 2)
+    assert not g.skip("ngram_mod", 0.010)
+    g.forget("ngram_mod")  # a rebuilt instance starts afresh
+    assert not any(g.skip("ngram_mod", 0.0016) for _ in range(8))
