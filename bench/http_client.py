@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from specray.bench import stages as stage_mod
+from specray.engine.round_stages import breakdown
 
 #: a prompt as the bench sends it: {"prompt": str} (raw, /v1/completions) or {"messages": [...]} (chat)
 Prompt = dict
@@ -196,6 +197,11 @@ def window_figures(before: dict | None, after: dict | None) -> dict:
         "target_ms_per_round": round(1000 * (sa["target_seconds"] - sb["target_seconds"]) / per_round, 3),
         "draft_ms_per_round": round(1000 * (sa["draft_seconds"] - sb["draft_seconds"]) / per_round, 3),
     }
+    if "stage_seconds" in sa:  # the served rounds' host time: all but the target's decode
+        stages = {k: v - sb.get("stage_seconds", {}).get(k, 0.0) for k, v in sa["stage_seconds"].items()}
+        b = breakdown(stages, rounds, sa.get("seq_rounds", 0) - sb.get("seq_rounds", 0))
+        out["host_ms_per_round"] = round(b["host_ms_per_round"], 3) if b["host_ms_per_round"] is not None else None
+        out["round_stages_ms"] = {k: round(v, 3) for k, v in b["ms_per_round"].items()}
     tb, ta = before.get("target") or {}, after.get("target") or {}
     decodes = ta.get("step_decodes", 0) - tb.get("step_decodes", 0)
     out["target_decodes"] = decodes

@@ -190,6 +190,7 @@ COLUMNS = [
     ("round ms", 9, lambda r: r.get("round_ms"), ".1f"),
     ("draft", 7, lambda r: r.get("draft_ms_per_round"), ".1f"),
     ("verify", 7, lambda r: r.get("target_ms_per_round"), ".1f"),
+    ("host", 7, lambda r: r.get("host_ms_per_round"), ".2f"),
     ("seqs/dec", 9, lambda r: r.get("mean_seqs_per_decode"), ".2f"),
     ("acc_len", 8, lambda r: r.get("mean_acceptance_length"), ".2f"),
     ("ttft ms", 9, lambda r: r.get("mean_ttft_ms"), ".0f"),

@@ -45,7 +45,9 @@ class ConfigRun:
                 for t in prompts]
         st = engine.scheduler.stats
         self.before = (st.prefill_seconds, st.loaded_seconds, st.loaded_tokens, st.rounds, st.draft_seconds,
-                       st.target_seconds)
+                       st.target_seconds, dict(st.stage_seconds), st.seq_rounds, dict(chain.gate.seconds),
+                       dict(chain.gate.asks))
+        self.chain = chain
         self.seqs = [engine.submit(r) for r in reqs]
         self.seconds = 0.0
 
@@ -67,7 +69,10 @@ class ConfigRun:
                          steal_seconds=steal_seconds,
                          loaded_seconds=st.loaded_seconds - before[1], loaded_tokens=st.loaded_tokens - before[2],
                          rounds=st.rounds - before[3], draft_seconds=st.draft_seconds - before[4],
-                         verify_seconds=st.target_seconds - before[5])
+                         verify_seconds=st.target_seconds - before[5],
+                         stage_seconds=_minus(st.stage_seconds, before[6]), seq_rounds=st.seq_rounds - before[7],
+                         speculator_seconds=_minus(self.chain.gate.seconds, before[8]),
+                         speculator_asks=_minus(self.chain.gate.asks, before[9]))
         for s in self.seqs:
             r.sequences += 1 if s.generated else 0
             r.tokens += len(s.generated)
@@ -76,6 +81,11 @@ class ConfigRun:
             r.accepted += s.spec_total.accepted
             r.add(ConfigResult(name, by_speculator=s.spec_by_name))
         return r, self.seqs
+
+
+def _minus(now: dict, before: dict) -> dict:
+    """Counters accrued since `before` (keys that did not move are left out)."""
+    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
 
 def run_alone(run: ConfigRun | LlamaRun,

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 
 from specray.engine.request import SpecCounters
+from specray.engine.round_stages import STAGES, breakdown
 
 
 @dataclass
@@ -29,6 +30,12 @@ class ConfigResult:
     rounds: int = 0  # scheduler rounds (draft -> verify -> accept), for the time split per round
     draft_seconds: float = 0.0  # time in speculators' draft calls (model drafting included)
     verify_seconds: float = 0.0  # time in target decodes (verification and prompt rows)
+    # the scheduler's rounds by stage (engine/round_stages.py), decoding sequences summed over rounds, and each
+    # speculator's draft calls: seconds and the sequences it was asked for
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    seq_rounds: int = 0
+    speculator_seconds: dict[str, float] = field(default_factory=dict)
+    speculator_asks: dict[str, int] = field(default_factory=dict)
     # the drafts each speculator of a chain got sent (it won the round): which one carries the chain
     by_speculator: dict[str, SpecCounters] = field(default_factory=dict)
     # the `none` run's top-2 margin where each mismatch began: how far above the tie bound it lay
@@ -37,8 +44,11 @@ class ConfigResult:
     def add(self, other: "ConfigResult") -> None:
         for k in ("tokens", "seconds", "prefill_seconds", "sequences", "loaded_seconds", "loaded_tokens", "drafts",
                   "drafted", "accepted", "mismatches", "tie_divergences", "identical", "compared", "steal_seconds",
-                  "rounds", "draft_seconds", "verify_seconds"):
+                  "rounds", "draft_seconds", "verify_seconds", "seq_rounds"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
+        for k in ("stage_seconds", "speculator_seconds", "speculator_asks"):
+            mine, theirs = getattr(self, k), getattr(other, k)
+            setattr(self, k, {n: mine.get(n, 0) + theirs.get(n, 0) for n in {**mine, **theirs}})
         self.mismatch_margins = self.mismatch_margins + other.mismatch_margins
         for name, c in other.by_speculator.items():
             mine = self.by_speculator.setdefault(name, SpecCounters())
@@ -145,6 +155,10 @@ class BenchReport:
                 "round_ms": 1000 * r.seconds / r.rounds if r.rounds else None,
                 "draft_ms_per_round": 1000 * r.draft_seconds / r.rounds if r.rounds else None,
                 "verify_ms_per_round": 1000 * r.verify_seconds / r.rounds if r.rounds else None,
+                "round_stages": breakdown(r.stage_seconds, r.rounds, r.seq_rounds)
+                | {"speculator_ms_per_ask": {k: 1000 * v / r.speculator_asks[k]
+                                              for k, v in sorted(r.speculator_seconds.items())
+                                              if r.speculator_asks.get(k)}},
                 "by_speculator": {k: v.to_dict() for k, v in sorted(r.by_speculator.items())}}
 
     def table(self) -> str:
@@ -155,7 +169,7 @@ class BenchReport:
             lines.append(f"\n== {cat} ==")
             lines.append(f"{'config':<34}{'tok/s':>8}{'speedup':>9}{'range' if spread else '':>12}{'e2e':>7}"
                          f"{'accept_len':>11}{'acc_rate':>9}{'mismatch':>9}{'ties':>6}{'round_ms':>9}{'draft':>7}"
-                         f"{'verify':>7}")
+                         f"{'verify':>7}{'host':>6}")
             for cfg in self.configs:
                 entry = js["configs"][cfg]
                 row = entry["overall"] if cat == "overall" else entry["categories"][cat]
@@ -169,8 +183,10 @@ class BenchReport:
                     f"{(f'{e2e:.2f}x' if e2e is not None else '-'):>7}"
                     f"{row['mean_acceptance_length']:>11.2f}{row['acceptance_rate']:>9.2f}{mm!s:>9}{ties!s:>6}"
                     f"{_ms(row['round_ms']):>9}{_ms(row['draft_ms_per_round']):>7}{_ms(row['verify_ms_per_round']):>7}"
+                    f"{_ms(row['round_stages']['host_ms_per_round'], 2):>6}"
                 )
         lines.extend(self.winner_lines(js))
+        lines.extend(self.stage_lines(js))
         lines.extend(self.steal_warnings())
         return "\n".join(lines)
 
@@ -187,6 +203,28 @@ class BenchReport:
                                                 for k, v in won.items()))
         return out
 
+    def stage_lines(self, js: dict) -> list[str]:
+        """The round's time by stage (overall, ms per round): `decode` is the target's llama_decode, every other
+        stage is host work; host per round and per decoding sequence-round; each speculator's look-up cost."""
+        rows = {cfg: js["configs"][cfg]["overall"]["round_stages"] for cfg in self.configs}
+        stages = [k for k in STAGES if any(k in r["ms_per_round"] for r in rows.values())]
+        if not stages:
+            return []
+        out = ["\n== round stages (overall): ms per round; host = all but decode, per round and per decoding "
+               "sequence-round =="]
+        out.append(f"{'config':<34}" + "".join(f"{k:>{max(9, len(k) + 2)}}" for k in stages)
+                   + f"{'host':>8}{'host/seq':>9}")
+        for cfg, r in rows.items():
+            ms = r["ms_per_round"]
+            if not ms:  # no scheduler rounds (the llama_cpp reference loop)
+                continue
+            out.append(f"{cfg:<34}" + "".join(f"{_ms(ms.get(k), 3):>{max(9, len(k) + 2)}}" for k in stages)
+                       + f"{_ms(r['host_ms_per_round'], 3):>8}{_ms(r['host_ms_per_seq_round'], 3):>9}")
+            if r["speculator_ms_per_ask"]:
+                out.append(f"{'':<34}look-up ms per sequence asked: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in r["speculator_ms_per_ask"].items()))
+        return out
+
     def steal_warnings(self) -> list[str]:
         """A line per configuration whose run lost more than 2% of its time to the hypervisor (its
         figures are suspect: the host ran other machines' work on these cores)."""
@@ -200,8 +238,8 @@ class BenchReport:
         return out
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f}"
+def _ms(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
 
 
 

@@ -41,6 +41,7 @@ import numpy as np
 from .acceptance import AcceptanceTracker, judge
 from .calibration import PrefixCalibration
 from .config import ChainConfig
+from .lookup_gate import LookupGate
 from .planner import plan_draft_lengths
 from .speculator import EMPTY_DRAFT, DraftRequest, Speculator, SpeculatorStats
 from .speculators.draft_base import ModelSpeculator
@@ -168,6 +169,8 @@ class Chain:
         self.calibrations: dict[str, PrefixCalibration] = {}  # per speculator: its tracker's bias by position
         self.explore_budget: dict[str, float] = {}  # model speculator -> seconds it may spend exploring
         self._exploring: set[str] = set()  # model speculators asked for an exploring draft this round
+        # each speculator's look-ups: their host time, and whether its winnings pay for them (cost policy)
+        self.gate = LookupGate()
         for name in config.speculators:
             self.speculator(name)  # fail fast on unknown names / bad params
 
@@ -185,6 +188,7 @@ class Chain:
     def _install(self, name: str, spec: Speculator, tracker: AcceptanceTracker,
                  calibration: PrefixCalibration) -> Speculator:
         self.instances[name] = spec
+        self.gate.forget(name)  # a new instance's look-ups and winnings are its own
         self.trackers[name] = tracker
         self.calibrations[name] = calibration
         return spec
@@ -281,9 +285,10 @@ class Chain:
                 idx = [i for i in pending if name in requests[i].chain]
                 if policy == "first":
                     idx = [i for i in idx if props[i].speculator is None]
-                if not idx:
-                    continue
                 spec = self.instances[name]
+                if not idx or (pricing is not None and not isinstance(spec, ModelSpeculator)
+                               and self.gate.skip(name, pricing.cost(pricing.base_tokens) / max(1, pricing.n_decoding))):
+                    continue
                 n_max = {i: requests[i].n_max for i in idx}
                 if policy == "cost" and pricing is not None and isinstance(spec, ModelSpeculator):
                     self._score(props, unscored, best_score, policy, pricing)
@@ -295,8 +300,10 @@ class Chain:
                 self._exploring.discard(name)
                 t0 = time.perf_counter()
                 drafts = spec.draft([DraftRequest(requests[i].seq_id, requests[i].history, n_max[i]) for i in idx])
+                dt = time.perf_counter() - t0
+                self.gate.asked(name, len(idx), dt)
                 if exploring:  # an exploring draft is charged what it took, not what it was priced at
-                    self.explore_budget[name] -= time.perf_counter() - t0
+                    self.explore_budget[name] -= dt
                 for i, d in zip(idx, drafts):
                     props[i].asked += (name,)
                     if len(d) == 0:
@@ -394,6 +401,7 @@ class Chain:
         """
         for name in prop.asked:
             winner = name == prop.speculator and n_drafted > 0
+            self.gate.won(name, n_accepted if winner else 0)
             self.instances[name].accept(prop.seq_id, n_drafted, n_accepted, winner)
             if winner and len(prop.raw_probs) >= n_drafted:
                 self.calibrations[name].update(prop.raw_probs[:n_drafted], n_accepted)

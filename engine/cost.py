@@ -82,7 +82,7 @@ def paired_decode_costs(sizes: Sequence[int], reps: int, timed: Callable[[int], 
 class DecodeCostModel:
     def __init__(self, seconds_by_n: dict[int, float] | None = None, ema: float = 0.05,
                  attn_seconds: float = 0.0, ref_cells: int = 64, speed_ema: float = 0.2,
-                 read_seconds: float = 0.0) -> None:
+                 read_seconds: float = 0.0, learn: bool = True) -> None:
         # a plausible CPU shape until calibrated: 10 ms + 2.5 ms per extra token
         table = seconds_by_n or {1: 0.010, 2: 0.0125, 4: 0.0175, 8: 0.0275, 16: 0.0475, 32: 0.0875}
         self._ns = sorted(table)
@@ -99,6 +99,13 @@ class DecodeCostModel:
         # KV pool, computed and masked with flash attention off) costs every decode; a row of several shares it
         self._read_ref = max(0.0, float(read_seconds))
         self.ref_cells = ref_cells  # cells the table's measurements attended
+        # False: the table stays as given (a cost table of another device injected to see what the policy does)
+        self.learn = learn
+        # decode time over the prediction, for decodes right after the batch's shape changed and for those of the
+        # shape before: a GPU backend replays a captured graph only for the same shape (llama.cpp's CUDA graphs),
+        # so a new shape can cost more than its size says; on a CPU both stay near 1
+        self._ratio_changed = 1.0
+        self._ratio_same = 1.0
         self._lock = threading.Lock()
 
     @property
@@ -126,7 +133,22 @@ class DecodeCostModel:
     def copy(self) -> DecodeCostModel:
         """An independent model that starts where this one is (it learns on its own from here)."""
         return DecodeCostModel(self.table(), ema=self._ema, attn_seconds=self.attn_seconds,
-                               ref_cells=self.ref_cells, speed_ema=self._speed_ema, read_seconds=self.read_seconds)
+                               ref_cells=self.ref_cells, speed_ema=self._speed_ema, read_seconds=self.read_seconds,
+                               learn=self.learn)
+
+    @property
+    def shape_change_penalty(self) -> float:
+        """What a decode right after a change of the batch's shape costs beyond one of an unchanged shape, as a
+        share of its price (0 on a CPU; a GPU that must capture a new graph pays it).
+
+        >>> m = DecodeCostModel({1: 0.002, 8: 0.003})
+        >>> for _ in range(200):
+        ...     m.observe(1, 0.002, shape_changed=False)
+        ...     m.observe(1, 0.0026, shape_changed=True)
+        >>> round(m.shape_change_penalty, 1)   # 30% more after a change
+        0.3
+        """
+        return max(0.0, self._ratio_changed / self._ratio_same - 1.0) if self._ratio_same > 0 else 0.0
 
     def table(self) -> dict[int, float]:
         """Seconds per decode by batch size, at the current speed."""
@@ -158,13 +180,20 @@ class DecodeCostModel:
         n0, n1, s0, s1 = ns[i - 1], ns[i], secs[i - 1], secs[i]
         return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
 
-    def observe(self, n: int, seconds: float, cells: float | None = None) -> None:
+    def observe(self, n: int, seconds: float, cells: float | None = None, shape_changed: bool | None = None) -> None:
         """Fold one measured decode into the model: first the speed factor, then the attention coefficient
-        (from decodes with a long context) and the table entry, each from what the speed leaves unexplained."""
-        if n <= 0 or seconds <= 0:
+        (from decodes with a long context) and the table entry, each from what the speed leaves unexplained.
+        shape_changed: whether the decode before it had another batch shape (None: not known)."""
+        if n <= 0 or seconds <= 0 or not self.learn:
             return
         with self._lock:
             predicted = self._table_cost(n) + self._attn(n, cells)
+            if shape_changed is not None and predicted > 0:
+                r = min(seconds / (self._speed * predicted), 3.0)
+                if shape_changed:
+                    self._ratio_changed += self._ema * (r - self._ratio_changed)
+                else:
+                    self._ratio_same += self._ema * (r - self._ratio_same)
             if predicted > 0:
                 # clipped: one decode stalled by the host must not reprice every draft
                 ratio = min(max(seconds / predicted, 0.75 * self._speed), 1.5 * self._speed)

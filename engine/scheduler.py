@@ -17,7 +17,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -28,7 +28,9 @@ from .cost import DecodeCostModel
 from .drafting import draft_round
 from .prompt_cache import PromptCache, idle_budget
 from .request import GenerationRequest, Sequence, SeqState, admission_plan
-from .target import StepItem, StepOutput
+from .round_price import RoundPricer
+from .round_stages import RoundClock
+from .target import StepItem, StepOutput, StepResult
 
 log = logging.getLogger("specray.scheduler")
 
@@ -73,12 +75,20 @@ class RoundStats:
     loaded_tokens: int = 0
     tokens_emitted: int = 0
     speculator_failures: int = 0
+    # seconds by stage of the round (round_stages.py: they add up to round_seconds) and rounds x the sequences
+    # decoding in each, for host time per decoding sequence
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    seq_rounds: int = 0
 
-    def add_round(self, seconds: float, prefill_share: float, loaded_tokens: int | None) -> None:
-        """One round took `seconds`, `prefill_share` of it prompt rows; loaded_tokens: what it emitted if every
+    def add_round(self, clock: RoundClock, prefill_share: float, loaded_tokens: int | None, n_decoding: int) -> None:
+        """One round's stamps, `prefill_share` of its time on prompt rows; loaded_tokens: what it emitted if every
         slot was generating (None otherwise)."""
+        seconds = clock.total
         self.rounds += 1
+        self.seq_rounds += n_decoding
         self.round_seconds += seconds
+        for k, v in clock.seconds.items():
+            self.stage_seconds[k] = self.stage_seconds.get(k, 0.0) + v
         self.prefill_seconds += seconds * prefill_share
         if loaded_tokens is not None:
             self.loaded_seconds += seconds
@@ -99,6 +109,40 @@ def prefill_share(price: Callable[[int], float], n_total: int, n_prefill: int) -
     return 1.0 if n_total == n_prefill or full <= 0 else (full - price(n_total - n_prefill)) / full
 
 
+def prompt_chunks(left: list[int], room: int, chunk: int) -> list[int]:
+    """Rows of each prefilling sequence's prompt (`left`: rows it has left) in a batch with `room` rows free,
+    at most `chunk` each, in order; sequences past the room get none (the list may be shorter).
+
+    >>> prompt_chunks([300, 40, 500], room=400, chunk=256)
+    [256, 40, 104]
+    >>> prompt_chunks([300, 40], room=200, chunk=256)
+    [200]
+    """
+    out = []
+    for n in left:
+        if room <= 0:
+            break
+        out.append(min(chunk, n, room))
+        room -= out[-1]
+    return out
+
+
+def step_items(decoding: list[Sequence], proposals: list[Proposal], chunks: list[tuple[Sequence, int]],
+               needs_hidden: Callable[[Sequence], bool]) -> list[StepItem]:
+    """The target's rows of one round: [last token + draft] per decoding sequence, then the prompt chunks."""
+    items: list[StepItem] = []
+    for s, prop in zip(decoding, proposals):
+        toks = np.empty(1 + len(prop.tokens), dtype=np.int32)
+        toks[0] = s.last_token
+        toks[1:] = prop.tokens
+        items.append(StepItem(s.slot, toks, s.n_past, len(prop.tokens), True, needs_hidden(s)))
+    for s, n in chunks:
+        end = s.n_prefilled + n
+        items.append(StepItem(s.slot, s.req.prompt_tokens[s.n_prefilled : end], s.n_prefilled, 0,
+                              end == len(s.req.prompt_tokens), needs_hidden(s)))
+    return items
+
+
 class Scheduler:
     def __init__(
         self,
@@ -117,7 +161,8 @@ class Scheduler:
         self.chain = chain
         self.n_ctx = n_ctx
         self.shared_cells = shared_cells
-        self.cost = cost or DecodeCostModel()
+        # the round's price for the draft planner: the decode and the host's work, learnt from live rounds
+        self.pricer = RoundPricer(cost or DecodeCostModel())
         self.free_slots: list[int] = list(range(config.slots))[::-1]
         # finished sequences' KV kept in their slots, reused by prompts that share a prefix (prompt_cache.py)
         self.prompt_cache = PromptCache(config.prompt_cache)
@@ -128,6 +173,14 @@ class Scheduler:
         self.disabled_speculators: set[str] = set()
         self.on_event: Callable[[Event], None] | None = None
         self._explore_rng = np.random.default_rng(0)  # deterministic: runs stay reproducible
+
+    @property
+    def cost(self) -> DecodeCostModel:  # the target decode's price (settable: the pricer uses the new model)
+        return self.pricer.cost
+
+    @cost.setter
+    def cost(self, model: DecodeCostModel) -> None:
+        self.pricer.cost = model
 
     # ---- admission ---------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> tuple[tuple[str, ...], int, int]:
@@ -231,10 +284,11 @@ class Scheduler:
 
     # ---- one round -------------------------------------------------------------------
     def step(self) -> list[Event]:
-        t_round = time.perf_counter()
+        clock = RoundClock()
         self._admit()
         if not self.active:
             return []
+        clock.lap("admit")
         if self.shared_cells is not None and not self.config.flash_attn:
             # every cell in use is computed for every token, masked or not: idle caches slow the running sequences
             self.prompt_cache.evict(idle_budget(self.config.prompt_cache_slowdown, self.cost.cost(1, 0),
@@ -247,52 +301,33 @@ class Scheduler:
         prefilling = [s for s in by_slot if s.state == SeqState.PREFILL]
 
         # prompt chunks: what the batch has room for after one row per decoding sequence
-        room = budget - len(decoding)
-        chunks: list[tuple[Sequence, int]] = []
-        for s in prefilling:
-            if room <= 0:
-                break
-            n = min(self.config.prefill_chunk, len(s.req.prompt_tokens) - s.n_prefilled, room)
-            chunks.append((s, n))
-            room -= n
+        chunks = list(zip(prefilling, prompt_chunks([len(s.req.prompt_tokens) - s.n_prefilled for s in prefilling],
+                                                    budget - len(decoding), self.config.prefill_chunk)))
         n_prefill = sum(n for _, n in chunks)
 
         # KV cells a token of this round attends, on average: with one shared KV stream every slot's cells
         # (masked, but computed; idle caches too), with a stream per slot its own sequence's
         seqs = decoding or prefilling
         cells = (float(sum(s.n_past for s in by_slot) + self.prompt_cache.idle_cells()) if self.shared_cells
-                 else float(np.mean([s.n_past for s in seqs])) if seqs else 0.0)
+                 else sum(s.n_past for s in seqs) / len(seqs) if seqs else 0.0)
         # memoised for the round: drafts are priced token by token, by every speculator that offers one
-        price = functools.lru_cache(maxsize=None)(lambda n: self.cost.cost(n, cells))
-        proposals = self._draft(decoding, budget - len(decoding) - n_prefill, len(decoding) + n_prefill, price)
+        base_rows = len(decoding) + n_prefill
+        price = functools.lru_cache(maxsize=None)(lambda n: self.pricer.price(n, base_rows, len(decoding), cells))
+        clock.lap("plan")
+        proposals = self._draft(decoding, budget - base_rows, base_rows, price)
+        clock.lap("draft")
 
-        items: list[StepItem] = []
-        for s, prop in zip(decoding, proposals):
-            toks = np.empty(1 + len(prop.tokens), dtype=np.int32)
-            toks[0] = s.last_token
-            toks[1:] = prop.tokens
-            items.append(StepItem(s.slot, toks, s.n_past, len(prop.tokens), True, self._needs_hidden(s)))
-        for s, n in chunks:
-            end = s.n_prefilled + n
-            last = end == len(s.req.prompt_tokens)
-            items.append(StepItem(s.slot, s.req.prompt_tokens[s.n_prefilled : end], s.n_prefilled, 0, last,
-                                  self._needs_hidden(s)))
-
+        items = step_items(decoding, proposals, chunks, self._needs_hidden)
+        clock.lap("build")
         out = self.target.step(items)
+        clock.split_target(None, out.decode_seconds, out.verify_seconds)
         if out.hidden is not None:  # before _mirror: process() pairs each commit with its rows
             try:
                 self.chain.hidden(out.hidden)
             except Exception:
                 log.exception("speculator hidden rows failed")
         self.stats.target_seconds += out.decode_seconds
-        if not n_prefill:
-            # the table prices verify rows, each with a logits row; prompt rows have none (a large vocabulary's
-            # output layer is a big share of a row: Gemma's 262k), so a prefill round would underprice them
-            for size in out.batch_sizes:
-                # one observation per decode; split rounds attribute time evenly
-                self.cost.observe(size, out.decode_seconds / max(1, len(out.batch_sizes)), cells)
 
-        events: list[Event] = []
         for s, prop, res, it in zip(decoding, proposals, out.results[: len(decoding)], items):
             n_drafted = len(prop.tokens)
             try:
@@ -303,21 +338,28 @@ class Scheduler:
             s.count_spec(prop.speculator, n_drafted, res.n_accepted)
             s.n_past += 1 + res.n_accepted
             s.rounds += 1
-            events.append(self._emit(s, res.tokens, res.margins))
+        emit: list[tuple[Sequence, StepResult]] = list(zip(decoding, out.results[: len(decoding)]))
         for (s, n), res in zip(chunks, out.results[len(decoding) :]):
             self._mirror(s, s.req.prompt_tokens[s.n_prefilled : s.n_prefilled + n], s.n_prefilled)
             s.n_prefilled += n
             s.n_past += n
             if len(res.tokens):
                 s.state = SeqState.DECODING
-                events.append(self._emit(s, res.tokens, res.margins))
-        n_total = sum(len(it.tokens) for it in items)
-        self.stats.add_round(time.perf_counter() - t_round, prefill_share(price, n_total, n_prefill),
-                             sum(len(e.tokens) for e in events)
-                             if not n_prefill and not prefilling and len(decoding) == self.config.slots else None)
+                emit.append((s, res))
+        clock.lap("accept")
+        events = [self._emit(s, res.tokens, res.margins) for s, res in emit]
+        clock.lap("emit")
         if self.on_event:
             for e in events:
                 self.on_event(e)
+        clock.lap("deliver")
+        self.stats.add_round(clock, prefill_share(lambda n: self.cost.cost(n, cells),
+                                                  sum(len(it.tokens) for it in items), n_prefill),
+                             sum(len(e.tokens) for e in events)
+                             if not n_prefill and not prefilling and len(decoding) == self.config.slots else None,
+                             len(decoding))
+        self.pricer.observe(out.batch_sizes, out.decode_seconds, cells, n_prefill > 0, len(decoding),
+                            sum(len(p.tokens) for p in proposals), clock.total - clock.seconds.get("decode", 0.0))
         return events
 
     def target_budget(self) -> int:  # the most rows one round's decode may carry
@@ -339,6 +381,8 @@ class Scheduler:
 
     def _draft(self, decoding: list[Sequence], room: int, base_tokens: int,
                price: Callable[[int], float] | None = None) -> list[Proposal]:
+        if not any(s.chain for s in decoding):  # plain decoding: nothing to ask
+            return [Proposal(s.slot, None) for s in decoding]
         reqs = []
         for s in decoding:
             chain = tuple(n for n in s.chain if n not in self.disabled_speculators)

@@ -64,6 +64,8 @@ class StepOutput:
     n_decodes: int
     batch_sizes: list[int] = field(default_factory=list)  # tokens per llama_decode
     seqs_per_decode: list[int] = field(default_factory=list)
+    # host time of verification: reading the logits rows, accepting or sampling, rolling back rejected rows
+    verify_seconds: float = 0.0
     # hidden rows of the committed tokens of items with hidden=True (engine/hidden_rows.py HiddenRows); in the
     # target actor, replaced by its transport's handle (deployments/actors/row_transport.py)
     hidden: Any = None
@@ -161,7 +163,7 @@ class TargetRunner:
         """Decode every item's rows, verify drafts, roll back rejected rows."""
         results: dict[int, StepResult] = {}
         groups = self._pack(items)
-        t_decode = 0.0
+        t_decode = verify_s = 0.0
         sizes, seqs = [], []
         hidden_entries: list | None = [] if self.hidden_out is not None and any(it.hidden for it in items) else None
         # rows are a view into llama.cpp's buffer: copied if another decode of this step follows
@@ -188,6 +190,7 @@ class TargetRunner:
                 self.multi_seq_decodes += 1
             self.max_seqs_in_decode = max(self.max_seqs_in_decode, len(group))
             row = 0
+            t_verify = time.perf_counter()
             for it in group:
                 sess = self.sessions[it.seq_id]
                 sess.push(it.tokens[: it.n_commit])
@@ -221,8 +224,10 @@ class TargetRunner:
                     n_kept = it.n_commit + n_acc
                     rows_it = keep_rows(rows_all[it_row : it_row + n_kept])
                     hidden_entries.append((it.seq_id, it.pos0, it.tokens[:n_kept], rows_it))
+            verify_s += time.perf_counter() - t_verify
         self.rounds += 1
-        out = StepOutput([results[it.seq_id] for it in items], t_decode, sum(sizes), len(groups), sizes, seqs)
+        out = StepOutput([results[it.seq_id] for it in items], t_decode, sum(sizes), len(groups), sizes, seqs,
+                         verify_seconds=verify_s)
         if hidden_entries:
             h = self.hidden_out
             out.hidden = pack_rows(self.rounds, h.taps, h.tap_widths, hidden_entries)

@@ -94,6 +94,9 @@ def verify_greedy(
     the penalty. Without a penalty this is one ``np.argmax`` over the block.
     Ties go to the lowest token id (as ``np.argmax`` and llama.cpp's greedy).
     """
+    if len(draft) == 0 and (params is None or not params.penalty_active) and logits.ndim == 2 and len(logits) == 1:
+        # most rounds' rows (plain decoding, sequences the planner sent no draft): one argmax, no checks to make
+        return Verdict(0, int(logits[0].argmax()))
     logits, draft, k, _ = _check_inputs(logits, draft)
 
     if params is None or not params.penalty_active:

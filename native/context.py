@@ -75,6 +75,8 @@ class Context:
         self.batch = Batch(n_batch)
         self.lock = threading.RLock()
         self.n_decodes = 0
+        self._logits_view: np.ndarray | None = None  # logits(): the output buffer's view and its address
+        self._logits_addr: int | None = None
         # exact mode = batch-invariant kernels; the llamafile switch is
         # process-wide, so each decode asserts its context's setting
         self.exact = exact
@@ -113,7 +115,14 @@ class Context:
         if n_outputs == 0:
             return np.zeros((0, self.model.n_vocab), dtype=np.float32)
         ptr = llama_cpp.llama_get_logits(self.ptr)
-        return np.ctypeslib.as_array(ptr, shape=(n_outputs, self.model.n_vocab))
+        # a view of llama.cpp's output buffer, made again only when the buffer moved or grew: building it
+        # (np.ctypeslib.as_array) took ~10 us, paid on every round
+        addr = ctypes.cast(ptr, ctypes.c_void_p).value
+        view = self._logits_view
+        if view is None or self._logits_addr != addr or len(view) < n_outputs:
+            view = self._logits_view = np.ctypeslib.as_array(ptr, shape=(n_outputs, self.model.n_vocab))
+            self._logits_addr = addr
+        return view[:n_outputs]
 
     # ---- KV cache per sequence ----------------------------------------------
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:

@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict
 
 from specray.deployments.actors.supervisor import UP, short_error
+from specray.engine.round_stages import breakdown
 
 log = logging.getLogger("specray.router")
 
@@ -43,6 +44,14 @@ def round_snapshot(core) -> dict:
                              for i in range(parts.config.slots)]},
         "streams": len(core.slots.streams),
         "scheduler": asdict(s.stats),
+        # the round's time by stage, host time per round and per decoding sequence (engine/round_stages.py), each
+        # speculator's look-up cost, and what the planner prices as host work (engine/host_cost.py)
+        "round_stages": breakdown(s.stats.stage_seconds, s.stats.rounds, s.stats.seq_rounds) | {
+            "speculator_ms_per_ask": {k: 1e3 * v / s.chain.gate.asks[k] for k, v in s.chain.gate.seconds.items()
+                                      if s.chain.gate.asks.get(k)},
+            # rounds a speculator was not asked in: its winnings did not pay for its look-ups (lookup_gate.py)
+            "lookups_skipped": dict(s.chain.gate.skipped)},
+        "host_cost": s.pricer.host.to_dict() | {"shape_change_penalty": s.cost.shape_change_penalty},
         "chain": s.config.chain.label,
         "disabled_speculators": sorted(s.disabled_speculators),
         "speculators": {k: asdict(v) for k, v in parts.chain.stats().items()},

@@ -118,6 +118,24 @@ def test_speculation_drafts_and_per_request_control(client, reference):
     assert set(other.model_extra["speculative"]["by_speculator"]) <= {"ngram_simple"}
 
 
+def test_stats_break_the_round_down_by_stage(http, server):
+    # each stage's ms per round, host time per round and per decoding sequence, the speculators' look-up cost,
+    # and the host costs the planner prices (engine/round_stages.py, host_cost.py)
+    mode, _ = server
+    r = http.post("/v1/completions", json={"prompt": COMPLETION_PROMPTS[1], "max_tokens": MAX_TOKENS,
+                                            "temperature": 0})
+    assert r.status_code == 200
+    st = http.get("/v1/stats").json()
+    rs, sched = st["round_stages"], st["scheduler"]
+    assert set(rs["ms_per_round"]) >= {"admit", "draft", "decode", "verify", "target_rest", "accept", "emit"}
+    assert sum(rs["ms_per_round"].values()) == pytest.approx(1e3 * sched["round_seconds"] / sched["rounds"])
+    assert 0 < rs["host_ms_per_round"] < sum(rs["ms_per_round"].values())
+    assert rs["host_ms_per_seq_round"] > 0 and {"ngram_mod", "suffix"} <= set(rs["speculator_ms_per_ask"])
+    if mode == "distributed":  # the hop to the target actor is host time of the round, outside its decode
+        assert rs["ms_per_round"]["target_rest"] > 0.3
+    assert st["host_cost"]["rounds_seen"] > 0 and st["host_cost"]["ms_per_round"] >= 0
+
+
 def test_stop_and_seeded_sampling(client):
     r = client.completions.create(model="smollm2-135m", prompt=COMPLETION_PROMPTS[1], max_tokens=MAX_TOKENS,
                                   temperature=0, stop=["banana"])

@@ -230,3 +230,23 @@ def test_plot_flag_is_refused_where_it_cannot_be_honoured(tmp_path, capsys):
     prompts.write_text('{"prompt": "hi"}\n')
     assert main(["bench", "--prompts", str(prompts), "--plot", str(tmp_path / "no" / "a.png")]) == 2
     assert "a.png: no such folder" in capsys.readouterr().err and not (tmp_path / "no").exists()
+
+
+def test_the_round_stages_are_summed_over_categories_and_shown_per_round():
+    report = BenchReport(model="m", configs=["none", "ngram_mod"], categories=["a", "b"])
+    for cat in report.categories:
+        report.results[cat] = {
+            "none": _run("none", 80),
+            "ngram_mod": _run("ngram_mod", 80)}
+        report.results[cat]["ngram_mod"].add(ConfigResult(
+            "ngram_mod", rounds=100, seq_rounds=200, stage_seconds={"decode": 1.0, "draft": 0.02, "verify": 0.01},
+            speculator_seconds={"ngram_mod": 0.004}, speculator_asks={"ngram_mod": 200}))
+    row = report.to_json()["configs"]["ngram_mod"]["overall"]
+    rs = row["round_stages"]
+    assert rs["ms_per_round"] == pytest.approx({"draft": 0.2, "decode": 10.0, "verify": 0.1})
+    assert rs["host_ms_per_round"] == pytest.approx(0.3) and rs["host_ms_per_seq_round"] == pytest.approx(0.15)
+    assert rs["speculator_ms_per_ask"] == pytest.approx({"ngram_mod": 0.02})
+    table = report.table()
+    assert "== round stages (overall)" in table and "ngram_mod 0.020" in table
+    line = next(ln for ln in table.splitlines() if ln.startswith("ngram_mod ") and "0.300" in ln)
+    assert "10.000" in line and "0.150" in line

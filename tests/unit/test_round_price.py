@@ -1,0 +1,88 @@
+"""The round's price for the draft planner: the decode plus the host's work, learnt from rounds."""
+
+from __future__ import annotations
+
+import doctest
+
+import numpy as np
+import pytest
+
+from specray.engine import host_cost, lookup_gate, round_price, round_stages
+from specray.engine.cost import DecodeCostModel
+from specray.engine.host_cost import HostCostModel
+from specray.engine.lookup_gate import LookupGate
+from specray.engine.planner import plan_draft_lengths
+from specray.engine.round_price import RoundPricer
+
+H100 = {1: 0.0016, 2: 0.0025, 4: 0.0025, 8: 0.0025, 16: 0.0040, 32: 0.0070}
+
+
+@pytest.mark.parametrize("mod", [host_cost, lookup_gate, round_price, round_stages])
+def test_doctests(mod):
+    assert doctest.testmod(mod).failed == 0
+
+
+def test_host_cost_follows_the_machine():
+    m = HostCostModel()
+    for i in range(300):
+        m.observe(1 + i % 4, i % 5, 0.0005 + 0.0001 * (1 + i % 4))
+    assert m.round_seconds(2, 0) == pytest.approx(0.0007, rel=0.02)
+    for i in range(1500):  # the host got twice as slow: the model follows within its memory
+        m.observe(1 + i % 4, i % 5, 2 * (0.0005 + 0.0001 * (1 + i % 4)))
+    assert m.round_seconds(2, 0) == pytest.approx(0.0014, rel=0.02)
+    m.observe(0, 3, 1.0)  # a round without decoding sequences teaches nothing
+    m.observe(2, 3, -1.0)
+    assert m.round_seconds(2, 0) == pytest.approx(0.0014, rel=0.02)
+
+
+def test_a_flat_gpu_table_sends_its_free_draft_tail_only_while_host_work_is_unpriced():
+    # 2-8 rows cost the same on the GPU: priced by the decode alone every draft token up to 8 rows is free and
+    # sent, however unlikely; each draft row's host work (verify, rollback, mirror) makes the unlikely tail lose
+    probs = [np.array([0.9, 0.8, 0.1, 0.05, 0.03])]
+    decode_only = RoundPricer(DecodeCostModel(H100, learn=False))
+    priced = RoundPricer(DecodeCostModel(H100, learn=False))
+    rng = np.random.default_rng(0)
+    for _ in range(400):  # 0.4 ms a round, 0.1 ms a draft row
+        rows = int(rng.integers(0, 8))
+        priced.host.observe(1, rows, 0.0004 + 0.0001 * rows)
+    assert priced.host.to_dict()["ms_per_draft_row"] == pytest.approx(0.1, rel=0.05)
+    free = plan_draft_lengths(probs, 1, lambda n: decode_only.price(n, 1, 1, None))
+    paid = plan_draft_lengths(probs, 1, lambda n: priced.price(n, 1, 1, None))
+    assert free == [5] and paid == [3]
+
+
+def test_a_new_batch_shape_is_priced_by_what_such_decodes_were_seen_to_cost():
+    p = RoundPricer(DecodeCostModel({1: 0.002, 2: 0.003, 4: 0.004}))
+    for _ in range(300):  # a GPU that recaptures its graph: a decode after a shape change costs 1.5x
+        p.observe([1], 0.002, None, False, 1, 0, 0.0)
+        p.observe([1], 0.002, None, False, 1, 0, 0.0)
+        p.observe([2], 0.0045, None, False, 1, 1, 0.0)
+        p.observe([1], 0.003, None, False, 1, 0, 0.0)
+    assert p.cost.shape_change_penalty > 0.3
+    assert p.last_shape == 1
+    assert p.price(2, 1, 1, None) > 1.3 * p.cost.cost(2)  # another shape than the last decode's
+    assert p.price(1, 1, 1, None) == pytest.approx(p.cost.cost(1) + p.host.round_seconds(1, 0))
+
+
+def test_prefill_rounds_teach_neither_the_table_nor_the_host_model():
+    p = RoundPricer(DecodeCostModel({1: 0.002, 64: 0.02}))
+    before = p.cost.table()
+    p.observe([64], 0.5, None, True, 1, 0, 0.1)
+    assert p.cost.table() == before and p.host.rounds == 0 and p.last_shape == 64
+
+
+def test_a_speculator_whose_winnings_pay_its_look_ups_is_always_asked():
+    g = LookupGate(warmup=8, probe_every=4)
+    for i in range(200):
+        for name, won in (("suffix", 2 if i % 5 == 0 else 0), ("ngram_mod", 0)):
+            g.asked(name, 1, 0.00004)
+            g.won(name, won)
+    # suffix wins 0.4 tokens a look-up: worth 0.64 ms at 1.6 ms a token, far above its 0.04 ms look-up
+    assert not any(g.skip("suffix", 0.0016) for _ in range(50))
+    skips = [g.skip("ngram_mod", 0.0016) for _ in range(40)]
+    assert skips.count(False) == 10 and g.skipped["ngram_mod"] == 30  # probed every 4th round
+    # on a CPU round of 10 ms a token, a speculator that wins once in 200 look-ups pays its 0.04 ms
+    g.won("ngram_mod", 2)
+    assert not g.skip("ngram_mod", 0.010)
+    g.forget("ngram_mod")  # a rebuilt instance starts afresh
+    assert not any(g.skip("ngram_mod", 0.0016) for _ in range(8))
