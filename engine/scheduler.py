@@ -29,6 +29,7 @@ from .drafting import draft_round
 from .prompt_cache import PromptCache, idle_budget
 from .request import GenerationRequest, Sequence, SeqState, admission_plan
 from .target import StepItem, StepOutput
+from .verify_shape import batch_rows, max_draft
 
 log = logging.getLogger("specray.scheduler")
 
@@ -137,6 +138,10 @@ class Scheduler:
             self.chain.validate(chain)
         except (ValueError, TypeError) as e:
             raise ValueError(str(e)) from None
+        if (buckets := self.config.shape_buckets) is not None:
+            # shape-stable verifies: a round may pad this sequence's verify to the largest bucket (another
+            # sequence's draft sets the round's bucket); those cells are held for a moment, so reserved
+            need += max(0, max_draft(buckets) - n_max)
         return chain, n_max, need
 
     def submit(self, req: GenerationRequest) -> Sequence:
@@ -339,13 +344,20 @@ class Scheduler:
 
     def _draft(self, decoding: list[Sequence], room: int, base_tokens: int,
                price: Callable[[int], float] | None = None) -> list[Proposal]:
+        buckets = self.config.shape_buckets
         reqs = []
         for s in decoding:
             chain = tuple(n for n in s.chain if n not in self.disabled_speculators)
             n_max = max(0, min(s.n_max, s.tokens_left - 1, self.n_ctx - s.n_past - 2))
+            if buckets is not None:  # every decode-only round's shape stays in the bucket set
+                n_max = min(n_max, max_draft(buckets))
             reqs.append(SeqDraftRequest(s.slot, chain, s.history_view(), n_max, s.tokens_left))
+        rows = None
+        if buckets is not None and base_tokens == len(decoding):
+            # a decode-only round is padded (TargetRunner._pads): drafts are priced by the shape the target runs
+            rows = functools.partial(batch_rows, buckets=buckets, limit=self.config.n_batch)
         return draft_round(self.chain, self.config.chain, reqs, room, base_tokens, price or self.cost.cost,
-                           self.disabled_speculators, self.stats, self._explore_rng)
+                           self.disabled_speculators, self.stats, self._explore_rng, rows)
 
     def _emit(self, s: Sequence, toks: np.ndarray, margins: np.ndarray | None) -> Event:
         kept, text = s.emit(toks, margins, self.tok)
