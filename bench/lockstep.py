@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specray.engine.config import parse_chain
 from specray.engine.request import GenerationRequest
 
 from .report import ConfigResult
+from .shapes import chain_of
 
 if TYPE_CHECKING:
     from specray.deployments.local_engine import LocalEngine
@@ -41,7 +41,7 @@ class ConfigRun:
                  max_tokens: int) -> None:
         self.engine, self.name = engine, name
         engine.scheduler.chain = chain
-        reqs = [GenerationRequest(prompt_tokens=t, max_tokens=max_tokens, chain=tuple(parse_chain(name)))
+        reqs = [GenerationRequest(prompt_tokens=t, max_tokens=max_tokens, chain=tuple(chain_of(name)))
                 for t in prompts]
         st = engine.scheduler.stats
         self.before = (st.prefill_seconds, st.loaded_seconds, st.loaded_tokens, st.rounds, st.draft_seconds,

@@ -25,7 +25,7 @@ import time
 
 from specray.deployments.local_engine import LocalEngine
 from specray.engine.chain import Chain
-from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig, parse_chain
+from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig
 from specray.native.lib import build_has_amx, verify_cols_enabled
 
 from .divergence import classify_divergence, compare_runs, divergence_margin
@@ -35,6 +35,7 @@ from .probes import measure_batch_variance, measure_layout_variance, probe_prefi
 from .progress import Progress
 from .prompts import BenchPrompt, default_prompts_path, load_prompts
 from .report import BenchReport, ConfigResult, write_json
+from .shapes import chain_of, expand_configs, split_config
 
 __all__ = ["BenchPrompt", "BenchReport", "ConfigResult", "classify_divergence", "cpu_steal_seconds",
            "default_prompts_path", "divergence_margin", "load_prompts", "main_bench", "measure_batch_variance",
@@ -65,6 +66,7 @@ def run_bench(
     order: str = "lockstep",
     flash_attn: bool = False,
     progress_every: float = 10.0,
+    verify_shape: str = "exact",
 ) -> BenchReport:
     """Run every configuration on `prompts`, `repeats` times. Each pass has its own chains (fresh
     speculators: a second pass must not draft from what the first one generated) and runs the
@@ -73,13 +75,15 @@ def run_bench(
     `order`: `lockstep` (each configuration on its own context, all advanced a round at a time in turn:
     see lockstep.run_lockstep) or one of run_order's. `progress` gets the start-up figures, a line per
     category and configuration, and progress lines (prompt runs done, elapsed, ETA) at most every
-    `progress_every` seconds and at the end of each category."""
+    `progress_every` seconds and at the end of each category. `verify_shape`: exact, bucketed or both
+    (shapes.expand_configs: a `CHAIN@bucketed` configuration runs on an engine with shape-stable verifies)."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if "none" not in configs:
         configs = ["none"] + configs
+    configs = expand_configs(configs, verify_shape)
     cfg = EngineConfig(model=model, chat_template=chat_template, slots=slots, exact=exact, flash_attn=flash_attn,
                        threads=threads, n_ctx=n_ctx, record_margins=True,
                        # each configuration runs the same prompts: none may find them in the prompt cache
@@ -88,13 +92,24 @@ def run_bench(
                        draft=DraftModelConfig(model=draft_model, cross_vocab=cross_vocab))
     engine = LocalEngine(cfg)
     # lockstep: a context, scheduler and verify-cost model of its own per configuration (one model, its
-    # weights loaded once; every cost model starts from the same calibration); otherwise one engine
-    engines = {c: engine for c in configs}
+    # weights loaded once; every cost model starts from the same calibration); otherwise one engine per
+    # verify shape (a `CHAIN@bucketed` configuration runs with shape-stable verifies: shapes.py)
+
+    def new_engine(shape: str) -> LocalEngine:
+        e = LocalEngine(cfg.model_copy(update={"calibrate": False, "verify_shape": shape}), model=engine.model)
+        e.scheduler.cost = engine.scheduler.cost.copy()
+        return e
+
+    shapes = {c: split_config(c)[1] for c in configs}
     if order == "lockstep":
-        for c in configs[1:]:
-            engines[c] = LocalEngine(cfg.model_copy(update={"calibrate": False}), model=engine.model)
-            engines[c].scheduler.cost = engine.scheduler.cost.copy()
-    chains = [{c: Chain(ChainConfig(speculators=parse_chain(c), policy=policy, n_max=n_max),
+        engines = {c: engine if i == 0 and shapes[c] == "exact" else new_engine(shapes[c])
+                   for i, c in enumerate(configs)}
+    else:
+        by_shape = {"exact": engine}
+        for shape in set(shapes.values()) - {"exact"}:
+            by_shape[shape] = new_engine(shape)
+        engines = {c: by_shape[shapes[c]] for c in configs}
+    chains = [{c: Chain(ChainConfig(speculators=chain_of(c), policy=policy, n_max=n_max),
                         engines[c].speculator_factory) for c in configs} for _ in range(repeats)]
     categories = list(dict.fromkeys(p.category for p in prompts))
     report = BenchReport(model=model, configs=list(configs), categories=categories)
@@ -114,6 +129,7 @@ def run_bench(
     # an argmax flips only if the top-2 margin is below the two logits' combined drift
     report.tie_bound = 2.0 * max(report.batch_variance, report.layout_variance)
     report.meta = {"order": order, "slots": slots, "max_tokens": max_tokens, "exact": exact,
+                   "verify_shape": verify_shape, "verify_buckets": list(cfg.verify_buckets),
                    "flash_attn": flash_attn, "policy": policy,
                    "n_max": n_max, "threads": threads, "verify_cols_kernel": verify_cols_enabled(),
                    "decode_cost_ms": {k: v * 1000 for k, v in engine.scheduler.cost.table().items()},
@@ -157,7 +173,7 @@ def run_bench(
                 else:
                     for i, c in enumerate(sequence):  # one after another, on the one engine
                         run = (LlamaRun(llama, group, max_tokens) if c == "llama_cpp" else
-                               ConfigRun(engine, chains[rep][c], c, group, max_tokens))
+                               ConfigRun(engines[c], chains[rep][c], c, group, max_tokens))
                         runs.append((c, *run_alone(run, tracker.ticker(runs_done + i * len(group), [run], where))))
                 runs_done += len(group) * len(sequence)
                 base_seqs = next(seqs for c, _, seqs in runs if c == "none")
@@ -174,7 +190,7 @@ def run_bench(
             r = report.results[cat][c]
             progress(f"{cat:<22} {c:<34} {r.tokens_per_s:7.1f} tok/s  accept_len {r.mean_acceptance_length:.2f}"
                      f"  identical {r.identical}/{r.compared}")
-    for e in {id(e): e for e in engines.values()}.values():
+    for e in {id(e): e for e in [engine, *engines.values()]}.values():
         e.close()
     return report
 
@@ -191,7 +207,7 @@ def main_bench(args) -> int:
     prompts = load_prompts(prompts_path, categories, args.per_category)
     configs = []
     for c in args.configs:
-        parse_chain(c)  # syntax check
+        chain_of(c)  # syntax check
         if c not in configs:
             configs.append(c)
     plot = getattr(args, "plot", None)
@@ -203,7 +219,8 @@ def main_bench(args) -> int:
                        llama_baseline=not args.no_llama_baseline,
                        progress=lambda s: print(s, file=sys.stderr, flush=True),
                        draft_model=args.draft_model, cross_vocab=args.cross_vocab, repeats=args.repeats,
-                       order=args.order, flash_attn=args.flash_attn)
+                       order=args.order, flash_attn=args.flash_attn,
+                       verify_shape=getattr(args, "verify_shape", "exact"))
     print(report.table())
     if args.json:
         write_json(report, args.json)

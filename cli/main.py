@@ -148,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "sandwich: one after another, `none` before and after each, each measured against its "
                             "two neighbouring `none` runs; about twice as long. alternate: one after another, the "
                             "order reversed every group (default: lockstep)")
+    bench.add_argument("--verify-shape", choices=["exact", "bucketed", "both"], default="exact",
+                       help="in-process: bucketed runs every chain with shape-stable verifies (verify rows padded "
+                            "to a few batch shapes, for GPU graph replay), both runs each chain both ways "
+                            "(CHAIN and CHAIN@bucketed) to measure what padding costs here; a --configs name "
+                            "ending in @bucketed asks for it per chain (default: %(default)s)")
     bench.add_argument("--json", default=None, help="write the results as JSON to this path")
     bench.add_argument("--plot", default=None, metavar="PNG",
                        help="in-process: draw the speedup over 'none' by category and configuration to this image "
@@ -279,6 +284,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"cost); --no-exact turns off a file's exact: true {d(EngineConfig, 'exact')}")
     g.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=S,
                    help=f"{FLASH_ATTN_HELP} {d(EngineConfig, 'flash_attn')}")
+    g.add_argument("--verify-shape", choices=["exact", "bucketed"], default=S,
+                   help="bucketed: pad decode-only rounds' verifies to a few batch shapes (engine.verify_buckets) so "
+                        "a GPU backend can replay its graphs; costs speed on CPU (README, 'Shape-stable verifies') "
+                        f"{d(EngineConfig, 'verify_shape')}")
     g.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=S,
                    help="keep finished requests' KV in their slots and reuse the longest common prefix for new "
                         "prompts (the next turn of a chat prefills only the new message); requests opt out with "

@@ -29,6 +29,7 @@ _FLAG_FIELDS = {
     "exact": ("engine", "exact"),
     "flash_attn": ("engine", "flash_attn"),
     "prompt_cache": ("engine", "prompt_cache"),
+    "verify_shape": ("engine", "verify_shape"),
     "policy": ("engine", "chain", "policy"),
     "n_max": ("engine", "chain", "n_max"),
     "draft_model": ("engine", "draft", "model"),

@@ -139,7 +139,7 @@ def _build_local(config: EngineConfig, model) -> EngineParts:
 
     model, ctx = open_target(config, model)
     try:
-        runner = TargetRunner(ctx, record_margins=config.record_margins)
+        runner = TargetRunner(ctx, record_margins=config.record_margins, verify_buckets=config.shape_buckets)
         cost = DecodeCostModel.calibrated(runner.calibrate_cost()) if config.calibrate else DecodeCostModel()
         draft_model = open_draft(config, model, ctx)
         hidden_heads = open_hidden(config, model, ctx, runner)

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .verify_shape import DEFAULT_BUCKETS
+
 Policy = Literal["first", "expected", "cost"]
 
 
@@ -192,6 +194,16 @@ class EngineConfig(BaseModel):
     hidden: HiddenStateConfig = Field(
         default_factory=HiddenStateConfig, description="hidden-state speculators mtp / eagle3 (in-process when "
         "co-located, in the companion actor when distributed)")
+    verify_shape: Literal["exact", "bucketed"] = Field(
+        "exact", description="the target batch's shape in decode-only rounds. exact: each sequence's verify is "
+        "its last token + its draft, as long as that is. bucketed: every decoding sequence's verify is padded, with "
+        "rows that are then rejected, to the same bucket of verify_buckets (the smallest holding the round's longest "
+        "verify; drafts are cut to the largest bucket - 1), so the batch takes a few shapes and a GPU backend can "
+        "replay its captured graphs (engine/verify_shape.py). Lossless either way; the cost policy prices the padded "
+        "shape. Off by default: on CPU a padded row costs nearly a real one (README, 'Shape-stable verifies')")
+    verify_buckets: tuple[int, ...] = Field(
+        DEFAULT_BUCKETS, description="verify_shape=bucketed: rows per decoding sequence a decode-only round may "
+        "take (1 = a plain decode; without 1, rounds without drafts are padded too)")
     calibrate: bool = Field(True, description="measure verify cost by batch size at start (cost policy)")
     record_margins: bool = Field(False, description="record top-2 logit margins of emitted tokens (bench)")
 
@@ -201,6 +213,18 @@ class EngineConfig(BaseModel):
             return self
         return self.model_copy(update={"threads": served_threads(n_cpus) if served else IN_PROCESS_THREADS})
 
+    @field_validator("verify_buckets", mode="after")
+    @classmethod
+    def _buckets(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v or min(v) < 1:
+            raise ValueError(f"verify_buckets must be one or more row counts >= 1, got {v}")
+        return tuple(sorted(set(v)))
+
+    @property
+    def shape_buckets(self) -> tuple[int, ...] | None:
+        """The buckets decode-only rounds are padded to, or None (verify_shape exact)."""
+        return self.verify_buckets if self.verify_shape == "bucketed" else None
+
     @model_validator(mode="after")
     def _exact_rules(self) -> "EngineConfig":
         # the one place these rules live: every mode builds its engine from this config (deployments/builder.py)
@@ -208,6 +232,9 @@ class EngineConfig(BaseModel):
             raise ValueError("flash_attn conflicts with exact (batch-invariant kernels need flash attention off)")
         if self.exact and self.use_extra_bufts:
             raise ValueError("use_extra_bufts conflicts with exact (repacked kernels are not batch-invariant)")
+        if self.verify_shape == "bucketed" and max(self.verify_buckets) > self.n_batch:
+            raise ValueError(f"verify_buckets' largest bucket ({max(self.verify_buckets)} rows) exceeds n_batch "
+                             f"({self.n_batch})")
         return self
 
     @property

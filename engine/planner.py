@@ -15,6 +15,16 @@ length (the cost curve need not be convex).
 [2]
 >>> plan_draft_lengths([np.array([0.2])], base_tokens=1, cost=cost)   # 0.2 < 3/10: not worth it
 [0]
+
+With shape-stable verifies the batch holds padded rows (verify_shape.batch_rows): a draft is priced by the
+bucket it lands in, and tokens that fill the chosen bucket cost nothing more, so they are sent too:
+
+>>> from specray.engine.verify_shape import batch_rows
+>>> rows = lambda lengths: batch_rows(lengths, (1, 4, 8))
+>>> plan_draft_lengths([np.array([0.9, 0.8, 0.3, 0.2, 0.1])], 1, cost, rows=rows)   # 1 + 3 rows = bucket 4
+[3]
+>>> plan_draft_lengths([np.array([0.3, 0.2, 0.1])], 1, cost, rows=rows)   # 0.6 tokens for 9 ms more: no
+[0]
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ def plan_draft_lengths(
     cost: Callable[[int], float],
     n_decoding: int | None = None,
     extra_seconds: Sequence[float] | None = None,
+    rows: Callable[[list[int]], int] | None = None,
 ) -> list[int]:
     """Return how many draft tokens to keep per candidate.
 
@@ -39,6 +50,8 @@ def plan_draft_lengths(
     that emit a token this round anyway (default: len(prefix_probs)).
     extra_seconds[s]: a fixed cost paid only if candidate s sends >= 1 token
     (e.g. a model drafter's time); 0 for model-free speculators.
+    rows(lengths): rows of the batch holding these draft lengths per candidate (one candidate per decoding
+    sequence), priced instead of base_tokens + their sum: shape-stable verifies pad them (verify_shape.py).
     """
     n = len(prefix_probs)
     if n == 0:
@@ -53,7 +66,8 @@ def plan_draft_lengths(
     if not probs:
         return [0] * n
     order = np.argsort(-np.asarray(probs), kind="stable")
-    base_cost = cost(base_tokens)
+    taken = [0] * n  # draft lengths of the prefix scanned so far (a candidate's tokens come in order)
+    base_cost = cost(base_tokens if rows is None else rows(taken))
     best_rate = n_decoding / base_cost if base_cost > 0 else 0.0
     best_k = 0
     gain = float(n_decoding)
@@ -65,10 +79,16 @@ def plan_draft_lengths(
         if extra_seconds is not None and not started[s]:
             fixed += extra_seconds[s]
             started[s] = True
-        rate = gain / (cost(base_tokens + k) + fixed)
+        taken[s] += 1
+        rate = gain / (cost(base_tokens + k if rows is None else rows(taken)) + fixed)
         if rate > best_rate * (1 + 1e-9):
             best_rate, best_k = rate, k
     lengths = [0] * n
     for idx in order[:best_k]:
         lengths[owners[idx]] += 1
+    if rows is not None and extra_seconds is None:  # tokens that add no row (they fill a padded bucket) are free
+        sizes = [len(p) for p in prefix_probs]
+        for s in range(n):
+            while lengths[s] < sizes[s] and rows(lengths[:s] + [lengths[s] + 1] + lengths[s + 1 :]) == rows(lengths):
+                lengths[s] += 1
     return lengths

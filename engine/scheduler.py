@@ -31,6 +31,7 @@ from .request import GenerationRequest, Sequence, SeqState, admission_plan
 from .round_price import RoundPricer
 from .round_stages import RoundClock
 from .target import StepItem, StepOutput, StepResult
+from .verify_shape import batch_rows, max_draft
 
 log = logging.getLogger("specray.scheduler")
 
@@ -143,6 +144,20 @@ def step_items(decoding: list[Sequence], proposals: list[Proposal], chunks: list
     return items
 
 
+def draft_requests(decoding: list[Sequence], disabled: set[str], n_ctx: int,
+                   buckets: tuple[int, ...] | None) -> list[SeqDraftRequest]:
+    """Each decoding sequence's draft request: its chain less the disabled speculators, and the most draft
+    tokens its tokens left and context allow (with shape-stable verifies, at most the largest bucket's)."""
+    reqs = []
+    for s in decoding:
+        chain = tuple(n for n in s.chain if n not in disabled)
+        n_max = max(0, min(s.n_max, s.tokens_left - 1, n_ctx - s.n_past - 2))
+        if buckets is not None:  # every decode-only round's shape stays in the bucket set
+            n_max = min(n_max, max_draft(buckets))
+        reqs.append(SeqDraftRequest(s.slot, chain, s.history_view(), n_max, s.tokens_left))
+    return reqs
+
+
 class Scheduler:
     def __init__(
         self,
@@ -174,13 +189,8 @@ class Scheduler:
         self.on_event: Callable[[Event], None] | None = None
         self._explore_rng = np.random.default_rng(0)  # deterministic: runs stay reproducible
 
-    @property
-    def cost(self) -> DecodeCostModel:  # the target decode's price (settable: the pricer uses the new model)
-        return self.pricer.cost
-
-    @cost.setter
-    def cost(self, model: DecodeCostModel) -> None:
-        self.pricer.cost = model
+    # the target decode's price (settable: the pricer uses the new model)
+    cost = property(lambda self: self.pricer.cost, lambda self, model: setattr(self.pricer, "cost", model))
 
     # ---- admission ---------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> tuple[tuple[str, ...], int, int]:
@@ -190,6 +200,10 @@ class Scheduler:
             self.chain.validate(chain)
         except (ValueError, TypeError) as e:
             raise ValueError(str(e)) from None
+        if (buckets := self.config.shape_buckets) is not None:
+            # shape-stable verifies: a round may pad this sequence's verify to the largest bucket (another
+            # sequence's draft sets the round's bucket); those cells are held for a moment, so reserved
+            need += max(0, max_draft(buckets) - n_max)
         return chain, n_max, need
 
     def submit(self, req: GenerationRequest) -> Sequence:
@@ -383,13 +397,14 @@ class Scheduler:
                price: Callable[[int], float] | None = None) -> list[Proposal]:
         if not any(s.chain for s in decoding):  # plain decoding: nothing to ask
             return [Proposal(s.slot, None) for s in decoding]
-        reqs = []
-        for s in decoding:
-            chain = tuple(n for n in s.chain if n not in self.disabled_speculators)
-            n_max = max(0, min(s.n_max, s.tokens_left - 1, self.n_ctx - s.n_past - 2))
-            reqs.append(SeqDraftRequest(s.slot, chain, s.history_view(), n_max, s.tokens_left))
+        buckets = self.config.shape_buckets
+        reqs = draft_requests(decoding, self.disabled_speculators, self.n_ctx, buckets)
+        rows = None
+        if buckets is not None and base_tokens == len(decoding):
+            # a decode-only round is padded (TargetRunner._pads): drafts are priced by the shape the target runs
+            rows = functools.partial(batch_rows, buckets=buckets, limit=self.config.n_batch)
         return draft_round(self.chain, self.config.chain, reqs, room, base_tokens, price or self.cost.cost,
-                           self.disabled_speculators, self.stats, self._explore_rng)
+                           self.disabled_speculators, self.stats, self._explore_rng, rows)
 
     def _emit(self, s: Sequence, toks: np.ndarray, margins: np.ndarray | None) -> Event:
         kept, text = s.emit(toks, margins, self.tok)

@@ -21,6 +21,7 @@ from .cost import CALIBRATION_PREFIX, paired_decode_costs
 from .hidden_rows import pack_rows
 from .sampling import SamplingParams
 from .verify import verify_greedy, verify_sampled_coupled
+from .verify_shape import padded_rows
 
 
 class TargetContext(Protocol):  # what specray.native.Context provides
@@ -123,9 +124,13 @@ def pooled_attention_slope(times: dict[tuple[int, int], float], short: int, long
 
 
 class TargetRunner:
-    def __init__(self, ctx: TargetContext, record_margins: bool = False) -> None:
+    def __init__(self, ctx: TargetContext, record_margins: bool = False,
+                 verify_buckets: tuple[int, ...] | None = None) -> None:
         self.ctx = ctx
         self.record_margins = record_margins
+        # shape-stable verifies (EngineConfig.shape_buckets): decode-only rounds padded to a bucket; None: off
+        self.verify_buckets = verify_buckets
+        self.pad_rows = 0  # pad rows decoded (and removed again) so far
         # hidden-row taps (specray.native.hidden.HiddenOutput), set when a hidden-state speculator is configured;
         # switched on only for decodes holding an item with hidden=True
         self.hidden_out = None
@@ -162,6 +167,7 @@ class TargetRunner:
     def step(self, items: list[StepItem]) -> StepOutput:
         """Decode every item's rows, verify drafts, roll back rejected rows."""
         results: dict[int, StepResult] = {}
+        pads = self._pads(items)  # seq_id -> pad rows after its real rows (shape-stable verifies)
         groups = self._pack(items)
         t_decode = verify_s = 0.0
         sizes, seqs = [], []
@@ -172,8 +178,12 @@ class TargetRunner:
             batch = self.ctx.batch
             batch.clear()
             for it in group:
-                n_logits = it.n_draft + 1 if it.sample else 0
-                batch.add_seq(it.seq_id, it.tokens, it.pos0, n_logits)
+                pad = pads.get(it.seq_id, 0)
+                n_logits = it.n_draft + 1 + pad if it.sample else 0  # pad rows get logits: n_outputs is shape
+                # pad token: the last real token repeated. Any valid id would do (its logits are never read, its
+                # cells are removed below); this one is valid for every vocabulary and costs no look-up
+                toks = np.concatenate([it.tokens, np.full(pad, it.tokens[-1], dtype=np.int32)]) if pad else it.tokens
+                batch.add_seq(it.seq_id, toks, it.pos0, n_logits)
             want_rows = hidden_entries is not None and any(it.hidden for it in group)
             if self.hidden_out is not None:
                 self.hidden_out.set_enabled(want_rows)
@@ -194,7 +204,8 @@ class TargetRunner:
             for it in group:
                 sess = self.sessions[it.seq_id]
                 sess.push(it.tokens[: it.n_commit])
-                it_row, first_row = first_row, first_row + len(it.tokens)
+                pad = pads.get(it.seq_id, 0)
+                it_row, first_row = first_row, first_row + len(it.tokens) + pad
                 if not it.sample:
                     results[it.seq_id] = StepResult(it.seq_id, np.zeros(0, dtype=np.int32))
                     if rows_all is not None and it.hidden:
@@ -202,8 +213,8 @@ class TargetRunner:
                         hidden_entries.append((it.seq_id, it.pos0, it.tokens, rows_it))
                     continue
                 k = it.n_draft
-                rows = logits[row : row + k + 1]
-                row += k + 1
+                rows = logits[row : row + k + 1]  # the real rows only: verification never sees a pad row
+                row += k + 1 + pad
                 draft = it.tokens[it.n_commit :]
                 if sess.params.greedy:
                     verdict = verify_greedy(rows, draft, sess.window, sess.params)
@@ -212,7 +223,7 @@ class TargetRunner:
                     rngs = sess.position_rngs(it.pos0 + it.n_commit, k + 1)
                     verdict = verify_sampled_coupled(rows, draft, sess.params, rngs, sess.window)
                 n_acc = verdict.n_accepted
-                if n_acc < k:  # rejected draft rows leave the KV cache
+                if n_acc < k or pad:  # rejected draft rows, and pad rows always, leave the KV cache
                     self.ctx.seq_rm(it.seq_id, it.pos0 + it.n_commit + n_acc, -1)
                 sess.push(draft[:n_acc])
                 out = np.empty(n_acc + 1, dtype=np.int32)
@@ -324,6 +335,20 @@ class TargetRunner:
         t = {(long, n): after_long[n] for n in sizes}
         t |= {(short, n): min(before[n], again[n]) for n in sizes}
         return pooled_attention_slope(t, short, long, sizes)
+
+    def _pads(self, items: list[StepItem]) -> dict[int, int]:
+        """Pad rows per sequence under shape-stable verifies: in a decode-only round (every item one committed
+        token + its draft) all verifies are padded to one bucket (verify_shape.padded_rows); prompt-chunk rounds,
+        and rounds where a padded verify would pass a sequence's context, are not."""
+        if self.verify_buckets is None or any(not it.sample or it.n_commit != 1 for it in items):
+            return {}
+        real = [len(it.tokens) for it in items]
+        padded = padded_rows(real, self.verify_buckets, self.ctx.n_batch)
+        n_ctx_seq = getattr(self.ctx, "n_ctx_seq", None)
+        if n_ctx_seq is not None and any(it.pos0 + n > n_ctx_seq for it, n in zip(items, padded)):
+            return {}
+        self.pad_rows += sum(padded) - sum(real)
+        return {it.seq_id: n - r for it, n, r in zip(items, padded, real) if n > r}
 
     def _pack(self, items: list[StepItem]) -> list[list[StepItem]]:
         """Split items into decodes of at most n_batch tokens, keeping each item whole."""

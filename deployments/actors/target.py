@@ -39,7 +39,8 @@ class TargetService:
         # the actor decides its thread count on its own node (a cluster's nodes differ from the driver's)
         self.config = EngineConfig.model_validate(engine_config).with_threads(True, usable_cpus())
         self.model, self.ctx = open_target(self.config)
-        self.runner = TargetRunner(self.ctx, record_margins=self.config.record_margins)
+        self.runner = TargetRunner(self.ctx, record_margins=self.config.record_margins,
+                                   verify_buckets=self.config.shape_buckets)
         self.hidden_transport = None  # hidden rows for the companion's mtp / eagle3 heads
         if self.config.hidden.enabled:
             from specray.native.hidden import HiddenOutput
@@ -128,6 +129,9 @@ class TargetService:
             "kv_cells": kv,
             "hidden_rows": r.hidden_rows,
             "hidden_transport": self.hidden_transport.info() if self.hidden_transport is not None else None,
+            # shape-stable verifies: the buckets this actor pads to (None: off) and the pad rows decoded so far
+            "verify_buckets": list(r.verify_buckets) if r.verify_buckets is not None else None,
+            "pad_rows": r.pad_rows,
         }
 
 

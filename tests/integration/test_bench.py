@@ -162,3 +162,16 @@ def test_cli_bench_on_a_long_first_prompt(long_first_file, tmp_path, capsys):
     counts = _progress_counts(err.splitlines())
     assert counts and counts[-1] == (4, 4, "short"), err
     assert out_png.read_bytes()[:4] == b"\x89PNG" and f"plot: {out_png}" in err
+
+
+@pytest.mark.parametrize("order", ["lockstep", "alternate"])
+def test_verify_shape_both_runs_each_chain_both_ways_losslessly(order):
+    # exact mode: the bucketed run of a chain must give the very tokens of `none`, as its exact-shape run does
+    prompts = [BenchPrompt("copy", prompt="a b c d e f g a b c d e f g a b c d e f g a b c")]
+    rep = run_bench(model="smollm2-135m", configs=["suffix"], prompts=prompts, max_tokens=24, slots=1, exact=True,
+                    policy="cost", n_max=8, threads=2, n_ctx=1024, progress=lambda s: None, llama_baseline=False,
+                    order=order, verify_shape="both")
+    assert rep.configs == ["none", "suffix", "suffix@bucketed"] and rep.meta["verify_shape"] == "both"
+    for c in ("suffix", "suffix@bucketed"):
+        r = rep.results["copy"][c]
+        assert r.identical == r.compared == 1 and r.accepted > 0, c

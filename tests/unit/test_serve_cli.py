@@ -143,3 +143,8 @@ def test_cli_doctests():
     for module, n in ((cli_main, 1), (cli_serve, 4)):  # flag_message; ray_target (which Ray cluster to use)
         failed, attempted = doctest.testmod(module)
         assert attempted >= n and failed == 0, module.__name__
+
+
+def test_verify_shape_flag_reaches_the_engine_config():
+    assert config_from_args(parse("--verify-shape", "bucketed"), environ={}).engine.shape_buckets == (1, 2, 4, 8, 16)
+    assert "verify_shape" not in flag_overrides(parse()).get("engine", {})

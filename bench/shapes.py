@@ -1,0 +1,57 @@
+"""The bench's verify-shape axis: a configuration `CHAIN@bucketed` runs CHAIN with shape-stable verifies.
+
+`specray bench --verify-shape both` runs every chain both ways in one run (each on its own engine, in
+lockstep), so what padding costs on this machine is measured against the same prompts, at the same time.
+`none` stays the one baseline: it never drafts, and with the default buckets (1 among them) a plain
+decode is never padded.
+"""
+
+from __future__ import annotations
+
+from specray.engine.config import parse_chain
+
+SHAPES = ("exact", "bucketed", "both")
+SUFFIX = "@bucketed"
+
+
+def split_config(name: str) -> tuple[str, str]:
+    """A bench configuration's chain label and verify shape.
+
+    >>> split_config("ngram_mod,suffix@bucketed"), split_config("suffix")
+    (('ngram_mod,suffix', 'bucketed'), ('suffix', 'exact'))
+    """
+    if name.endswith(SUFFIX):
+        return name[: -len(SUFFIX)], "bucketed"
+    return name, "exact"
+
+
+def chain_of(name: str) -> list[str]:
+    """The speculator names of a bench configuration.
+
+    >>> chain_of("ngram_mod,suffix@bucketed")
+    ['ngram_mod', 'suffix']
+    """
+    return parse_chain(split_config(name)[0])
+
+
+def expand_configs(configs: list[str], verify_shape: str) -> list[str]:
+    """The configurations to run for --verify-shape: exact (as given), bucketed (each chain bucketed instead)
+    or both (each chain both ways); `none` and names already suffixed stay as they are.
+
+    >>> expand_configs(["none", "ngram_mod,suffix"], "both")
+    ['none', 'ngram_mod,suffix', 'ngram_mod,suffix@bucketed']
+    >>> expand_configs(["none", "suffix"], "bucketed")
+    ['none', 'suffix@bucketed']
+    """
+    if verify_shape not in SHAPES:
+        raise ValueError(f"verify_shape must be one of {', '.join(SHAPES)}, got {verify_shape!r}")
+    out: list[str] = []
+    for c in configs:
+        if c == "none" or c.endswith(SUFFIX) or verify_shape == "exact":
+            names = [c]
+        elif verify_shape == "bucketed":
+            names = [c + SUFFIX]
+        else:
+            names = [c, c + SUFFIX]
+        out.extend(n for n in names if n not in out)
+    return out
