@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specray.engine.request import GenerationRequest
-
+from .fit import bench_request
 from .report import ConfigResult
-from .shapes import chain_of
+from .round_profile import RoundProfiler
 
 if TYPE_CHECKING:
     from specray.deployments.local_engine import LocalEngine
@@ -38,11 +37,11 @@ class ConfigRun:
     at a time (lockstep) with only its own rounds' time counted."""
 
     def __init__(self, engine: LocalEngine, chain: Chain, name: str, prompts: list[np.ndarray],
-                 max_tokens: int) -> None:
+                 max_tokens: int, profiler: RoundProfiler | None = None) -> None:
         self.engine, self.name = engine, name
+        self.profiler = profiler  # --profile: cProfile on during this run's rounds
         engine.scheduler.chain = chain
-        reqs = [GenerationRequest(prompt_tokens=t, max_tokens=max_tokens, chain=tuple(chain_of(name)))
-                for t in prompts]
+        reqs = [bench_request(t, max_tokens, name) for t in prompts]
         st = engine.scheduler.stats
         self.before = (st.prefill_seconds, st.loaded_seconds, st.loaded_tokens, st.rounds, st.draft_seconds,
                        st.target_seconds, dict(st.stage_seconds), st.seq_rounds, dict(chain.gate.seconds),
@@ -59,7 +58,11 @@ class ConfigRun:
     def step(self) -> bool:
         """One round; False once every request has finished."""
         t0 = time.perf_counter()
-        self.engine.step()
+        if self.profiler is None:
+            self.engine.step()
+        else:
+            with self.profiler.round(self.name):
+                self.engine.step()
         self.seconds += time.perf_counter() - t0
         return self.engine.scheduler.has_work()
 

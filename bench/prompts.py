@@ -31,6 +31,7 @@ class BenchPrompt:
     category: str
     prompt: str | None = None
     messages: list[dict] | None = None
+    id: str | None = None  # the file's `question_id` or `id`, to name the prompt in reports
 
 
 def read_jsonl(path: str):
@@ -46,7 +47,8 @@ def read_jsonl(path: str):
 
 
 def load_prompts(path: str, categories: list[str] | None, per_category: int | None) -> list[BenchPrompt]:
-    """JSONL with `prompt` (raw text) or `messages` (chat), or Spec-Bench's `turns`; optional `category`."""
+    """JSONL with `prompt` (raw text) or `messages` (chat), or Spec-Bench's `turns`; optional `category`, and
+    `question_id` or `id` (names the prompt in reports)."""
     out: list[BenchPrompt] = []
     counts: dict[str, int] = defaultdict(int)
     for lineno, obj in read_jsonl(path):
@@ -63,6 +65,8 @@ def load_prompts(path: str, categories: list[str] | None, per_category: int | No
             bp = BenchPrompt(cat, messages=[{"role": "user", "content": obj["turns"][0]}])
         else:
             raise ValueError(f"{path}:{lineno}: needs 'prompt', 'messages' or 'turns'")
+        pid = obj.get("question_id", obj.get("id"))
+        bp.id = None if pid is None else str(pid)
         counts[cat] += 1
         out.append(bp)
     if not out:

@@ -188,6 +188,7 @@ class BenchReport:
         lines.extend(self.winner_lines(js))
         lines.extend(self.stage_lines(js))
         lines.extend(self.steal_warnings())
+        lines.extend(self.skip_lines())
         return "\n".join(lines)
 
     def winner_lines(self, js: dict) -> list[str]:
@@ -236,6 +237,17 @@ class BenchReport:
                 out.append(f"warning: {cfg}: {steal:.1f} s of {wall:.1f} s stolen by the host "
                            f"({100 * steal / wall:.0f}%); its figures are unreliable, run again")
         return out
+
+    def skip_lines(self) -> list[str]:
+        """A line naming the prompts left out as too long for a sequence's context (bench/fit.py)."""
+        skipped = self.meta.get("skipped") or []
+        if not skipped:
+            return []
+        names = ", ".join(s["prompt"] for s in skipped[:12]) + (f" and {len(skipped) - 12} more"
+                                                                   if len(skipped) > 12 else "")
+        return [f"\nskipped {len(skipped)} prompt{'s' if len(skipped) > 1 else ''} too long for "
+                f"{self.meta['n_ctx_seq']} cells per sequence ({names}); --n-ctx "
+                f"{self.meta['n_ctx_fitting_all']} fits them all"]
 
 
 def _ms(v: float | None, digits: int = 1) -> str:

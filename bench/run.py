@@ -29,12 +29,14 @@ from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig
 from specray.native.lib import build_has_amx, verify_cols_enabled
 
 from .divergence import classify_divergence, compare_runs, divergence_margin
+from .fit import check_prompts
 from .lockstep import ConfigRun, LlamaRun, PlainLlama, cpu_steal_seconds, run_alone, run_lockstep
 from .order import ORDERS, baseline_positions, reversed_turn, run_order
 from .probes import measure_batch_variance, measure_layout_variance, probe_prefix
 from .progress import Progress
 from .prompts import BenchPrompt, default_prompts_path, load_prompts
 from .report import BenchReport, ConfigResult, write_json
+from .round_profile import RoundProfiler
 from .shapes import chain_of, expand_configs, split_config
 
 __all__ = ["BenchPrompt", "BenchReport", "ConfigResult", "classify_divergence", "cpu_steal_seconds",
@@ -67,6 +69,7 @@ def run_bench(
     flash_attn: bool = False,
     progress_every: float = 10.0,
     verify_shape: str = "exact",
+    profiler: RoundProfiler | None = None,
 ) -> BenchReport:
     """Run every configuration on `prompts`, `repeats` times. Each pass has its own chains (fresh
     speculators: a second pass must not draft from what the first one generated) and runs the
@@ -76,7 +79,10 @@ def run_bench(
     see lockstep.run_lockstep) or one of run_order's. `progress` gets the start-up figures, a line per
     category and configuration, and progress lines (prompt runs done, elapsed, ETA) at most every
     `progress_every` seconds and at the end of each category. `verify_shape`: exact, bucketed or both
-    (shapes.expand_configs: a `CHAIN@bucketed` configuration runs on an engine with shape-stable verifies)."""
+    (shapes.expand_configs: a `CHAIN@bucketed` configuration runs on an engine with shape-stable verifies).
+    Prompts too long for a sequence's share of the context are skipped, before anything runs, with a line
+    saying which (fit.check_prompts); ValueError if none is left. `profiler`: cProfile each configuration's
+    measured rounds (RoundProfiler)."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     if repeats < 1:
@@ -91,6 +97,15 @@ def run_bench(
                        chain=ChainConfig(speculators=[], policy=policy, n_max=n_max),
                        draft=DraftModelConfig(model=draft_model, cross_vocab=cross_vocab))
     engine = LocalEngine(cfg)
+    # in exact mode each slot has its own share of the context: a prompt that cannot fit would stop the run
+    # midway, so such prompts are left out now (tokenized by the chat template, as the run will)
+    fit, labels, skip_line = check_prompts(engine, prompts, configs, max_tokens)
+    if not fit.kept:
+        engine.close()
+        raise ValueError(skip_line)
+    if fit.skipped:
+        progress(f"bench: {skip_line}")
+        prompts = [prompts[i] for i in fit.kept]
     # lockstep: a context, scheduler and verify-cost model of its own per configuration (one model, its
     # weights loaded once; every cost model starts from the same calibration); otherwise one engine per
     # verify shape (a `CHAIN@bucketed` configuration runs with shape-stable verifies: shapes.py)
@@ -134,7 +149,12 @@ def run_bench(
                    "n_max": n_max, "threads": threads, "verify_cols_kernel": verify_cols_enabled(),
                    "decode_cost_ms": {k: v * 1000 for k, v in engine.scheduler.cost.table().items()},
                    "attention_us_per_1k_token_cells": engine.scheduler.cost.attn_seconds * 1e9,
-                   "python": platform.python_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+                   "python": platform.python_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "n_ctx_seq": fit.n_ctx_seq, "skipped_prompts": len(fit.skipped),
+                   "skipped": [{"prompt": labels[i], "cells": fit.cells[i]} for i in fit.skipped],
+                   "profiled": profiler is not None}
+    if fit.skipped:
+        report.meta["n_ctx_fitting_all"] = fit.n_ctx_all
     progress(f"model {model}: batch variance {report.batch_variance:.3f}, KV layout variance "
              f"{report.layout_variance:.3f}, tie bound {report.tie_bound:.3f}; "
              f"verify cost ms by batch size {({k: round(v, 1) for k, v in report.meta['decode_cost_ms'].items()})}")
@@ -167,13 +187,13 @@ def run_bench(
                 runs: list[tuple[str, ConfigResult, list | None]] = []
                 if order == "lockstep":
                     live = {c: LlamaRun(llama, group, max_tokens) if c == "llama_cpp" else
-                            ConfigRun(engines[c], chains[rep][c], c, group, max_tokens) for c in sequence}
+                            ConfigRun(engines[c], chains[rep][c], c, group, max_tokens, profiler) for c in sequence}
                     done = run_lockstep(live, on_round=tracker.ticker(runs_done, live.values(), where))
                     runs = [(c, *done[c]) for c in sequence]
                 else:
                     for i, c in enumerate(sequence):  # one after another, on the one engine
                         run = (LlamaRun(llama, group, max_tokens) if c == "llama_cpp" else
-                               ConfigRun(engines[c], chains[rep][c], c, group, max_tokens))
+                               ConfigRun(engines[c], chains[rep][c], c, group, max_tokens, profiler))
                         runs.append((c, *run_alone(run, tracker.ticker(runs_done + i * len(group), [run], where))))
                 runs_done += len(group) * len(sequence)
                 base_seqs = next(seqs for c, _, seqs in runs if c == "none")
@@ -213,6 +233,9 @@ def main_bench(args) -> int:
     plot = getattr(args, "plot", None)
     _check_writable(plot, "--plot")
     _check_writable(args.json, "--json")
+    profile = getattr(args, "profile", None)
+    _check_writable(profile, "--profile")
+    profiler = RoundProfiler() if profile else None
     report = run_bench(model=args.model, configs=configs, prompts=prompts, max_tokens=args.max_tokens,
                        slots=args.slots, exact=args.exact, policy=args.policy, n_max=args.n_max,
                        threads=args.threads, n_ctx=args.n_ctx, chat_template=args.chat_template,
@@ -220,7 +243,7 @@ def main_bench(args) -> int:
                        progress=lambda s: print(s, file=sys.stderr, flush=True),
                        draft_model=args.draft_model, cross_vocab=args.cross_vocab, repeats=args.repeats,
                        order=args.order, flash_attn=args.flash_attn,
-                       verify_shape=getattr(args, "verify_shape", "exact"))
+                       verify_shape=getattr(args, "verify_shape", "exact"), profiler=profiler)
     print(report.table())
     if args.json:
         write_json(report, args.json)
@@ -230,4 +253,7 @@ def main_bench(args) -> int:
 
         plot_bench(report, plot)
         print(f"plot: {plot}", file=sys.stderr)
+    if profiler is not None:
+        profiler.write(profile)
+        print(f"profile: {profile}", file=sys.stderr)
     return 0

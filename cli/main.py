@@ -26,7 +26,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None,
                    help="chat template name (e.g. gemma, chatml) for models whose GGUF has none")
     g.add_argument("--threads", type=int, default=2, help="CPU threads for the target (default: %(default)s)")
-    g.add_argument("--n-ctx", type=int, default=4096, help="context cells shared by all slots (default: %(default)s)")
+    g.add_argument("--n-ctx", type=int, default=4096,
+                   help="context cells, shared by all slots; with --exact split evenly, one share per slot "
+                        "(default: %(default)s)")
     g.add_argument("--exact", action="store_true",
                    help="batch-invariant target (llamafile sgemm, tiled K-quant kernels, weight repacking and "
                         "flash attention off; one KV stream per slot): greedy output token-identical to plain "
@@ -107,7 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
             "process (configurations interleaved per category), prints tokens/s, mean acceptance\n"
             "length, acceptance rate and speedup vs 'none' per category, and checks greedy\n"
             "losslessness against 'none'. Progress (prompt runs done, elapsed, ETA) goes to stderr;\n"
-            "--plot FILE.png draws the speedups.\n"
+            "--plot FILE.png draws the speedups. Prompts too long for a sequence's share of the\n"
+            "context (--n-ctx; with --exact, --n-ctx divided by --slots) are skipped before the run,\n"
+            "named on stderr with the --n-ctx that fits them all, and counted in the table and JSON.\n"
+            "--profile FILE.txt writes where the measured rounds' time goes (cProfile).\n"
             "  specray bench --configs ngram_mod,suffix --repeats 2 --plot bench.png --json bench.json\n\n"
             "Over HTTP (--url or --http): streams the prompts to specray servers with each --streams\n"
             "count of concurrent clients (default 1 and 8), and runs the in-process engine on the same\n"
@@ -157,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", default=None, metavar="PNG",
                        help="in-process: draw the speedup over 'none' by category and configuration to this image "
                             "file, with whiskers from the slowest to the fastest --repeats pass")
+    bench.add_argument("--profile", default=None, metavar="PATH",
+                       help="in-process: profile the measured rounds with cProfile (per configuration, not model "
+                            "loading or calibration) and write a text summary to PATH: rounds, seconds, llama_decode "
+                            "vs host milliseconds per round, and the top 30 functions by own and by cumulative time "
+                            "(drafting, verification, bookkeeping). The profiler slows Python code down: use such a "
+                            "run to see where a round's time goes, not for its tok/s")
     bench.add_argument("--no-llama-baseline", action="store_true",
                        help="skip the plain llama_cpp.Llama generate reference row (in-process bench)")
     _add_model_args(bench)
@@ -363,6 +374,8 @@ def _cmd_bench(args) -> int:
             raise ValueError("--order is for the in-process bench; the HTTP bench runs one chain")
         if args.plot is not None:
             raise ValueError("--plot draws the in-process bench's speedups; the HTTP bench has no plot")
+        if args.profile is not None:
+            raise ValueError("--profile profiles the in-process bench's rounds; not with --url/--http")
         from specray.bench.http_compare import main_http_bench
 
         return main_http_bench(args)
@@ -383,7 +396,7 @@ def _cmd_bench_multiturn(args) -> int:
         raise ValueError("--conversations is for the multi-turn bench: give --turns N too")
     if not args.url:
         raise ValueError("--turns benches running servers: give --url URL")
-    for flag in ("http", "streams", "num_prompts", "configs", "plot", "order", "serve_modes", "port"):
+    for flag in ("http", "streams", "num_prompts", "configs", "plot", "order", "serve_modes", "port", "profile"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')} does not apply to the multi-turn bench (--turns), "
                              "which sends one request at a time")

@@ -32,14 +32,22 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
 
-def admission_plan(req: GenerationRequest, chain: "ChainConfig", n_ctx: int) -> tuple[tuple[str, ...], int, int]:
+def admission_plan(req: GenerationRequest, chain: "ChainConfig",
+                   n_ctx: int | None) -> tuple[tuple[str, ...], int, int]:
     """(speculator names, draft cap, KV cells to reserve) of a request under the engine's chain config; a
-    sequence may use n_ctx cells. ValueError for a request that cannot run.
+    sequence may use n_ctx cells (None: no context check, e.g. to learn what a prompt would need).
+    ValueError for a request that cannot run.
 
     >>> from specray.engine.config import ChainConfig
     >>> req = GenerationRequest(np.arange(10, dtype=np.int32), max_tokens=20, n_max=4)
     >>> admission_plan(req, ChainConfig(speculators=["suffix"], n_max=8), 64)
     (('suffix',), 4, 35)
+    >>> admission_plan(req, ChainConfig(speculators=["suffix"], n_max=8), 32)
+    Traceback (most recent call last):
+    ...
+    ValueError: prompt (10 tokens) + max_tokens (20) exceeds the context of 32 tokens
+    >>> admission_plan(req, ChainConfig(speculators=["suffix"], n_max=8), None)[2]
+    35
     """
     n_prompt = len(req.prompt_tokens)
     if n_prompt == 0:
@@ -51,10 +59,10 @@ def admission_plan(req: GenerationRequest, chain: "ChainConfig", n_ctx: int) -> 
     if n_max < 0:
         raise ValueError(f"n_max must be >= 0, got {n_max}")
     n_max = min(n_max, chain.n_max) if names else 0
-    if n_prompt >= n_ctx:
-        raise ValueError(f"prompt of {n_prompt} tokens does not fit the context of {n_ctx} tokens")
     need = n_prompt + req.max_tokens + n_max + 1
-    if need > n_ctx:
+    if n_ctx is not None and n_prompt >= n_ctx:
+        raise ValueError(f"prompt of {n_prompt} tokens does not fit the context of {n_ctx} tokens")
+    if n_ctx is not None and need > n_ctx:
         raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({req.max_tokens}) exceeds the context of "
                          f"{n_ctx} tokens")
     return names, n_max, need

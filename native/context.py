@@ -13,6 +13,26 @@ from .batch import Batch
 from .model import Model
 
 
+#: llama.cpp rounds a context, and each KV stream's share of it, up to a multiple of this (llama-context.cpp)
+CTX_PAD = 256
+
+
+def n_ctx_for_seq(cells: int, slots: int, kv_unified: bool) -> int:
+    """The smallest n_ctx, as llama.cpp sizes a context, that gives one sequence `cells` KV cells: unified,
+    every sequence may use the whole (padded) context; otherwise (exact mode) each of the `slots` streams
+    gets n_ctx / slots, padded.
+
+    >>> n_ctx_for_seq(926 + 128 + 1, 4, kv_unified=False)  # 4 streams of 1280 cells
+    5120
+    >>> n_ctx_for_seq(1055, 4, kv_unified=True)
+    1280
+    >>> n_ctx_for_seq(300, 1, kv_unified=False)
+    512
+    """
+    per_seq = -(-cells // CTX_PAD) * CTX_PAD
+    return per_seq if kv_unified else per_seq * slots
+
+
 class DecodeError(RuntimeError):
     pass
 

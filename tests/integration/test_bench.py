@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 
@@ -9,6 +11,7 @@ import pytest
 
 from specray.bench.run import BenchPrompt, load_prompts, run_bench, write_json
 from specray.cli.main import main
+from specray.native.context import Context, n_ctx_for_seq
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +178,84 @@ def test_verify_shape_both_runs_each_chain_both_ways_losslessly(order):
     for c in ("suffix", "suffix@bucketed"):
         r = rep.results["copy"][c]
         assert r.identical == r.compared == 1 and r.accepted > 0, c
+
+
+# --exact with 2 slots and --n-ctx 1024: each sequence has its own KV stream of 512 cells, too few for
+# LONG_PROMPT (~1,000 tokens); the two short prompts fit
+SKIP_ARGS = ["--configs", "ngram_simple", "--max-tokens", "8", "--slots", "2", "--exact", "--n-ctx", "1024",
+             "--no-llama-baseline"]
+
+
+def _write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _cli(argv: list[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a `specray` command run in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def skip_run(tmp_path_factory):
+    """One short exact-mode CLI run with an over-long prompt, profiled: (stdout, stderr, JSON, profile text)."""
+    d = tmp_path_factory.mktemp("skip")
+    prompts = _write_jsonl(d / "p.jsonl", [
+        {"question_id": "long-1", "category": "long", "turns": [LONG_PROMPT]},
+        {"question_id": 7, "category": "short", "turns": ["Name three primary colors."]},
+        {"category": "short", "prompt": "The capital of France is"}])
+    rc, out, err = _cli(["bench", "--prompts", prompts, *SKIP_ARGS, "--json", str(d / "b.json"),
+                         "--profile", str(d / "profile.txt")])
+    assert rc == 0, err
+    return out, err, json.loads((d / "b.json").read_text()), (d / "profile.txt").read_text()
+
+
+def test_cli_bench_skips_a_prompt_too_long_for_its_slot(skip_run, smollm2):
+    out, err, js, _ = skip_run
+    meta = js["meta"]
+    assert meta["n_ctx_seq"] == 512 and meta["skipped_prompts"] == 1
+    [skipped] = meta["skipped"]
+    assert skipped["prompt"] == "long/long-1" and skipped["cells"] > 900
+    # the --n-ctx it suggests is the smallest that gives 2 exact-mode streams room for it, as llama.cpp sizes them
+    n_ctx = meta["n_ctx_fitting_all"]
+    for n, fits in ((n_ctx, True), (n_ctx - 2 * 256, False)):
+        ctx = Context(smollm2, n_ctx=n, n_seq_max=2, n_batch=64, exact=True)
+        try:
+            assert (ctx.n_ctx_seq >= skipped["cells"]) == fits, (n, ctx.n_ctx_seq)
+        finally:
+            ctx.close()
+    # one line before the run names it and the fix; the run went on with the others, and the table says so
+    assert (f"bench: skipping 1 of 3 prompts too long for the context (512 cells per sequence: --n-ctx 1024 split "
+            f"over 2 slots, one KV stream each (--exact)): long/long-1 ({skipped['cells']} cells); --n-ctx {n_ctx} "
+            "fits them all") in err.splitlines()
+    row = js["configs"]["ngram_simple"]
+    assert set(row["categories"]) == {"short"} and row["compared"] == 2 and row["mismatches"] == 0
+    assert f"skipped 1 prompt too long for 512 cells per sequence (long/long-1); --n-ctx {n_ctx}" in out
+
+
+def test_cli_bench_refuses_when_no_prompt_fits(tmp_path):
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"category": "long", "turns": [LONG_PROMPT]}])
+    rc, out, err = _cli(["bench", "--prompts", prompts, *SKIP_ARGS])
+    assert rc == 2 and out == ""
+    m = re.search(r"^specray bench: error: every prompt \(1\) is too long for the context \(512 cells per "
+                  r"sequence: .*\): long#1 \((\d+) cells\); --n-ctx (\d+) fits them all$", err, re.M)
+    assert m and int(m[2]) == n_ctx_for_seq(int(m[1]), 2, kv_unified=False), err
+
+
+def test_cli_bench_profile_shows_where_a_round_goes(skip_run):
+    _, err, js, text = skip_run
+    assert "profile: " in err and js["meta"]["profiled"] is True
+    # a row per configuration: rounds, seconds, ms per round = llama_decode's + the host's
+    for cfg in ("none", "ngram_simple"):
+        m = re.search(rf"^{cfg} +(\d+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)$", text, re.M)
+        assert m, text
+        rounds, ms, decode_ms, host_ms = int(m[1]), float(m[3]), float(m[4]), float(m[5])
+        assert rounds > 0 and decode_ms > 0 and host_ms > 0
+        assert abs(ms - decode_ms - host_ms) < 0.02
+    # the round function and the decode call, by name; the round covers nearly all of the profiled time
+    assert "Context.decode" in text and "llama_decode" in text
+    step = [ln for ln in text.splitlines() if ln.endswith(" Scheduler.step")]
+    assert step and max(float(ln.split()[1]) for ln in step) > 90.0, step
