@@ -401,18 +401,19 @@ class Chain:
         """
         for name in prop.asked:
             winner = name == prop.speculator and n_drafted > 0
-            self.gate.won(name, n_accepted if winner else 0)
             self.instances[name].accept(prop.seq_id, n_drafted, n_accepted, winner)
             if winner and len(prop.raw_probs) >= n_drafted:
                 self.calibrations[name].update(prop.raw_probs[:n_drafted], n_accepted)
-            tracker = self.trackers[name]
+            tracker, m = self.trackers[name], n_accepted if winner else 0
             if emitted is not None:
                 d = prop.drafts.get(name)
+                m = 0
                 if d is not None and len(d):
                     m, censored = judge(d, emitted)
                     tracker.update(prop.seq_id, len(d), m, censored, prop.contexts.get(name, 0))
             elif winner:
                 tracker.update(prop.seq_id, n_drafted, n_accepted)
+            self.gate.won(name, m)  # what its draft was worth, sent or not: the gate must not follow the planner
 
     def stats(self) -> dict[str, SpeculatorStats]:
         return {name: spec.stats for name, spec in self.instances.items()}

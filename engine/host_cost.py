@@ -1,25 +1,31 @@
 """What a round costs the host, beyond the target's decode: learnt from live rounds.
 
 A round's host time (admission, drafting, verification, bookkeeping,
-emission; round_stages.py) grows with the sequences decoding in it and with
-the draft rows it verifies (each is verified, accepted or rolled back, and
-mirrored into the speculators). On this CPU it is a few percent of a 10 ms
-decode; on a GPU, where a decode of a small model takes 1-2 ms, it is a third
-of the round or more, so the draft planner must price it: a draft row that
-wins 0.3 tokens is worth sending for a 10 ms round and not for a 1.6 ms one
-whose every extra row costs 0.1 ms of host work on top of the decode.
+emission; round_stages.py) grows with the sequences decoding in it, with the
+draft rows it verifies (each is read, accepted or rolled back) and with the
+tokens it emits (each is mirrored into the speculators, detokenised,
+streamed). On this CPU it is a few percent of a 10 ms decode; on a GPU, where
+a decode of a small model takes 1-2 ms, it is a third of the round or more,
+so the draft planner must price it: a draft row that wins 0.3 tokens is worth
+sending for a 10 ms round and not for a 1.6 ms one whose every extra row costs
+0.1 ms of host work on top of the decode.
 
-The model is host = a + b * decoding sequences + c * draft rows, fitted by
-least squares over recent rounds (exponential forgetting, so it follows the
-machine), with a weak prior that keeps it defined before rounds vary.
+The model is host = a + b * decoding sequences + c * draft rows + d * emitted
+tokens, fitted by least squares over recent rounds (exponential forgetting, so
+it follows the machine), with a weak prior that keeps it defined before rounds
+vary. The planner prices a, b and c (`round_seconds`). It leaves d out: a
+token's own work is paid once per token however it was produced, and counted
+with the draft rows it would have made drafts look dearer than they are (more
+rows, more tokens a round, the same work per token).
 
 >>> m = HostCostModel()
->>> for i in range(400):   # 0.15 ms a round + 0.05 ms a sequence + 0.02 ms a draft row
+>>> for i in range(600):   # 0.15 ms a round, 0.05 a sequence, 0.02 a draft row, 0.03 an emitted token
 ...     seqs, rows = 1 + i % 4, (i * 7) % 9
-...     m.observe(seqs, rows, 0.00015 + 0.00005 * seqs + 0.00002 * rows)
+...     tokens = seqs + rows // (1 + i % 3)
+...     m.observe(seqs, rows, 0.00015 + 0.00005 * seqs + 0.00002 * rows + 0.00003 * tokens, tokens)
 >>> [round(x * 1e6) for x in m.coefficients()]   # microseconds
-[150, 50, 20]
->>> round(m.round_seconds(4, 8) * 1e3, 3)
+[150, 50, 20, 30]
+>>> round(m.round_seconds(4, 8) * 1e3, 3)   # what the planner prices: without the tokens' own work
 0.51
 """
 
@@ -29,53 +35,56 @@ import threading
 
 import numpy as np
 
+#: the prior's weight on each slope (the intercept has none): a host that never drafted has no evidence that rows
+#: cost anything
+_PRIOR = (1e-6, 1e-3, 1e-3, 1e-3)
+
 
 class HostCostModel:
     def __init__(self, forget: float = 0.995, refit_every: int = 16) -> None:
         # forget: each round's weight decays by this factor per later round (0.995: ~200 rounds of memory)
         self._forget = forget
         self._refit_every = refit_every
-        # weighted sums over rounds of x x^T (its 6 distinct entries: 11 1s 1r ss sr rr) and x y, x = (1,
-        # sequences, draft rows), kept as Python floats: this runs every round, and numpy's per-call cost on
-        # 3-vectors was most of it. The prior: a weak pull of the slopes to 0 (a host that never drafted has
-        # no evidence that rows cost anything)
-        self._xx = [1e-6, 0.0, 0.0, 1e-3, 0.0, 1e-3]
-        self._xy = [0.0, 0.0, 0.0]
-        self._coef = (0.0, 0.0, 0.0)
+        # weighted sums over rounds of x x^T and x y, x = (1, sequences, draft rows, emitted tokens), kept as
+        # Python floats: this runs every round, and numpy's per-call cost on 4-vectors was most of it
+        self._xx = [[_PRIOR[i] if i == j else 0.0 for j in range(4)] for i in range(4)]
+        self._xy = [0.0] * 4
+        self._coef = (0.0, 0.0, 0.0, 0.0)
         self._n = 0
         self._lock = threading.Lock()
 
-    def observe(self, n_sequences: int, n_draft_rows: int, seconds: float) -> None:
-        """One round's host time (its wall time minus the target's decode)."""
+    def observe(self, n_sequences: int, n_draft_rows: int, seconds: float, n_emitted: int | None = None) -> None:
+        """One round's host time (its wall time minus the target's decode); n_emitted: the tokens it emitted
+        (default: one per sequence)."""
         if seconds < 0 or n_sequences <= 0:
             return
-        f, s, r = self._forget, float(n_sequences), float(n_draft_rows)
+        f = self._forget
+        x = (1.0, float(n_sequences), float(n_draft_rows), float(n_sequences if n_emitted is None else n_emitted))
         with self._lock:
-            xx, xy = self._xx, self._xy
-            for i, v in enumerate((1.0, s, r, s * s, s * r, r * r)):
-                xx[i] = f * xx[i] + v
-            for i, v in enumerate((seconds, s * seconds, r * seconds)):
-                xy[i] = f * xy[i] + v
+            for i, row in enumerate(self._xx):
+                xi = x[i]
+                for j in range(4):
+                    row[j] = f * row[j] + xi * x[j]
+                self._xy[i] = f * self._xy[i] + xi * seconds
             self._n += 1
             if self._n % self._refit_every == 0 or self._n <= self._refit_every:
                 self._refit()
 
     def _refit(self) -> None:
-        a, b, c, d, e, g = self._xx
-        m = np.array([[a, b, c], [b, d + 1e-9, e], [c, e, g + 1e-9]])
         try:
-            coef = np.linalg.solve(m, np.array(self._xy))
+            coef = np.linalg.solve(np.array(self._xx) + np.diag([0.0, 1e-9, 1e-9, 1e-9]), np.array(self._xy))
         except np.linalg.LinAlgError:
             return
         # a negative cost would make rows look like they save time
         self._coef = tuple(float(x) for x in np.maximum(coef, 0.0))
 
-    def coefficients(self) -> tuple[float, float, float]:
-        """(seconds per round, per decoding sequence, per draft row)."""
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """(seconds per round, per decoding sequence, per draft row, per emitted token)."""
         return self._coef
 
     def round_seconds(self, n_sequences: int, n_draft_rows: int) -> float:
-        a, b, c = self.coefficients()
+        """What the planner prices: the round's, its sequences' and its draft rows' host work."""
+        a, b, c, _ = self._coef
         return a + b * n_sequences + c * n_draft_rows
 
     @property
@@ -83,6 +92,6 @@ class HostCostModel:
         return self._n
 
     def to_dict(self) -> dict:
-        a, b, c = self.coefficients()
+        a, b, c, d = self._coef
         return {"ms_per_round": a * 1e3, "ms_per_sequence": b * 1e3, "ms_per_draft_row": c * 1e3,
-                "rounds_seen": self._n}
+                "ms_per_emitted_token": d * 1e3, "rounds_seen": self._n}

@@ -6,8 +6,9 @@ here), whether or not its draft is the one sent. A speculator whose drafts
 seldom win (another speculator of the chain drafts the same or better) pays
 that on every token for nothing; on a GPU, where a round of a small model
 takes 1-2 ms, three such look-ups are 5-10% of the round. So each speculator's
-winnings are followed: accepted tokens of its sent drafts per look-up (an
-exponential average), worth the round's time per token each. Once it has been
+winnings are followed: the tokens its draft gets right per look-up (judged
+against what the target emitted, sent or not, so the gate does not follow the
+planner's cuts; an exponential average), worth the round's time per token each. Once it has been
 asked `warmup` times and its winnings are worth less than its look-up, it is
 asked only one round in `probe_every` (so a change in the traffic is still
 seen). Drafts never change what is emitted, so this is lossless.
@@ -15,7 +16,7 @@ seen). Drafts never change what is emitted, so this is lossless.
 >>> g = LookupGate(warmup=4, probe_every=4)
 >>> for _ in range(8):
 ...     g.asked("ngram_mod", 1, 0.00004)   # 0.04 ms a look-up
-...     g.won("ngram_mod", 0)              # its drafts never win
+...     g.won("ngram_mod", 0)              # its drafts are never right
 >>> [g.skip("ngram_mod", 0.002) for _ in range(8)]   # 2 ms a token: asked every 4th round
 [True, True, True, False, True, True, True, False]
 >>> g.skip("suffix", 0.002)   # not seen yet
@@ -39,7 +40,7 @@ class LookupGate:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
     def won(self, name: str, accepted: int) -> None:
-        """One look-up's outcome: the accepted tokens of its draft if it was sent, else 0."""
+        """One look-up's outcome: the tokens its draft got right (0 without a draft)."""
         v = self._value.get(name, 0.0)
         self._value[name] = v + self.ema * (accepted - v)
 

@@ -37,8 +37,8 @@ class RoundPricer:
         return decode + self.host.round_seconds(n_decoding, max(0, n_rows - base_rows))
 
     def observe(self, batch_sizes: list[int], decode_seconds: float, cells: float | None, prefill: bool,
-                n_decoding: int, n_drafted: int, host_seconds: float) -> None:
-        """A round ran: its decodes (sizes, seconds) and its host time (wall minus decode)."""
+                n_decoding: int, n_drafted: int, host_seconds: float, n_emitted: int | None = None) -> None:
+        """A round ran: its decodes (sizes, seconds), its host time (wall minus decode) and the tokens it emitted."""
         if prefill:
             # the table prices verify rows, each with a logits row; prompt rows have none (a large vocabulary's
             # output layer is a big share of a row: Gemma's 262k), so a prefill round would underprice them;
@@ -50,4 +50,4 @@ class RoundPricer:
                               shape_changed=size != self.last_shape)
             self.last_shape = size
         if n_decoding:
-            self.host.observe(n_decoding, n_drafted, host_seconds)
+            self.host.observe(n_decoding, n_drafted, host_seconds, n_emitted)

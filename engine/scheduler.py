@@ -367,13 +367,12 @@ class Scheduler:
             for e in events:
                 self.on_event(e)
         clock.lap("deliver")
+        emitted, loaded = sum(len(e.tokens) for e in events), not n_prefill and len(decoding) == self.config.slots
         self.stats.add_round(clock, prefill_share(lambda n: self.cost.cost(n, cells),
                                                   sum(len(it.tokens) for it in items), n_prefill),
-                             sum(len(e.tokens) for e in events)
-                             if not n_prefill and not prefilling and len(decoding) == self.config.slots else None,
-                             len(decoding))
+                             emitted if loaded and not prefilling else None, len(decoding))
         self.pricer.observe(out.batch_sizes, out.decode_seconds, cells, n_prefill > 0, len(decoding),
-                            sum(len(p.tokens) for p in proposals), clock.total - clock.seconds.get("decode", 0.0))
+                            sum(len(p.tokens) for p in proposals), clock.total - clock.seconds["decode"], emitted)
         return events
 
     def target_budget(self) -> int:  # the most rows one round's decode may carry

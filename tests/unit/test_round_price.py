@@ -24,11 +24,11 @@ def test_doctests(mod):
 
 def test_host_cost_follows_the_machine():
     m = HostCostModel()
-    for i in range(300):
-        m.observe(1 + i % 4, i % 5, 0.0005 + 0.0001 * (1 + i % 4))
+    for i in range(300):  # the tokens a round emits (sequences + accepted drafts) cost nothing here
+        m.observe(1 + i % 4, i % 5, 0.0005 + 0.0001 * (1 + i % 4), 1 + i % 4 + i % 3)
     assert m.round_seconds(2, 0) == pytest.approx(0.0007, rel=0.02)
     for i in range(1500):  # the host got twice as slow: the model follows within its memory
-        m.observe(1 + i % 4, i % 5, 2 * (0.0005 + 0.0001 * (1 + i % 4)))
+        m.observe(1 + i % 4, i % 5, 2 * (0.0005 + 0.0001 * (1 + i % 4)), 1 + i % 4 + i % 3)
     assert m.round_seconds(2, 0) == pytest.approx(0.0014, rel=0.02)
     m.observe(0, 3, 1.0)  # a round without decoding sequences teaches nothing
     m.observe(2, 3, -1.0)
