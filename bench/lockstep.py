@@ -126,7 +126,9 @@ class PlainLlama:
     def __init__(self, engine: LocalEngine, threads: int, n_ctx: int) -> None:
         from specray.native.reference_loop import ReferenceLoop
 
-        self.loop = ReferenceLoop(engine.model.path, threads, n_ctx, engine.model.eog_ids)
+        # the engine's own offload (all layers on a GPU machine), so the reference runs where the target does
+        self.loop = ReferenceLoop(engine.model.path, threads, n_ctx, engine.model.eog_ids,
+                                  n_gpu_layers=engine.model.n_gpu_layers)
 
 
 class LlamaRun:

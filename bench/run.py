@@ -67,8 +67,10 @@ def run_bench(
     repeats: int = 1,
     order: str = "lockstep",
     flash_attn: bool = False,
+    n_gpu_layers: int | None = None,
     progress_every: float = 10.0,
     verify_shape: str = "exact",
+    verify_buckets: tuple[int, ...] | None = None,
     profiler: RoundProfiler | None = None,
 ) -> BenchReport:
     """Run every configuration on `prompts`, `repeats` times. Each pass has its own chains (fresh
@@ -91,7 +93,8 @@ def run_bench(
         configs = ["none"] + configs
     configs = expand_configs(configs, verify_shape)
     cfg = EngineConfig(model=model, chat_template=chat_template, slots=slots, exact=exact, flash_attn=flash_attn,
-                       threads=threads, n_ctx=n_ctx, record_margins=True,
+                       n_gpu_layers=n_gpu_layers, threads=threads, n_ctx=n_ctx, record_margins=True,
+                       **({"verify_buckets": tuple(verify_buckets)} if verify_buckets else {}),
                        # each configuration runs the same prompts: none may find them in the prompt cache
                        prompt_cache=False,
                        chain=ChainConfig(speculators=[], policy=policy, n_max=n_max),
@@ -146,7 +149,7 @@ def run_bench(
     report.meta = {"order": order, "slots": slots, "max_tokens": max_tokens, "exact": exact,
                    "verify_shape": verify_shape, "verify_buckets": list(cfg.verify_buckets),
                    "flash_attn": flash_attn, "policy": policy,
-                   "n_max": n_max, "threads": threads, "verify_cols_kernel": verify_cols_enabled(),
+                   "n_max": n_max, "threads": threads, "n_gpu_layers": engine.model.n_gpu_layers, "verify_cols_kernel": verify_cols_enabled(),
                    "decode_cost_ms": {k: v * 1000 for k, v in engine.scheduler.cost.table().items()},
                    "attention_us_per_1k_token_cells": engine.scheduler.cost.attn_seconds * 1e9,
                    "python": platform.python_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -242,8 +245,9 @@ def main_bench(args) -> int:
                        llama_baseline=not args.no_llama_baseline,
                        progress=lambda s: print(s, file=sys.stderr, flush=True),
                        draft_model=args.draft_model, cross_vocab=args.cross_vocab, repeats=args.repeats,
-                       order=args.order, flash_attn=args.flash_attn,
-                       verify_shape=getattr(args, "verify_shape", "exact"), profiler=profiler)
+                       order=args.order, flash_attn=args.flash_attn, n_gpu_layers=args.n_gpu_layers,
+                       verify_shape=getattr(args, "verify_shape", "exact"),
+                       verify_buckets=getattr(args, "verify_buckets", None), profiler=profiler)
     print(report.table())
     if args.json:
         write_json(report, args.json)

@@ -18,6 +18,12 @@ FLASH_ATTN_HELP = ("flash attention in the target context. Measured on SmolLM2 h
                    "16+ tokens 15-25%% slower; with 4 slots plain decoding +7%% on short prompts and +40-80%% on long "
                    "ones (every slot's KV cells are attended unless it is on). Not with --exact")
 
+BUCKETS_HELP = ("with bucketed verifies: rows per decoding sequence a decode-only round may take (1 = a plain "
+                "decode); without 1 every round is padded to at least the smallest, so plain rounds and drafts up "
+                "to it share one shape (e.g. 4: drafts of at most 3, one shape at a fixed slot count)")
+GPU_LAYERS_HELP = ("target layers offloaded to a GPU (companion models follow: all or none); default: all of "
+                   "them where llama.cpp offloads to a GPU it sees (a CUDA build with a device), 0 elsewhere")
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and context")
@@ -26,6 +32,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None,
                    help="chat template name (e.g. gemma, chatml) for models whose GGUF has none")
     g.add_argument("--threads", type=int, default=2, help="CPU threads for the target (default: %(default)s)")
+    g.add_argument("--n-gpu-layers", type=int, default=None, metavar="N", help=GPU_LAYERS_HELP)
     g.add_argument("--n-ctx", type=int, default=4096,
                    help="context cells, shared by all slots; with --exact split evenly, one share per slot "
                         "(default: %(default)s)")
@@ -158,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "to a few batch shapes, for GPU graph replay), both runs each chain both ways "
                             "(CHAIN and CHAIN@bucketed) to measure what padding costs here; a --configs name "
                             "ending in @bucketed asks for it per chain (default: %(default)s)")
+    bench.add_argument("--verify-buckets", type=int, nargs="+", default=None, metavar="ROWS",
+                       help=BUCKETS_HELP + " (default: the engine's, 1 2 4 8 16)")
     bench.add_argument("--json", default=None, help="write the results as JSON to this path")
     bench.add_argument("--plot", default=None, metavar="PNG",
                        help="in-process: draw the speedup over 'none' by category and configuration to this image "
@@ -289,6 +298,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    "at least 1: llama.cpp's threads share the cores with the request pipeline, and on 2 cores 2 "
                    "threads served at half the in-process speed, 1 thread at 0.95x; set it with several replicas "
                    "per node)")
+    g.add_argument("--n-gpu-layers", type=int, default=S, metavar="N", help=GPU_LAYERS_HELP)
     g.add_argument("--n-ctx", type=int, default=S, help=f"context cells shared by all slots {d(EngineConfig, 'n_ctx')}")
     g.add_argument("--exact", action=argparse.BooleanOptionalAction, default=S,
                    help="batch-invariant target (greedy output token-identical to plain decoding, at some speed "
@@ -299,6 +309,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="bucketed: pad decode-only rounds' verifies to a few batch shapes (engine.verify_buckets) so "
                         "a GPU backend can replay its graphs; costs speed on CPU (README, 'Shape-stable verifies') "
                         f"{d(EngineConfig, 'verify_shape')}")
+    g.add_argument("--verify-buckets", type=int, nargs="+", default=S, metavar="ROWS",
+                   help=BUCKETS_HELP + f" {d(EngineConfig, 'verify_buckets')}")
     g.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=S,
                    help="keep finished requests' KV in their slots and reuse the longest common prefix for new "
                         "prompts (the next turn of a chat prefills only the new message); requests opt out with "
@@ -328,7 +340,7 @@ def _cmd_generate(args) -> int:
 
     chain = ChainConfig(speculators=parse_chain(args.spec), policy=args.policy, n_max=args.n_max)
     cfg = EngineConfig(model=args.model, chat_template=args.chat_template, slots=1, threads=args.threads,
-                       n_ctx=args.n_ctx, exact=args.exact, flash_attn=args.flash_attn, chain=chain,
+                       n_gpu_layers=args.n_gpu_layers, n_ctx=args.n_ctx, exact=args.exact, flash_attn=args.flash_attn, chain=chain,
                        draft=DraftModelConfig(model=args.draft_model, cross_vocab=args.cross_vocab),
                        hidden=HiddenStateConfig(mtp=args.mtp, eagle3_model=args.eagle3_model))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -456,10 +468,13 @@ def main(argv: list[str] | None = None) -> int:
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
-    if any(c < 1 for c in getattr(args, "streams", None) or ()):
-        parser.error(f"--streams must all be >= 1, got {args.streams}")
-    if getattr(args, "n_max", None) is not None and args.n_max < 0:
-        parser.error(f"--n-max must be >= 0, got {args.n_max}")
+    for flag in ("streams", "verify_buckets"):
+        if any(c < 1 for c in getattr(args, flag, None) or ()):
+            parser.error(f"--{flag.replace('_', '-')} must all be >= 1, got {getattr(args, flag)}")
+    for flag in ("n_max", "n_gpu_layers"):
+        v = getattr(args, flag, None)
+        if v is not None and v < 0:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 0, got {v}")
     _check_engine_rules(parser, args)
     if getattr(args, "temperature", None) is not None and args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")

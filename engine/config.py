@@ -160,7 +160,9 @@ class EngineConfig(BaseModel):
         "threads share the cores with the request pipeline (event loop, ingress, HTTP proxy), and a worker thread "
         "preempted mid-decode stalls the whole decode at its barrier: on 2 cores (SmolLM2, plain decoding, 1 client) "
         "2 threads decoded a round in 14 ms served against 7 ms in process, 1 thread in 8 ms")
-    n_gpu_layers: int = Field(0, ge=0, description="layers offloaded to a GPU (0 on CPU-only machines)")
+    n_gpu_layers: int | None = Field(
+        None, ge=0, description="target layers offloaded to a GPU; None (the default): all of them where this "
+        "llama.cpp build offloads to a GPU it sees (a CUDA build with a device), none elsewhere")
     flash_attn: bool = Field(
         False, description="flash attention (not with exact mode). Off by default. Measured on SmolLM2 here: it "
         "speeds plain decoding up 5-8% but makes verify batches of 16+ tokens 15-25% slower; with several slots a "

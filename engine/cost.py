@@ -101,10 +101,11 @@ class DecodeCostModel:
         self.ref_cells = ref_cells  # cells the table's measurements attended
         # False: the table stays as given (a cost table of another device injected to see what the policy does)
         self.learn = learn
-        # decode time over the prediction, for decodes right after the batch's shape changed and for those of the
-        # shape before: a GPU backend replays a captured graph only for the same shape (llama.cpp's CUDA graphs),
-        # so a new shape can cost more than its size says; on a CPU both stay near 1
-        self._ratio_changed = 1.0
+        # decode time over the prediction for the first and the second decode of a new batch shape, and for the
+        # later ones: a GPU backend replays a captured graph only while the shape stays (llama.cpp's CUDA graphs
+        # run the first decode of a new shape uncaptured and capture on the second), so the two decodes after a
+        # change cost more than their size says; on a CPU all three stay near 1
+        self._ratio_after = [1.0, 1.0]
         self._ratio_same = 1.0
         self._lock = threading.Lock()
 
@@ -138,17 +139,29 @@ class DecodeCostModel:
 
     @property
     def shape_change_penalty(self) -> float:
-        """What a decode right after a change of the batch's shape costs beyond one of an unchanged shape, as a
-        share of its price (0 on a CPU; a GPU that must capture a new graph pays it).
+        """What a change of the batch's shape costs beyond decodes of an unchanged shape, as a share of one
+        decode's price: the excess of the first two decodes of the new shape (0 on a CPU; on a GPU the first runs
+        without a captured graph and the second captures one). Measured on the H100 (SmolLM2, 1 slot): a 1-row
+        decode took 1.46 ms replayed and ~2.7 ms uncaptured, and each draft that changed the shape and back cost
+        ~3.3 ms of decode beyond its rows.
 
         >>> m = DecodeCostModel({1: 0.002, 8: 0.003})
         >>> for _ in range(200):
-        ...     m.observe(1, 0.002, shape_changed=False)
-        ...     m.observe(1, 0.0026, shape_changed=True)
-        >>> round(m.shape_change_penalty, 1)   # 30% more after a change
-        0.3
+        ...     m.observe(1, 0.0036, since_change=0)   # the first decode of a new shape: 1.8x
+        ...     m.observe(1, 0.0032, since_change=1)   # the second (the graph is captured): 1.6x
+        ...     for _ in range(4): m.observe(1, 0.002, since_change=2)
+        >>> round(m.shape_change_penalty, 1), round(m.first_decode_penalty, 1)
+        (1.4, 0.8)
+        >>> round(m.cost(1) * 1e3, 2)   # the table learns decodes as if their shape had been steady
+        2.0
         """
-        return max(0.0, self._ratio_changed / self._ratio_same - 1.0) if self._ratio_same > 0 else 0.0
+        first, second = self._ratio_after
+        return max(0.0, (first + second) / self._ratio_same - 2.0) if self._ratio_same > 0 else 0.0
+
+    @property
+    def first_decode_penalty(self) -> float:
+        """The first decode of a new shape's excess alone (shape_change_penalty's first part)."""
+        return max(0.0, self._ratio_after[0] / self._ratio_same - 1.0) if self._ratio_same > 0 else 0.0
 
     def table(self) -> dict[int, float]:
         """Seconds per decode by batch size, at the current speed."""
@@ -180,18 +193,22 @@ class DecodeCostModel:
         n0, n1, s0, s1 = ns[i - 1], ns[i], secs[i - 1], secs[i]
         return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
 
-    def observe(self, n: int, seconds: float, cells: float | None = None, shape_changed: bool | None = None) -> None:
+    def observe(self, n: int, seconds: float, cells: float | None = None, since_change: int | None = None) -> None:
         """Fold one measured decode into the model: first the speed factor, then the attention coefficient
         (from decodes with a long context) and the table entry, each from what the speed leaves unexplained.
-        shape_changed: whether the decode before it had another batch shape (None: not known)."""
+        since_change: decodes of the same shape right before this one (0: the shape just changed; None: not
+        known). The first two of a new shape teach the change's penalty; the table and the speed learn them as if
+        the shape had been steady, or a draft size (almost always a new shape at one slot) would absorb the
+        penalty and then be charged it twice."""
         if n <= 0 or seconds <= 0 or not self.learn:
             return
         with self._lock:
             predicted = self._table_cost(n) + self._attn(n, cells)
-            if shape_changed is not None and predicted > 0:
-                r = min(seconds / (self._speed * predicted), 3.0)
-                if shape_changed:
-                    self._ratio_changed += self._ema * (r - self._ratio_changed)
+            if since_change is not None and predicted > 0:
+                r = min(seconds / (self._speed * predicted), 4.0)
+                if since_change < 2:
+                    self._ratio_after[since_change] += self._ema * (r - self._ratio_after[since_change])
+                    seconds *= self._ratio_same / self._ratio_after[since_change]
                 else:
                     self._ratio_same += self._ema * (r - self._ratio_same)
             if predicted > 0:

@@ -25,16 +25,38 @@ class RoundPricer:
         self.cost = cost
         self.host = HostCostModel()
         self.last_shape = 0  # rows of the last decode
+        self.since_change = 0  # decodes of last_shape before the next one (DecodeCostModel.observe's since_change)
 
     def price(self, n_rows: int, base_rows: int, n_decoding: int, cells: float | None) -> float:
-        """Seconds of a round whose target batch holds n_rows, base_rows of them without drafts: the decode (more
-        if the shape differs from the last decode's, by what such decodes were seen to cost), plus the host's work
-        for the round, its sequences and each draft row. What the draft planner maximises tokens per second
-        against."""
+        """Seconds of a round whose target batch holds n_rows, base_rows of them without drafts: the decode, the
+        host's work for the round, its sequences and each draft row, and what changing the batch's shape costs
+        (DecodeCostModel.shape_change_penalty, ~0 on a CPU): a draft round off the plain shape pays its own
+        decode's share, and the way back to the plain shape (two decodes of it upset); a plain round after a draft
+        pays the way back too, so a run of drafts of one shape is not charged again for it. What the draft
+        planner maximises tokens per second against.
+
+        >>> from specray.engine.cost import DecodeCostModel
+        >>> p = RoundPricer(DecodeCostModel({1: 0.0015, 4: 0.0017}, learn=False))
+        >>> p.cost._ratio_after = [1.8, 1.6]   # an H100's CUDA graphs: 1.8x uncaptured, 1.6x capturing
+        >>> p.last_shape = 1
+        >>> [round(p.price(n, 1, 1, None) * 1e3, 2) for n in (1, 4)]   # steady plain, a 3-token draft
+        [1.5, 5.16]
+        """
         decode = self.cost.cost(n_rows, cells)
-        if n_rows != self.last_shape:
-            decode *= 1.0 + self.cost.shape_change_penalty
+        pen = self.cost.shape_change_penalty
+        if pen > 0:
+            if n_rows != base_rows:  # off the plain shape, and back to it afterwards
+                own = self.cost.first_decode_penalty if n_rows != self.last_shape else 0.0
+                decode += own * self.cost.cost(n_rows, cells) + pen * self.cost.cost(base_rows, cells)
+            elif n_rows != self.last_shape:
+                decode += pen * self.cost.cost(n_rows, cells)
         return decode + self.host.round_seconds(n_decoding, max(0, n_rows - base_rows))
+
+    def _shape(self, size: int) -> int:
+        """Record a decode of `size` rows; returns how many of that shape came right before it."""
+        self.since_change = self.since_change + 1 if size == self.last_shape else 0
+        self.last_shape = size
+        return self.since_change
 
     def observe(self, batch_sizes: list[int], decode_seconds: float, cells: float | None, prefill: bool,
                 n_decoding: int, n_drafted: int, host_seconds: float, n_emitted: int | None = None) -> None:
@@ -42,12 +64,12 @@ class RoundPricer:
         if prefill:
             # the table prices verify rows, each with a logits row; prompt rows have none (a large vocabulary's
             # output layer is a big share of a row: Gemma's 262k), so a prefill round would underprice them;
-            # nor is prompt bookkeeping a round's host work to price
-            self.last_shape = batch_sizes[-1] if batch_sizes else self.last_shape
+            # nor is prompt bookkeeping a round's host work to price. Its shape counts all the same.
+            for size in batch_sizes:
+                self._shape(size)
             return
         for size in batch_sizes:  # one observation per decode; split rounds attribute time evenly
-            self.cost.observe(size, decode_seconds / max(1, len(batch_sizes)), cells,
-                              shape_changed=size != self.last_shape)
-            self.last_shape = size
+            since = self._shape(size)
+            self.cost.observe(size, decode_seconds / max(1, len(batch_sizes)), cells, since_change=min(since, 2))
         if n_decoding:
             self.host.observe(n_decoding, n_drafted, host_seconds, n_emitted)

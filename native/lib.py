@@ -49,6 +49,28 @@ def system_info() -> str:
     return llama_cpp.llama_print_system_info().decode("utf-8", "replace")
 
 
+def gpu_offload() -> bool:
+    """True if this llama.cpp build can offload to a GPU it sees (a CUDA build with a device)."""
+    ensure_backend()
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+ALL_LAYERS = 999  # llama.cpp clamps n_gpu_layers to the model's layer count (+1 for the output layer)
+
+
+def resolve_gpu_layers(n_gpu_layers: int | None) -> int:
+    """None: every layer on a machine where llama.cpp offloads to a GPU, none elsewhere; else as given.
+
+    >>> resolve_gpu_layers(12)
+    12
+    >>> resolve_gpu_layers(None) in (0, ALL_LAYERS)
+    True
+    """
+    if n_gpu_layers is not None:
+        return n_gpu_layers
+    return ALL_LAYERS if gpu_offload() else 0
+
+
 def build_has_amx() -> bool:
     """True if the loaded ggml CPU backend was compiled with AMX kernels."""
     return "AMX_INT8 = 1" in system_info()

@@ -36,7 +36,7 @@ class Model:
         self,
         path_or_alias: str,
         *,
-        n_gpu_layers: int = 0,
+        n_gpu_layers: int | None = None,
         use_extra_bufts: bool | None = None,
         chat_template: str | None = None,
         vocab_only: bool = False,
@@ -46,7 +46,9 @@ class Model:
         self.name = path_or_alias
         self.path = resolve_model(path_or_alias)
         params = llama_cpp.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
+        # None: all layers where a GPU is visible (lib.resolve_gpu_layers), so companions follow the target
+        self.n_gpu_layers = lib.resolve_gpu_layers(n_gpu_layers)
+        params.n_gpu_layers = self.n_gpu_layers
         # AMX kernels sit behind the "extra" buffer types; on AMX builds they
         # segfault at the first decode here, so never use them on such a build.
         if use_extra_bufts is None:

@@ -11,11 +11,11 @@ from collections.abc import Iterator
 
 
 class ReferenceLoop:
-    def __init__(self, model_path: str, threads: int, n_ctx: int, eog_ids) -> None:
+    def __init__(self, model_path: str, threads: int, n_ctx: int, eog_ids, n_gpu_layers: int = 0) -> None:
         import llama_cpp
 
         self.llm = llama_cpp.Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                   verbose=False)
+                                   n_gpu_layers=n_gpu_layers, verbose=False)
         self.eog = set(int(t) for t in eog_ids)
 
     def greedy(self, prompt: list[int], max_tokens: int) -> Iterator[tuple[str, int | None]]:

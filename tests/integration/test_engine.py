@@ -164,3 +164,13 @@ def test_thread_count_defaults_in_process_and_served(smollm2):
         assert parts.ctx.n_threads == 2
     finally:
         parts.close()
+
+
+def test_gpu_layers_default_to_what_this_build_can_offload(smollm2):
+    """n_gpu_layers None (the default) is every layer where llama.cpp offloads to a GPU it sees, none
+    elsewhere; the loaded model says which it got, and the bench's reference loop follows it."""
+    from specray.native import lib
+
+    want = lib.ALL_LAYERS if lib.gpu_offload() else 0
+    assert smollm2.n_gpu_layers == want
+    assert lib.resolve_gpu_layers(None) == want and lib.resolve_gpu_layers(3) == 3

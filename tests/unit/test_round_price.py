@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import functools
 
 import numpy as np
 import pytest
@@ -51,17 +52,38 @@ def test_a_flat_gpu_table_sends_its_free_draft_tail_only_while_host_work_is_unpr
     assert free == [5] and paid == [3]
 
 
-def test_a_new_batch_shape_is_priced_by_what_such_decodes_were_seen_to_cost():
-    p = RoundPricer(DecodeCostModel({1: 0.002, 2: 0.003, 4: 0.004}))
-    for _ in range(300):  # a GPU that recaptures its graph: a decode after a shape change costs 1.5x
-        p.observe([1], 0.002, None, False, 1, 0, 0.0)
-        p.observe([1], 0.002, None, False, 1, 0, 0.0)
-        p.observe([2], 0.0045, None, False, 1, 1, 0.0)
-        p.observe([1], 0.003, None, False, 1, 0, 0.0)
-    assert p.cost.shape_change_penalty > 0.3
-    assert p.last_shape == 1
-    assert p.price(2, 1, 1, None) > 1.3 * p.cost.cost(2)  # another shape than the last decode's
+def _graph_decode(rows: int, since_change: int) -> float:
+    """A decode on a GPU with CUDA graphs, the H100's shape (SmolLM2): 1.46 ms for a row replayed, ~0.05 ms per
+    extra row, the first decode of a new shape run uncaptured (1.8x) and the second capturing (1.6x)."""
+    return (0.00146 + 0.00005 * (rows - 1)) * (1.8 if since_change == 0 else 1.6 if since_change == 1 else 1.0)
+
+
+def test_a_change_of_batch_shape_is_priced_there_and_back_as_cuda_graphs_charge_it():
+    p = RoundPricer(DecodeCostModel({1: 0.0027, 2: 0.0031, 4: 0.0031, 8: 0.0032}))  # an uncaptured calibration
+    since, last = 0, 0
+    for i in range(600):  # mostly plain decodes, a 3-token draft every 10th round (and the way back)
+        rows = 4 if i % 10 == 0 else 1
+        since = since + 1 if rows == last else 0
+        last = rows
+        p.observe([rows], _graph_decode(rows, since), None, False, 1, rows - 1, 0.0)
+    assert p.cost.shape_change_penalty == pytest.approx(1.4, abs=0.15)
+    assert p.cost.first_decode_penalty == pytest.approx(0.8, abs=0.1)
+    # the table learnt the decodes as if steady: a replayed row, not the uncaptured calibration's 2.7 ms
+    assert p.cost.cost(1) == pytest.approx(0.00146, rel=0.1)
+    assert p.last_shape == 1 and p.since_change >= 2
+    # a draft: its own uncaptured decode, and two upset plain decodes on the way back
+    c = p.cost
+    want = c.cost(4) * (1 + c.first_decode_penalty) + c.cost(1) * c.shape_change_penalty + p.host.round_seconds(1, 3)
+    assert p.price(4, 1, 1, None) == pytest.approx(want, rel=1e-6)
     assert p.price(1, 1, 1, None) == pytest.approx(p.cost.cost(1) + p.host.round_seconds(1, 0))
+    # so a 3-token draft at 60% acceptance per token no longer pays, and one at 95% still does
+    price = functools.partial(p.price, base_rows=1, n_decoding=1, cells=None)
+    assert plan_draft_lengths([np.array([0.6, 0.36, 0.22])], 1, price) == [0]
+    assert plan_draft_lengths([np.array([0.95, 0.9, 0.86])], 1, price) == [3]
+    flat = RoundPricer(p.cost.copy())  # with no penalty learnt (a CPU), the 60% draft is sent
+    flat.cost._ratio_after = [1.0, 1.0]
+    assert plan_draft_lengths([np.array([0.6, 0.36, 0.22])], 1,
+                              functools.partial(flat.price, base_rows=1, n_decoding=1, cells=None)) == [3]
 
 
 def test_prefill_rounds_teach_neither_the_table_nor_the_host_model():

@@ -148,3 +148,14 @@ def test_cli_doctests():
 def test_verify_shape_flag_reaches_the_engine_config():
     assert config_from_args(parse("--verify-shape", "bucketed"), environ={}).engine.shape_buckets == (1, 2, 4, 8, 16)
     assert "verify_shape" not in flag_overrides(parse()).get("engine", {})
+
+
+def test_n_gpu_layers_flag_reaches_the_engine_config_and_rejects_negatives(capsys):
+    assert config_from_args(parse("--n-gpu-layers", "20"), environ={}).engine.n_gpu_layers == 20
+    # unset: None, which the model load resolves (all layers where llama.cpp offloads to a GPU, else 0)
+    assert "n_gpu_layers" not in flag_overrides(parse()).get("engine", {})
+    assert EngineConfig().n_gpu_layers is None
+    for argv in (["serve", "--n-gpu-layers", "-1"], ["bench", "--n-gpu-layers", "-2"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "--n-gpu-layers must be >= 0" in capsys.readouterr().err
