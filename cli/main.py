@@ -340,7 +340,8 @@ def _cmd_generate(args) -> int:
 
     chain = ChainConfig(speculators=parse_chain(args.spec), policy=args.policy, n_max=args.n_max)
     cfg = EngineConfig(model=args.model, chat_template=args.chat_template, slots=1, threads=args.threads,
-                       n_gpu_layers=args.n_gpu_layers, n_ctx=args.n_ctx, exact=args.exact, flash_attn=args.flash_attn, chain=chain,
+                       n_gpu_layers=args.n_gpu_layers, n_ctx=args.n_ctx, exact=args.exact, flash_attn=args.flash_attn,
+                       chain=chain,
                        draft=DraftModelConfig(model=args.draft_model, cross_vocab=args.cross_vocab),
                        hidden=HiddenStateConfig(mtp=args.mtp, eagle3_model=args.eagle3_model))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
