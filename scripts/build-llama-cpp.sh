@@ -13,18 +13,21 @@
 #    results; SPECRAY_GGML_COLS=0 turns it off).
 # The built wheel is cached in $SPECRAY_WHEEL_CACHE (default
 # ~/.cache/specray/wheels) keyed by version + flags + patches, so only the first
-# install on a machine pays the ~7-10 minute compile.
+# install on a machine pays the ~7-10 minute compile. With CUDA (scripts/gpu-flags.sh: detected, or
+# SPECRAY_CUDA=on from `setup.sh --cuda`) the flags, and so the key, carry the backend and the GPU architecture.
 set -euo pipefail
 
 PY=${1:-python3}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=cpu-flags.sh
 source "$HERE/scripts/cpu-flags.sh"   # LLAMA_CPP_VERSION, GGML_CPU_ARGS, SPECRAY_PATCHES
+# shellcheck source=gpu-flags.sh
+source "$HERE/scripts/gpu-flags.sh"   # GGML_GPU_ARGS, GGML_BACKEND (SPECRAY_CUDA=auto|on|off)
 VERSION=$LLAMA_CPP_VERSION
 PATCHES=("${SPECRAY_PATCHES[@]}")
 CACHE=${SPECRAY_WHEEL_CACHE:-$HOME/.cache/specray/wheels}
 
-CMAKE_ARGS="$GGML_CPU_ARGS"
+CMAKE_ARGS="$GGML_CPU_ARGS${GGML_GPU_ARGS:+ $GGML_GPU_ARGS}"
 CMAKE_ARGS+=" -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
 
 # The key hashes the exact same text as before cpu-flags.sh was split out, so
@@ -33,7 +36,11 @@ key=$( (echo "$VERSION $CMAKE_ARGS"; cat "${PATCHES[@]}") | sha256sum | cut -c1-
 wheel_dir="$CACHE/$key"
 
 if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-    echo "specray: building llama-cpp-python $VERSION (one-off, ~7-10 min on 2 cores)" >&2
+    if [[ $GGML_BACKEND == cuda ]]; then
+        echo "specray: building llama-cpp-python $VERSION with CUDA (one-off, ~6 min on 16 cores, far longer on 2)" >&2
+    else
+        echo "specray: building llama-cpp-python $VERSION (one-off, ~7-10 min on 2 cores)" >&2
+    fi
     echo "specray: CMAKE_ARGS=$CMAKE_ARGS" >&2
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
@@ -49,4 +56,4 @@ if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
 fi
 
 "$PY" -m pip install --quiet --no-deps --force-reinstall "$wheel_dir"/llama_cpp_python-*.whl
-echo "specray: llama-cpp-python $VERSION installed from $wheel_dir" >&2
+echo "specray: llama-cpp-python $VERSION ($GGML_BACKEND) installed from $wheel_dir" >&2

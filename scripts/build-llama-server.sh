@@ -21,6 +21,8 @@ PY=${1:-python3}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=cpu-flags.sh
 source "$HERE/scripts/cpu-flags.sh"   # LLAMA_CPP_VERSION, GGML_CPU_ARGS, SPECRAY_PATCHES
+# shellcheck source=gpu-flags.sh
+source "$HERE/scripts/gpu-flags.sh"   # GGML_GPU_ARGS, GGML_BACKEND (SPECRAY_CUDA=auto|on|off)
 VERSION=$LLAMA_CPP_VERSION
 CACHE=${SPECRAY_LLAMA_SERVER_CACHE:-$HOME/.cache/specray/llama-server}
 
@@ -28,7 +30,7 @@ CACHE=${SPECRAY_LLAMA_SERVER_CACHE:-$HOME/.cache/specray/llama-server}
 # no curl (-DLLAMA_CURL is deprecated and ignored in this llama.cpp, kept for
 # older trees), no OpenSSL (HTTPS model downloads), no Web UI download from
 # Hugging Face (the server then runs without its embedded UI; the API is whole).
-CMAKE_ARGS="$GGML_CPU_ARGS"
+CMAKE_ARGS="$GGML_CPU_ARGS${GGML_GPU_ARGS:+ $GGML_GPU_ARGS}"
 CMAKE_ARGS+=" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF"
 CMAKE_ARGS+=" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF"
 CMAKE_ARGS+=" -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON"

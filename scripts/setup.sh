@@ -3,11 +3,21 @@
 # build (scripts/build-llama-cpp.sh, cached per machine), then the project.
 #   bash scripts/setup.sh         # runtime
 #   bash scripts/setup.sh --dev   # + test dependencies
+# llama.cpp is built with CUDA where nvcc and a GPU are found (scripts/gpu-flags.sh); --cuda insists on it (and
+# fails, saying why, without them), --cpu builds for the CPU only. Either goes with --dev.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 extra=""
-[[ "${1:-}" == "--dev" ]] && extra="[dev]"
+for arg in "$@"; do
+    case "$arg" in
+        --dev) extra="[dev]" ;;
+        --cuda) export SPECRAY_CUDA=on ;;
+        --cpu) export SPECRAY_CUDA=off ;;
+        -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+        *) echo "setup.sh: unknown option '$arg' (--dev, --cuda, --cpu)" >&2; exit 2 ;;
+    esac
+done
 
 if [[ ! -x .venv/bin/python ]]; then
     "$PYTHON" -m venv .venv
