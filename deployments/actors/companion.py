@@ -85,6 +85,7 @@ class CompanionService:
         ctx = ray.get_runtime_context() if ray.is_initialized() else None
         d = {"pid": os.getpid(), "node_id": ctx.get_node_id() if ctx else None,
              "placement_group_id": ctx.get_placement_group_id() if ctx else None,
+             "gpu_ids": [str(g) for g in ray.get_gpu_ids()] if ctx else [],
              "speculators": (["draft"] if self.draft_model is not None else [])
              + (self.hidden.names if self.hidden is not None else []),
              "model_speculators_known": sorted(MODEL_SPECULATORS), "draft": None}

@@ -38,8 +38,8 @@ class Actors:
         return {
             "strategy": self.strategy,
             "replica": {"placement_group_id": rc.get_placement_group_id(), "node_id": rc.get_node_id()},
-            "target": {k: t[k] for k in ("placement_group_id", "node_id", "pid", "env")},
-            "companion": {k: c[k] for k in ("placement_group_id", "node_id", "pid")},
+            "target": {k: t.get(k) for k in ("placement_group_id", "node_id", "pid", "env", "gpu_ids", "n_gpu_layers")},
+            "companion": {k: c.get(k) for k in ("placement_group_id", "node_id", "pid", "gpu_ids")},
         }
 
     def close(self) -> None:

@@ -69,6 +69,9 @@ class TargetService:
             "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")},
             "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
             "placement_group_id": ray.get_runtime_context().get_placement_group_id() if ray.is_initialized() else None,
+            # the GPUs Ray gave this actor (target_gpus; CUDA_VISIBLE_DEVICES follows them) and the layers on them
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else [],
+            "n_gpu_layers": self.model.n_gpu_layers,
             "hidden_transport": self.hidden_transport.info() if self.hidden_transport is not None else None,
         }
 

@@ -73,7 +73,8 @@ def ray_serve():
     from ray import serve
 
     # address="local": a new cluster even where `ray start` left one running (it would refuse num_cpus)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+    # num_gpus: logical GPUs (no hardware), so GPU bundles and actors' GPU requests are placed for real here
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              namespace="specray-tests", _metrics_export_port=METRICS_PORT)
     port = int(os.environ.get("SPECRAY_TEST_PORT", 0)) or _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -122,6 +123,8 @@ def server(request, ray_serve):
             "ingress_cpus": 0.1, "app_name": f"specray-{mode}", "route_prefix": f"/{mode}"}
     if mode == "distributed":
         args["engine"] = ENGINE | {"calibrate": True}  # exercises the actor's calibrate_cost
+        # the GPU cluster shape on the session's logical GPUs: the target actor holds one, the companion a share
+        args |= {"target_gpus": 1, "companion_gpus": 0.5}
     t0 = time.perf_counter()
     serve.run(build_app(args), name=f"specray-{mode}", route_prefix=f"/{mode}")
     print(f"\n{mode}: deployed in {time.perf_counter() - t0:.1f}s")

@@ -79,3 +79,14 @@ def test_cli_flags_override_the_config_file(tmp_path):
     assert (d.host, d.port, d.engine.model, d.engine.chain.label) == ("127.0.0.1", 8000, "smollm2-135m",
                                                                       "ngram_mod,suffix,ngram_cache")
     assert url_of(d) == "http://127.0.0.1:8000"
+
+
+def test_the_gpu_config_places_one_replica_per_gpu():
+    doc = yaml.safe_load((REPO / "cluster" / "serve-gpu.yaml").read_text())
+    cfg = load_serve_config(doc["applications"][0]["args"])
+    assert cfg.mode == "distributed" and cfg.engine.n_gpu_layers is None  # every layer where a GPU is seen
+    opts = replica_options(cfg)
+    assert opts["placement_group_strategy"] == "STRICT_PACK"
+    replica, target, companion = opts["placement_group_bundles"]
+    assert target == {"CPU": 4.0, "GPU": 1.0} and "GPU" not in replica and "GPU" not in companion
+    assert opts["autoscaling_config"]["min_replicas"] == 1 and opts["autoscaling_config"]["max_replicas"] >= 1
