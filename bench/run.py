@@ -68,6 +68,7 @@ def run_bench(
     order: str = "lockstep",
     flash_attn: bool = False,
     n_gpu_layers: int | None = None,
+    gpu_split: dict | None = None,
     progress_every: float = 10.0,
     verify_shape: str = "exact",
     verify_buckets: tuple[int, ...] | None = None,
@@ -94,6 +95,7 @@ def run_bench(
     configs = expand_configs(configs, verify_shape)
     cfg = EngineConfig(model=model, chat_template=chat_template, slots=slots, exact=exact, flash_attn=flash_attn,
                        n_gpu_layers=n_gpu_layers, threads=threads, n_ctx=n_ctx, record_margins=True,
+                       **(gpu_split or {}),
                        **({"verify_buckets": tuple(verify_buckets)} if verify_buckets else {}),
                        # each configuration runs the same prompts: none may find them in the prompt cache
                        prompt_cache=False,
@@ -247,6 +249,8 @@ def main_bench(args) -> int:
                        progress=lambda s: print(s, file=sys.stderr, flush=True),
                        draft_model=args.draft_model, cross_vocab=args.cross_vocab, repeats=args.repeats,
                        order=args.order, flash_attn=args.flash_attn, n_gpu_layers=args.n_gpu_layers,
+                       gpu_split={"main_gpu": args.main_gpu, "split_mode": args.split_mode,
+                                  "tensor_split": args.tensor_split},
                        verify_shape=getattr(args, "verify_shape", "exact"),
                        verify_buckets=getattr(args, "verify_buckets", None), profiler=profiler)
     print(report.table())

@@ -21,6 +21,25 @@ FLASH_ATTN_HELP = ("flash attention in the target context. Measured on SmolLM2 h
 BUCKETS_HELP = ("with bucketed verifies: rows per decoding sequence a decode-only round may take (1 = a plain "
                 "decode); without 1 every round is padded to at least the smallest, so plain rounds and drafts up "
                 "to it share one shape (e.g. 4: drafts of at most 3, one shape at a fixed slot count)")
+def _shares(text: str) -> tuple[float, ...]:
+    """--tensor-split 3,1 -> (3.0, 1.0)."""
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 3,1, got {text!r}") from None
+
+
+def _add_gpu_split_args(g, default=None) -> None:
+    """--main-gpu / --split-mode / --tensor-split (`default=argparse.SUPPRESS` for serve)."""
+    g.add_argument("--main-gpu", type=int, default=default if default is not None else 0, metavar="I",
+                   help="GPU holding the model with --split-mode none (default: 0)")
+    g.add_argument("--split-mode", choices=["none", "layer", "row", "tensor"],
+                   default=default if default is not None else "layer",
+                   help="how the target spreads over several GPUs (llama.cpp's split_mode; default: layer)")
+    g.add_argument("--tensor-split", type=_shares, default=default, metavar="SHARES",
+                   help="share of the model per GPU, e.g. 3,1 (default: by free memory)")
+
+
 GPU_LAYERS_HELP = ("target layers offloaded to a GPU (companion models follow: all or none); default: all of "
                    "them where llama.cpp offloads to a GPU it sees (a CUDA build with a device), 0 elsewhere")
 
@@ -33,6 +52,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="chat template name (e.g. gemma, chatml) for models whose GGUF has none")
     g.add_argument("--threads", type=int, default=2, help="CPU threads for the target (default: %(default)s)")
     g.add_argument("--n-gpu-layers", type=int, default=None, metavar="N", help=GPU_LAYERS_HELP)
+    _add_gpu_split_args(g)
     g.add_argument("--n-ctx", type=int, default=4096,
                    help="context cells, shared by all slots; with --exact split evenly, one share per slot "
                         "(default: %(default)s)")
@@ -299,6 +319,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    "threads served at half the in-process speed, 1 thread at 0.95x; set it with several replicas "
                    "per node)")
     g.add_argument("--n-gpu-layers", type=int, default=S, metavar="N", help=GPU_LAYERS_HELP)
+    _add_gpu_split_args(g, default=S)
     g.add_argument("--n-ctx", type=int, default=S, help=f"context cells shared by all slots {d(EngineConfig, 'n_ctx')}")
     g.add_argument("--exact", action=argparse.BooleanOptionalAction, default=S,
                    help="batch-invariant target (greedy output token-identical to plain decoding, at some speed "
@@ -340,7 +361,8 @@ def _cmd_generate(args) -> int:
 
     chain = ChainConfig(speculators=parse_chain(args.spec), policy=args.policy, n_max=args.n_max)
     cfg = EngineConfig(model=args.model, chat_template=args.chat_template, slots=1, threads=args.threads,
-                       n_gpu_layers=args.n_gpu_layers, n_ctx=args.n_ctx, exact=args.exact, flash_attn=args.flash_attn,
+                       n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu, split_mode=args.split_mode,
+                       tensor_split=args.tensor_split, n_ctx=args.n_ctx, exact=args.exact, flash_attn=args.flash_attn,
                        chain=chain,
                        draft=DraftModelConfig(model=args.draft_model, cross_vocab=args.cross_vocab),
                        hidden=HiddenStateConfig(mtp=args.mtp, eagle3_model=args.eagle3_model))
@@ -472,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("streams", "verify_buckets"):
         if any(c < 1 for c in getattr(args, flag, None) or ()):
             parser.error(f"--{flag.replace('_', '-')} must all be >= 1, got {getattr(args, flag)}")
-    for flag in ("n_max", "n_gpu_layers"):
+    for flag in ("n_max", "n_gpu_layers", "main_gpu"):
         v = getattr(args, flag, None)
         if v is not None and v < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0, got {v}")

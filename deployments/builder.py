@@ -71,6 +71,9 @@ def open_target(config: EngineConfig, model=None):
     model = model or Model(
         config.model,
         n_gpu_layers=config.n_gpu_layers,
+        main_gpu=config.main_gpu,
+        split_mode=config.split_mode,
+        tensor_split=config.tensor_split,
         use_extra_bufts=config.repack_weights,
         chat_template=config.chat_template,
         load_mtp=config.hidden.mtp,  # a co-located MTP head shares these weights

@@ -163,6 +163,15 @@ class EngineConfig(BaseModel):
     n_gpu_layers: int | None = Field(
         None, ge=0, description="target layers offloaded to a GPU; None (the default): all of them where this "
         "llama.cpp build offloads to a GPU it sees (a CUDA build with a device), none elsewhere")
+    main_gpu: int = Field(0, ge=0, description="the GPU (index among those the process sees) that holds the whole "
+                          "model with split_mode none, and the intermediate results with split_mode row")
+    split_mode: Literal["none", "layer", "row", "tensor"] = Field(
+        "layer", description="how a target spreads over several GPUs (llama.cpp's split_mode): layer (whole layers "
+        "per GPU, by tensor_split), row (each weight matrix split by rows), tensor (llama.cpp's tensor parallelism) "
+        "or none (main_gpu only). A target actor spread over GPUs asks Ray for them: target_gpus")
+    tensor_split: tuple[float, ...] | None = Field(
+        None, description="share of the model per visible GPU, e.g. (3, 1): three quarters on the first; None: "
+        "by free memory (llama.cpp's default)")
     flash_attn: bool = Field(
         False, description="flash attention (not with exact mode). Off by default. Measured on SmolLM2 here: it "
         "speeds plain decoding up 5-8% but makes verify batches of 16+ tokens 15-25% slower; with several slots a "
@@ -214,6 +223,13 @@ class EngineConfig(BaseModel):
         if self.threads is not None:
             return self
         return self.model_copy(update={"threads": served_threads(n_cpus) if served else IN_PROCESS_THREADS})
+
+    @field_validator("tensor_split", mode="after")
+    @classmethod
+    def _tensor_split(cls, v: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        if v is not None and (not v or min(v) < 0 or sum(v) <= 0 or len(v) > 16):
+            raise ValueError(f"tensor_split must be 1-16 shares >= 0 with a positive sum, got {v}")
+        return v
 
     @field_validator("verify_buckets", mode="after")
     @classmethod

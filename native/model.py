@@ -29,6 +29,28 @@ class VocabInfo:
     add_eos: bool
 
 
+SPLIT_MODES = {"none": llama_cpp.LLAMA_SPLIT_MODE_NONE, "layer": llama_cpp.LLAMA_SPLIT_MODE_LAYER,
+               "row": llama_cpp.LLAMA_SPLIT_MODE_ROW, "tensor": llama_cpp.LLAMA_SPLIT_MODE_TENSOR}
+
+
+def gpu_split_params(params, main_gpu: int, split_mode: str, tensor_split: tuple[float, ...] | None) -> dict:
+    """Set how the model spreads over GPUs on llama_model_params; returns what was set (for info and tests).
+    The tensor_split array must outlive the load: it is returned (as `_array`) for the caller to keep."""
+    if split_mode not in SPLIT_MODES:
+        raise ValueError(f"split_mode must be one of {', '.join(SPLIT_MODES)}, got {split_mode!r}")
+    params.main_gpu = main_gpu
+    params.split_mode = SPLIT_MODES[split_mode]
+    out = {"main_gpu": main_gpu, "split_mode": split_mode, "tensor_split": None, "_array": None}
+    if tensor_split:
+        n = int(llama_cpp.llama_max_devices())
+        if len(tensor_split) > n:
+            raise ValueError(f"tensor_split has {len(tensor_split)} shares; this llama.cpp build takes at most {n}")
+        arr = (ctypes.c_float * n)(*[float(x) for x in tensor_split])
+        params.tensor_split = ctypes.cast(arr, ctypes.POINTER(ctypes.c_float))
+        out.update(tensor_split=tuple(float(x) for x in tensor_split), _array=arr)
+    return out
+
+
 class Model:
     """llama_model + llama_vocab. Thread-safe for tokenizer calls (read-only)."""
 
@@ -37,6 +59,9 @@ class Model:
         path_or_alias: str,
         *,
         n_gpu_layers: int | None = None,
+        main_gpu: int = 0,
+        split_mode: str = "layer",
+        tensor_split: tuple[float, ...] | None = None,
         use_extra_bufts: bool | None = None,
         chat_template: str | None = None,
         vocab_only: bool = False,
@@ -49,6 +74,7 @@ class Model:
         # None: all layers where a GPU is visible (lib.resolve_gpu_layers), so companions follow the target
         self.n_gpu_layers = lib.resolve_gpu_layers(n_gpu_layers)
         params.n_gpu_layers = self.n_gpu_layers
+        self.gpu_split = gpu_split_params(params, main_gpu, split_mode, tensor_split)
         # AMX kernels sit behind the "extra" buffer types; on AMX builds they
         # segfault at the first decode here, so never use them on such a build.
         if use_extra_bufts is None:

@@ -20,9 +20,7 @@ set -euo pipefail
 PY=${1:-python3}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=cpu-flags.sh
-source "$HERE/scripts/cpu-flags.sh"   # LLAMA_CPP_VERSION, GGML_CPU_ARGS, SPECRAY_PATCHES
-# shellcheck source=gpu-flags.sh
-source "$HERE/scripts/gpu-flags.sh"   # GGML_GPU_ARGS, GGML_BACKEND (SPECRAY_CUDA=auto|on|off)
+source "$HERE/scripts/cpu-flags.sh"   # LLAMA_CPP_VERSION, GGML_CPU_ARGS, SPECRAY_PATCHES, GGML_GPU_ARGS
 VERSION=$LLAMA_CPP_VERSION
 CACHE=${SPECRAY_LLAMA_SERVER_CACHE:-$HOME/.cache/specray/llama-server}
 

@@ -10,6 +10,7 @@
 #                      the first decode on Xeons with AMX)
 #   SPECRAY_PATCHES    native/patches/*.patch in name order (apply with -p1 to
 #                      the sdist's root)
+#   GGML_GPU_ARGS, GGML_BACKEND   from gpu-flags.sh (CUDA or not; SPECRAY_CUDA)
 # Needs HERE = the repository root.
 
 LLAMA_CPP_VERSION=0.3.36
@@ -26,3 +27,5 @@ GGML_CPU_ARGS+=" -DGGML_AVX512_VBMI=$(_cpu_onoff avx512vbmi) -DGGML_AVX512_VNNI=
 GGML_CPU_ARGS+=" -DGGML_AVX512_BF16=$(_cpu_onoff avx512_bf16)"
 unset -f _cpu_onoff
 unset _cpu_flags
+# shellcheck source=gpu-flags.sh
+source "$HERE/scripts/gpu-flags.sh"

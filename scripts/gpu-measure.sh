@@ -16,7 +16,11 @@ MAX_TOKENS=${MAX_TOKENS:-128}  # a dry run elsewhere: MAX_TOKENS=8
 mkdir -p "$OUT"
 # Spec-Bench travels beside the parts (../shared does not): cp ../shared/data/spec_bench/question.jsonl .gpu/pN/
 [ -f /tmp/gpu/question.jsonl ] && export SPECRAY_SPEC_BENCH=${SPECRAY_SPEC_BENCH:-/tmp/gpu/question.jsonl}
-log() { echo "[$(date +%T)] $*" | tee -a "$OUT/progress.txt"; }
+# the device tool returns at most 8 files a run: everything also goes into one archive, rewritten at every
+# progress line, so a run cut off by its time limit still brings back all that finished
+pack() { tar -czf "$OUT.tgz" --exclude=./results.tgz -C "$OUT" . 2>/dev/null && mv "$OUT.tgz" "$OUT/results.tgz"; }
+log() { echo "[$(date +%T)] $*" | tee -a "$OUT/progress.txt"; pack; }
+trap pack EXIT
 # llama.cpp's libraries loaded before anything imports numpy.linalg (the import-order crash on this image)
 spec() { python3 -c 'import sys, llama_cpp; llama_cpp.llama_backend_init(); from specray.cli.main import main; sys.exit(main())' "$@"; }
 

@@ -38,7 +38,8 @@ class Actors:
         return {
             "strategy": self.strategy,
             "replica": {"placement_group_id": rc.get_placement_group_id(), "node_id": rc.get_node_id()},
-            "target": {k: t.get(k) for k in ("placement_group_id", "node_id", "pid", "env", "gpu_ids", "n_gpu_layers")},
+            "target": {k: t.get(k) for k in ("placement_group_id", "node_id", "pid", "env", "gpu_ids", "n_gpu_layers",
+                                          "gpu_split")},
             "companion": {k: c.get(k) for k in ("placement_group_id", "node_id", "pid", "gpu_ids")},
         }
 

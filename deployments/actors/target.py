@@ -72,6 +72,7 @@ class TargetService:
             # the GPUs Ray gave this actor (target_gpus; CUDA_VISIBLE_DEVICES follows them) and the layers on them
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else [],
             "n_gpu_layers": self.model.n_gpu_layers,
+            "gpu_split": {k: v for k, v in self.model.gpu_split.items() if not k.startswith("_")},
             "hidden_transport": self.hidden_transport.info() if self.hidden_transport is not None else None,
         }
 

@@ -174,3 +174,25 @@ def test_gpu_layers_default_to_what_this_build_can_offload(smollm2):
     want = lib.ALL_LAYERS if lib.gpu_offload() else 0
     assert smollm2.n_gpu_layers == want
     assert lib.resolve_gpu_layers(None) == want and lib.resolve_gpu_layers(3) == 3
+
+
+def test_gpu_split_reaches_llama_model_params():
+    """main_gpu / split_mode / tensor_split as llama.cpp reads them (what a model spread over GPUs loads with;
+    a CPU build takes and ignores them, so a model still loads: tested on the GPU machine for real)."""
+    import ctypes
+
+    import llama_cpp
+
+    from specray.native.model import Model, gpu_split_params
+
+    params = llama_cpp.llama_model_default_params()
+    got = gpu_split_params(params, 1, "row", (3, 1))
+    assert params.main_gpu == 1 and params.split_mode == llama_cpp.LLAMA_SPLIT_MODE_ROW
+    assert [params.tensor_split[i] for i in range(3)] == [3.0, 1.0, 0.0]
+    assert got["tensor_split"] == (3.0, 1.0) and isinstance(got["_array"], ctypes.Array)
+    with pytest.raises(ValueError, match="split_mode"):
+        gpu_split_params(params, 0, "diagonal", None)
+    with pytest.raises(ValueError, match="at most"):
+        gpu_split_params(params, 0, "layer", (1,) * (llama_cpp.llama_max_devices() + 1))
+    m = Model("smollm2-135m", split_mode="none", tensor_split=(1, 1), vocab_only=True)
+    assert m.gpu_split["split_mode"] == "none" and m.gpu_split["tensor_split"] == (1.0, 1.0)

@@ -56,7 +56,7 @@ def test_health_models_stats(http, server):
         assert pg and pl["target"]["placement_group_id"] == pg == pl["companion"]["placement_group_id"]
         # the bundles carried the GPUs the actors asked for (logical GPUs: llama.cpp offloads nothing here)
         assert len(pl["target"]["gpu_ids"]) == 1 and len(pl["companion"]["gpu_ids"]) == 1
-        assert pl["target"]["n_gpu_layers"] == 0
+        assert pl["target"]["n_gpu_layers"] == 0 and pl["target"]["gpu_split"]["split_mode"] == "layer"
         assert st["target"]["where"] == "actor"
         assert st["companion"]["calls"] == 0  # model-free chain: the companion is not called per round
         # calibrated in the target actor (ENGINE there has calibrate on): the batch-size table from 1 to 32

@@ -12,9 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def flags(**env: str) -> tuple[int, str, str]:
-    """(exit status, "BACKEND|ARGS", stderr) of sourcing cpu-flags.sh then gpu-flags.sh with `env`."""
-    script = ('set -euo pipefail; HERE="$1"; source "$HERE/scripts/cpu-flags.sh"; source "$HERE/scripts/gpu-flags.sh"; '
-              'echo "$GGML_BACKEND|$GGML_GPU_ARGS"')
+    """(exit status, "BACKEND|ARGS", stderr) of sourcing cpu-flags.sh (which sources gpu-flags.sh) with `env`."""
+    script = 'set -euo pipefail; HERE="$1"; source "$HERE/scripts/cpu-flags.sh"; echo "$GGML_BACKEND|$GGML_GPU_ARGS"'
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SPECRAY_CUDA", "SPECRAY_NVCC", "SPECRAY_GPU"))}
     out = subprocess.run(["bash", "-c", script, "bash", str(ROOT)], env=base | env, capture_output=True, text=True)
     return out.returncode, out.stdout.strip(), out.stderr

@@ -159,3 +159,15 @@ def test_n_gpu_layers_flag_reaches_the_engine_config_and_rejects_negatives(capsy
         with pytest.raises(SystemExit):
             main(argv)
         assert "--n-gpu-layers must be >= 0" in capsys.readouterr().err
+
+
+def test_gpu_split_flags_reach_the_engine_config_and_bad_shares_are_refused(capsys):
+    eng = config_from_args(parse("--split-mode", "row", "--tensor-split", "3,1", "--main-gpu", "1"), environ={}).engine
+    assert (eng.split_mode, eng.tensor_split, eng.main_gpu) == ("row", (3.0, 1.0), 1)
+    assert EngineConfig().split_mode == "layer" and EngineConfig().tensor_split is None
+    for bad in ((0.0, 0.0), (1.0, -1.0), ()):
+        with pytest.raises(ValueError, match="tensor_split"):
+            EngineConfig(tensor_split=bad)
+    with pytest.raises(SystemExit):
+        main(["bench", "--tensor-split", "3,x"])
+    assert "--tensor-split: expected comma-separated numbers" in capsys.readouterr().err
