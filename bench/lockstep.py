@@ -45,7 +45,7 @@ class ConfigRun:
         st = engine.scheduler.stats
         self.before = (st.prefill_seconds, st.loaded_seconds, st.loaded_tokens, st.rounds, st.draft_seconds,
                        st.target_seconds, dict(st.stage_seconds), st.seq_rounds, dict(chain.gate.seconds),
-                       dict(chain.gate.asks))
+                       dict(chain.gate.asks), st.rollback.to_dict(), st.failed_sequences)
         self.chain = chain
         self.seqs = [engine.submit(r) for r in reqs]
         self.seconds = 0.0
@@ -75,7 +75,9 @@ class ConfigRun:
                          verify_seconds=st.target_seconds - before[5],
                          stage_seconds=_minus(st.stage_seconds, before[6]), seq_rounds=st.seq_rounds - before[7],
                          speculator_seconds=_minus(self.chain.gate.seconds, before[8]),
-                         speculator_asks=_minus(self.chain.gate.asks, before[9]))
+                         speculator_asks=_minus(self.chain.gate.asks, before[9]),
+                         rollback=_minus(st.rollback.to_dict(), before[10]),
+                         failed=st.failed_sequences - before[11])
         for s in self.seqs:
             r.sequences += 1 if s.generated else 0
             r.tokens += len(s.generated)

@@ -66,12 +66,20 @@ def measure_batch_variance(engine: LocalEngine, prefix_tokens: np.ndarray, n: in
     for k in sizes:
         nxt = _probe_tokens(engine, k)
         b.clear(); b.add_seq(slot, nxt, len(p), k); batched = ctx.decode(b).copy()  # noqa: E702
-        ctx.seq_rm(slot, len(p), -1)
+        _back_to(ctx, slot, p)
         ones = _decode_one_by_one(ctx, slot, nxt, len(p))
-        ctx.seq_rm(slot, len(p), -1)
+        _back_to(ctx, slot, p)
         worst = max(worst, float(np.abs(batched - ones).max()))
     ctx.clear_seq(slot)
     return worst
+
+
+def _back_to(ctx, slot: int, p: np.ndarray) -> None:
+    """The slot's memory back to the prefix p: its later cells dropped, or, for a recurrent state that cannot
+    drop them (engine/rollback.py), cleared and p prefilled again."""
+    if not ctx.seq_rm(slot, len(p), -1):
+        ctx.clear_seq(slot)
+        prefill(ctx, (slot,), p)
 
 
 def _probe_tokens(engine: LocalEngine, n: int) -> np.ndarray:

@@ -40,13 +40,16 @@ class ConfigResult:
     by_speculator: dict[str, SpecCounters] = field(default_factory=dict)
     # the `none` run's top-2 margin where each mismatch began: how far above the tie bound it lay
     mismatch_margins: list[float] = field(default_factory=list)
+    # a recurrent target's rollback work (engine/rollback.py RollbackStats, summed) and sequences that failed
+    rollback: dict[str, float] = field(default_factory=dict)
+    failed: int = 0
 
     def add(self, other: "ConfigResult") -> None:
         for k in ("tokens", "seconds", "prefill_seconds", "sequences", "loaded_seconds", "loaded_tokens", "drafts",
                   "drafted", "accepted", "mismatches", "tie_divergences", "identical", "compared", "steal_seconds",
-                  "rounds", "draft_seconds", "verify_seconds", "seq_rounds"):
+                  "rounds", "draft_seconds", "verify_seconds", "seq_rounds", "failed"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
-        for k in ("stage_seconds", "speculator_seconds", "speculator_asks"):
+        for k in ("stage_seconds", "speculator_seconds", "speculator_asks", "rollback"):
             mine, theirs = getattr(self, k), getattr(other, k)
             setattr(self, k, {n: mine.get(n, 0) + theirs.get(n, 0) for n in {**mine, **theirs}})
         self.mismatch_margins = self.mismatch_margins + other.mismatch_margins
@@ -159,7 +162,8 @@ class BenchReport:
                 | {"speculator_ms_per_ask": {k: 1000 * v / r.speculator_asks[k]
                                               for k, v in sorted(r.speculator_seconds.items())
                                               if r.speculator_asks.get(k)}},
-                "by_speculator": {k: v.to_dict() for k, v in sorted(r.by_speculator.items())}}
+                "by_speculator": {k: v.to_dict() for k, v in sorted(r.by_speculator.items())},
+                "failed_sequences": r.failed, "rollback": rollback_row(r.rollback, r.rounds)}
 
     def table(self) -> str:
         js = self.to_json()
@@ -187,6 +191,7 @@ class BenchReport:
                 )
         lines.extend(self.winner_lines(js))
         lines.extend(self.stage_lines(js))
+        lines.extend(self.rollback_lines(js))
         lines.extend(self.steal_warnings())
         lines.extend(self.skip_lines())
         return "\n".join(lines)
@@ -226,6 +231,25 @@ class BenchReport:
                     f"{k} {v:.3f}" for k, v in r["speculator_ms_per_ask"].items()))
         return out
 
+    def rollback_lines(self, js: dict) -> list[str]:
+        """A recurrent target's rollbacks (overall): the share of drafted verifies rolled back, and per round the
+        state saves, restores and replayed rows with their milliseconds; sequences failed, if any."""
+        rows = {cfg: js["configs"][cfg]["overall"] for cfg in self.configs}
+        if not any(r["rollback"]["verifies"] or r["failed_sequences"] for r in rows.values()):
+            return []
+        out = ["\n== state rollback (recurrent target, overall): share of drafted verifies rolled back; per round: "
+               "saves, restores, replayed rows, and their ms ==",
+               f"{'config':<34}{'rolled':>8}{'saves':>7}{'save_ms':>9}{'restores':>9}{'rest_ms':>9}{'replay':>8}"
+               f"{'repl_ms':>9}{'failed':>8}"]
+        for cfg, r in rows.items():
+            b = r["rollback"]
+            if not b["verifies"] and not r["failed_sequences"]:
+                continue
+            out.append(f"{cfg:<34}{b['rolled_back_share']:>8.2f}{b['saves_per_round']:>7.2f}{b['save_ms_per_round']:>9.3f}"
+                       f"{b['restores_per_round']:>9.2f}{b['restore_ms_per_round']:>9.3f}"
+                       f"{b['replay_rows_per_round']:>8.2f}{b['replay_ms_per_round']:>9.3f}{r['failed_sequences']:>8}")
+        return out
+
     def steal_warnings(self) -> list[str]:
         """A line per configuration whose run lost more than 2% of its time to the hypervisor (its
         figures are suspect: the host ran other machines' work on these cores)."""
@@ -248,6 +272,24 @@ class BenchReport:
         return [f"\nskipped {len(skipped)} prompt{'s' if len(skipped) > 1 else ''} too long for "
                 f"{self.meta['n_ctx_seq']} cells per sequence ({names}); --n-ctx "
                 f"{self.meta['n_ctx_fitting_all']} fits them all"]
+
+
+def rollback_row(b: dict, rounds: int) -> dict:
+    """Per-round figures of summed RollbackStats counters.
+
+    >>> r = rollback_row({"verifies": 10, "rollbacks": 4, "saves": 10, "save_seconds": 0.002, "restores": 4,
+    ...                   "restore_seconds": 0.001, "replay_rows": 8, "replay_seconds": 0.004}, rounds=20)
+    >>> r["rolled_back_share"], r["saves_per_round"], r["save_ms_per_round"], r["replay_rows_per_round"]
+    (0.4, 0.5, 0.1, 0.4)
+    """
+    n = max(1, rounds)
+    v = b.get("verifies", 0)
+    return {"verifies": v, "rolled_back_share": b.get("rollbacks", 0) / v if v else 0.0,
+            "saves_per_round": b.get("saves", 0) / n, "save_ms_per_round": 1e3 * b.get("save_seconds", 0.0) / n,
+            "restores_per_round": b.get("restores", 0) / n,
+            "restore_ms_per_round": 1e3 * b.get("restore_seconds", 0.0) / n,
+            "replay_rows_per_round": b.get("replay_rows", 0) / n,
+            "replay_ms_per_round": 1e3 * b.get("replay_seconds", 0.0) / n}
 
 
 def _ms(v: float | None, digits: int = 1) -> str:

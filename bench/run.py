@@ -73,6 +73,8 @@ def run_bench(
     verify_shape: str = "exact",
     verify_buckets: tuple[int, ...] | None = None,
     profiler: RoundProfiler | None = None,
+    rollback: str = "auto",
+    rollback_snapshots: int | None = None,
 ) -> BenchReport:
     """Run every configuration on `prompts`, `repeats` times. Each pass has its own chains (fresh
     speculators: a second pass must not draft from what the first one generated) and runs the
@@ -94,7 +96,8 @@ def run_bench(
         configs = ["none"] + configs
     configs = expand_configs(configs, verify_shape)
     cfg = EngineConfig(model=model, chat_template=chat_template, slots=slots, exact=exact, flash_attn=flash_attn,
-                       n_gpu_layers=n_gpu_layers, threads=threads, n_ctx=n_ctx, record_margins=True,
+                       n_gpu_layers=n_gpu_layers, threads=threads, n_ctx=n_ctx, record_margins=True, rollback=rollback,
+                       **({"rollback_snapshots": rollback_snapshots} if rollback_snapshots else {}),
                        **(gpu_split or {}),
                        **({"verify_buckets": tuple(verify_buckets)} if verify_buckets else {}),
                        # each configuration runs the same prompts: none may find them in the prompt cache
@@ -115,20 +118,29 @@ def run_bench(
     # weights loaded once; every cost model starts from the same calibration); otherwise one engine per
     # verify shape (a `CHAIN@bucketed` configuration runs with shape-stable verifies: shapes.py)
 
-    def new_engine(shape: str) -> LocalEngine:
-        e = LocalEngine(cfg.model_copy(update={"calibrate": False, "verify_shape": shape}), model=engine.model)
+    # a recurrent or hybrid target's context differs by whether it drafts: rollback snapshots are asked for only
+    # where drafts are made (engine/rollback.py), so `none` runs on the plain context a plain server has
+    recurrent = engine.model.memory_kind != "attention"
+
+    def kind(c: str) -> tuple[str, bool]:
+        return shapes[c], recurrent and bool(chain_of(c))
+
+    def new_engine(shape: str, drafts: bool) -> LocalEngine:
+        chain_cfg = cfg.chain.model_copy(update={"speculators": ["ngram_mod"] if drafts else []})
+        e = LocalEngine(cfg.model_copy(update={"calibrate": False, "verify_shape": shape, "chain": chain_cfg}),
+                        model=engine.model)
         e.scheduler.cost = engine.scheduler.cost.copy()
         return e
 
     shapes = {c: split_config(c)[1] for c in configs}
     if order == "lockstep":
-        engines = {c: engine if i == 0 and shapes[c] == "exact" else new_engine(shapes[c])
+        engines = {c: engine if i == 0 and kind(c) == ("exact", False) else new_engine(*kind(c))
                    for i, c in enumerate(configs)}
     else:
-        by_shape = {"exact": engine}
-        for shape in set(shapes.values()) - {"exact"}:
-            by_shape[shape] = new_engine(shape)
-        engines = {c: by_shape[shapes[c]] for c in configs}
+        by_kind = {("exact", False): engine}
+        for k in set(map(kind, configs)) - {("exact", False)}:
+            by_kind[k] = new_engine(*k)
+        engines = {c: by_kind[kind(c)] for c in configs}
     chains = [{c: Chain(ChainConfig(speculators=chain_of(c), policy=policy, n_max=n_max),
                         engines[c].speculator_factory) for c in configs} for _ in range(repeats)]
     categories = list(dict.fromkeys(p.category for p in prompts))
@@ -158,9 +170,14 @@ def run_bench(
                    "python": platform.python_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                    "n_ctx_seq": fit.n_ctx_seq, "skipped_prompts": len(fit.skipped),
                    "skipped": [{"prompt": labels[i], "cells": fit.cells[i]} for i in fit.skipped],
-                   "profiled": profiler is not None}
+                   "profiled": profiler is not None,
+                   # attention, recurrent or hybrid; per configuration, how its drafts are rolled back
+                   "memory_kind": engine.model.memory_kind,
+                   "rollback": {c: engines[c].scheduler.memory.rollback for c in configs}}
     if fit.skipped:
         report.meta["n_ctx_fitting_all"] = fit.n_ctx_all
+    progress(f"model {model}: {engine.model.memory_kind} memory" + (
+        f", drafts rolled back by {sorted(set(report.meta['rollback'].values()) - {'off'})}" if recurrent else ""))
     progress(f"model {model}: batch variance {report.batch_variance:.3f}, KV layout variance "
              f"{report.layout_variance:.3f}, tie bound {report.tie_bound:.3f}; "
              f"verify cost ms by batch size {({k: round(v, 1) for k, v in report.meta['decode_cost_ms'].items()})}")
@@ -252,7 +269,8 @@ def main_bench(args) -> int:
                        gpu_split={"main_gpu": args.main_gpu, "split_mode": args.split_mode,
                                   "tensor_split": args.tensor_split},
                        verify_shape=getattr(args, "verify_shape", "exact"),
-                       verify_buckets=getattr(args, "verify_buckets", None), profiler=profiler)
+                       verify_buckets=getattr(args, "verify_buckets", None), profiler=profiler,
+                       rollback=args.rollback, rollback_snapshots=args.rollback_snapshots)
     print(report.table())
     if args.json:
         write_json(report, args.json)

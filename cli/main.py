@@ -8,7 +8,7 @@ import re
 import sys
 
 from specray.bench.order import ORDERS
-from specray.engine.config import ChainConfig
+from specray.engine.config import ChainConfig, EngineConfig
 
 # the default chain last: the bench answers "is the default worth it here" without flags
 DEFAULT_BENCH_CONFIGS = ["none", "ngram_simple", "ngram_mod", "ngram_cache", "suffix", "ngram_mod,suffix",
@@ -40,6 +40,13 @@ def _add_gpu_split_args(g, default=None) -> None:
                    help="share of the model per GPU, e.g. 3,1 (default: by free memory)")
 
 
+ROLLBACK_HELP = ("recurrent and hybrid targets (Mamba, RWKV, LFM2, Qwen3-Next, ...): how a rejected draft is taken "
+                 "back out of the state. snapshots: llama.cpp keeps the state after each of the last "
+                 "--rollback-snapshots tokens (some architectures only; drafts capped at that many); checkpoint: "
+                 "save before the verify, restore and replay the accepted tokens after a partial rejection; auto: "
+                 "snapshots where the architecture has them, else checkpoint; off: no drafts on such targets. "
+                 "Attention-only targets ignore it")
+ROLLBACK_SNAPSHOTS_HELP = "with --rollback snapshots: recurrent states kept per sequence = the most draft tokens"
 GPU_LAYERS_HELP = ("target layers offloaded to a GPU (companion models follow: all or none); default: all of "
                    "them where llama.cpp offloads to a GPU it sees (a CUDA build with a device), 0 elsewhere")
 
@@ -71,6 +78,10 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n-max", type=int, default=ChainConfig.model_fields["n_max"].default,
                    help="max draft tokens per sequence per round; the cost policy cuts each draft to what pays "
                         "(default: %(default)s)")
+    g.add_argument("--rollback", choices=["auto", "snapshots", "checkpoint", "off"], default="auto",
+                   help=ROLLBACK_HELP + " (default: %(default)s)")
+    g.add_argument("--rollback-snapshots", type=int, default=EngineConfig.model_fields["rollback_snapshots"].default,
+                   metavar="N", help=ROLLBACK_SNAPSHOTS_HELP + " (default: %(default)s)")
 
 
 def _add_draft_args(p: argparse.ArgumentParser, default=None) -> None:
@@ -345,6 +356,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"how a chain picks one draft per sequence {d(ChainConfig, 'policy')}")
     g.add_argument("--n-max", type=int, default=S,
                    help=f"max draft tokens per sequence per round {d(ChainConfig, 'n_max')}")
+    g.add_argument("--rollback", choices=["auto", "snapshots", "checkpoint", "off"], default=S,
+                   help=f"{ROLLBACK_HELP} {d(EngineConfig, 'rollback')}")
+    g.add_argument("--rollback-snapshots", type=int, default=S, metavar="N",
+                   help=f"{ROLLBACK_SNAPSHOTS_HELP} {d(EngineConfig, 'rollback_snapshots')}")
     g = p.add_argument_group("A/B arms")
     g.add_argument("--arm", action="append", default=S, metavar="NAME=CHAIN[@WEIGHT]",
                    help="an A/B arm, repeatable: its own engine deployment running CHAIN ('none' = no "
@@ -363,7 +378,7 @@ def _cmd_generate(args) -> int:
     cfg = EngineConfig(model=args.model, chat_template=args.chat_template, slots=1, threads=args.threads,
                        n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu, split_mode=args.split_mode,
                        tensor_split=args.tensor_split, n_ctx=args.n_ctx, exact=args.exact, flash_attn=args.flash_attn,
-                       chain=chain,
+                       chain=chain, rollback=args.rollback, rollback_snapshots=args.rollback_snapshots,
                        draft=DraftModelConfig(model=args.draft_model, cross_vocab=args.cross_vocab),
                        hidden=HiddenStateConfig(mtp=args.mtp, eagle3_model=args.eagle3_model))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -387,6 +402,9 @@ def _cmd_generate(args) -> int:
                 sys.stdout.flush()
     dt = time.perf_counter() - t0
     sys.stdout.write("\n")
+    if seq.error is not None:
+        print(f"specray generate: the request failed: {seq.error}", file=sys.stderr)
+        return 1
     stats = {"prompt_tokens": len(req.prompt_tokens), "completion_tokens": len(seq.generated),
              "finish_reason": seq.finish_reason, "seconds": round(dt, 3),
              "tokens_per_s": round(len(seq.generated) / dt, 1) if dt else None,
@@ -491,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    v = getattr(args, "rollback_snapshots", None)
+    if v is not None and not 1 <= v <= 64:
+        parser.error(f"--rollback-snapshots must be 1-64, got {v}")
     for flag in ("streams", "verify_buckets"):
         if any(c < 1 for c in getattr(args, flag, None) or ()):
             parser.error(f"--{flag.replace('_', '-')} must all be >= 1, got {getattr(args, flag)}")

@@ -37,6 +37,8 @@ _FLAG_FIELDS = {
     "verify_buckets": ("engine", "verify_buckets"),
     "policy": ("engine", "chain", "policy"),
     "n_max": ("engine", "chain", "n_max"),
+    "rollback": ("engine", "rollback"),
+    "rollback_snapshots": ("engine", "rollback_snapshots"),
     "draft_model": ("engine", "draft", "model"),
     "cross_vocab": ("engine", "draft", "cross_vocab"),
     "mtp": ("engine", "hidden", "mtp"),

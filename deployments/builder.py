@@ -19,6 +19,7 @@ repacking); nothing here re-checks them.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +27,11 @@ from typing import Any
 from specray.engine.chain import Chain
 from specray.engine.config import EngineConfig
 from specray.engine.cost import DecodeCostModel
+from specray.engine.rollback import StateRollback, TargetMemory, rollback_mode, wants_snapshots
 from specray.engine.scheduler import Scheduler
 from specray.engine.speculators.registry import Factory, speculator_factory
+
+log = logging.getLogger("specray.builder")
 
 
 @dataclass
@@ -78,9 +82,42 @@ def open_target(config: EngineConfig, model=None):
         chat_template=config.chat_template,
         load_mtp=config.hidden.mtp,  # a co-located MTP head shares these weights
     )
+    # recurrent-state snapshots for llama.cpp's partial rollback (engine/rollback.py), asked for only where they
+    # can serve: every decode writes them, drafted or not
+    snapshots = wants_snapshots(model.memory_kind, config.rollback, config.slots, config.chain.enabled)
     ctx = Context(model, n_ctx=config.n_ctx, n_seq_max=config.slots, n_batch=config.n_batch,
-                  n_threads=config.threads, flash_attn=config.flash_attn, exact=config.exact)
+                  n_threads=config.threads, flash_attn=config.flash_attn, exact=config.exact,
+                  n_rs_seq=config.rollback_snapshots if snapshots else 0)
     return model, ctx
+
+
+def target_memory(config: EngineConfig, model, ctx) -> TargetMemory:
+    """The target's memory kind and how it takes rejected drafts back (rollback.rollback_mode). Raises ValueError
+    for rollback 'snapshots' on an architecture without them."""
+    # an engine without a chain of its own asked for no snapshots (open_target): its requests' drafts, if any,
+    # are rolled back by checkpoint whatever was asked
+    requested = "checkpoint" if config.rollback == "snapshots" and not config.chain.enabled else config.rollback
+    mode = rollback_mode(model.memory_kind, requested, ctx.n_rs_seq, config.slots)
+    return TargetMemory(model.memory_kind, mode, ctx.n_rs_seq if mode == "snapshots" else 0)
+
+
+def target_runner(config: EngineConfig, model, ctx):
+    """The target's TargetRunner (in this process or in the target actor): the one place it is made."""
+    from specray.engine.target import TargetRunner
+
+    memory = target_memory(config, model, ctx)
+    checkpoints = None
+    if memory.rollback == "checkpoint":
+        from specray.native.checkpoints import SeqCheckpoints
+
+        checkpoints = SeqCheckpoints(ctx)
+    buckets = config.shape_buckets
+    if buckets is not None and memory.rollback != "trim":
+        log.warning("verify_shape bucketed is off for this %s target: every pad row would roll its state back",
+                    memory.kind)
+        buckets = None
+    return TargetRunner(ctx, record_margins=config.record_margins, verify_buckets=buckets,
+                        rollback=StateRollback(memory.rollback, checkpoints)), memory
 
 
 def open_draft(config: EngineConfig, target, target_ctx):
@@ -138,11 +175,9 @@ def build_engine(config: EngineConfig, *, actors=None, model=None, step_timeout_
 
 
 def _build_local(config: EngineConfig, model) -> EngineParts:
-    from specray.engine.target import TargetRunner
-
     model, ctx = open_target(config, model)
     try:
-        runner = TargetRunner(ctx, record_margins=config.record_margins, verify_buckets=config.shape_buckets)
+        runner, memory = target_runner(config, model, ctx)
         cost = DecodeCostModel.calibrated(runner.calibrate_cost()) if config.calibrate else DecodeCostModel()
         draft_model = open_draft(config, model, ctx)
         hidden_heads = open_hidden(config, model, ctx, runner)
@@ -153,7 +188,7 @@ def _build_local(config: EngineConfig, model) -> EngineParts:
     chain = Chain(config.chain, factory)
     # a sequence may use n_ctx_seq cells; with a unified KV cache all slots share n_ctx
     scheduler = Scheduler(config, runner, model, chain, ctx.n_ctx_seq, cost,
-                          shared_cells=ctx.n_ctx if ctx.kv_unified else None)
+                          shared_cells=ctx.n_ctx if ctx.kv_unified else None, memory=memory)
     return EngineParts(config, model, chain, scheduler, ctx.n_ctx, ctx.n_ctx_seq, factory, ctx=ctx, runner=runner,
                        draft_model=draft_model, hidden_heads=hidden_heads)
 
@@ -177,6 +212,7 @@ def _build_remote(config: EngineConfig, actors, step_timeout_s: float | None) ->
     factory = companion_speculator_factory(actors.companion, config, ack_sink=remote.ack_hidden)
     chain = Chain(config.chain, factory)
     scheduler = Scheduler(config, remote, model, chain, info["n_ctx_seq"], cost,
-                          shared_cells=info["n_ctx"] if info["kv_unified"] else None)
+                          shared_cells=info["n_ctx"] if info["kv_unified"] else None,
+                          memory=TargetMemory(**info["memory"]))
     return EngineParts(config, model, chain, scheduler, info["n_ctx"], info["n_ctx_seq"], factory, remote=remote,
                        actors=actors)

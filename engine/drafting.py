@@ -40,10 +40,13 @@ def fit_to_room(lengths: list[int], room: int) -> list[int]:
 
 def draft_round(chain: Chain, config: ChainConfig, reqs: list[SeqDraftRequest], room: int, base_tokens: int,
                 price: Callable[[int], float], disabled: set[str], stats, explore_rng: np.random.Generator,
-                rows: Callable[[list[int]], int] | None = None) -> list[Proposal]:
+                rows: Callable[[list[int]], int] | None = None,
+                fixed_seconds: list[float] | None = None) -> list[Proposal]:
     """The drafts of one round, one Proposal per request (empty where nothing pays or fits). `room`: draft rows
     the batch has left; `base_tokens`: rows it holds without drafts; `price(n)`: seconds of an n-row decode;
     `rows(lengths)`: the batch's rows for these draft lengths where they are padded (verify_shape.batch_rows).
+    `fixed_seconds[s]`: what request s pays for sending any draft (a recurrent target's state save and expected
+    rollback: rollback_price.py), or None.
     `disabled` collects speculators that failed; `stats` (RoundStats) counts draft time and failures."""
     if not any(r.chain and r.n_max > 0 for r in reqs) or room <= 0:
         return [Proposal(r.seq_id, None) for r in reqs]
@@ -67,7 +70,7 @@ def draft_round(chain: Chain, config: ChainConfig, reqs: list[SeqDraftRequest], 
     stats.draft_seconds += time.perf_counter() - t0
     if config.policy == "cost":
         lengths = plan_draft_lengths([p.prefix_probs for p in props], base_tokens, price, n_decoding=n_decoding,
-                                     rows=rows)
+                                     extra_seconds=fixed_seconds, rows=rows)
         for p, k in zip(props, lengths):
             if k == 0 and len(p.tokens) and config.explore and explore_rng.random() < config.explore:
                 k = 1

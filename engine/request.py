@@ -104,6 +104,7 @@ class Sequence:
         self.state = SeqState.QUEUED
         self.n_prefilled = 0  # prompt tokens already in the KV cache
         self.n_past = 0  # tokens in the KV cache
+        self.replay_rows = 0  # committed rows the target decodes again before its next verify (rollback.py)
         self.cached_tokens = 0  # prompt tokens found in the slot's KV (prompt cache), not prefilled
         self.generated: list[int] = []
         self.history = np.asarray(req.prompt_tokens, dtype=np.int32).copy()
@@ -112,6 +113,7 @@ class Sequence:
         self._pending_text = ""  # held back: could be the start of a stop string
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.finish_reason: str | None = None
+        self.error: str | None = None  # finish_reason "error": why the target could not go on with it
         # top-2 logit margin per generated token (record_margins), plus the end-of-generation token's when
         # it stopped on one: the bench classifies a divergence by the margin where it began
         self.margins: list[float] = []

@@ -29,6 +29,8 @@ from .drafting import draft_round
 from .prompt_cache import PromptCache, idle_budget
 from .request import GenerationRequest, Sequence, SeqState, admission_plan
 from .round_price import RoundPricer
+from .rollback import RollbackStats, TargetMemory
+from .rollback_price import RollbackPrice
 from .round_stages import RoundClock
 from .target import StepItem, StepOutput, StepResult
 from .verify_shape import batch_rows, max_draft
@@ -59,6 +61,7 @@ class Event:
     tokens: list[int]
     text: str
     finished: bool
+    error: str | None = None  # the sequence failed (its state could not be rolled back): it ends with this error
 
 
 @dataclass
@@ -80,6 +83,9 @@ class RoundStats:
     # decoding in each, for host time per decoding sequence
     stage_seconds: dict[str, float] = field(default_factory=dict)
     seq_rounds: int = 0
+    # a recurrent target's state rollbacks (rollback.py): saves, restores, replayed rows
+    rollback: RollbackStats = field(default_factory=RollbackStats)
+    failed_sequences: int = 0  # sequences ended with an error by the target (a state it could not roll back)
 
     def add_round(self, clock: RoundClock, prefill_share: float, loaded_tokens: int | None, n_decoding: int) -> None:
         """One round's stamps, `prefill_share` of its time on prompt rows; loaded_tokens: what it emitted if every
@@ -144,33 +150,75 @@ def step_items(decoding: list[Sequence], proposals: list[Proposal], chunks: list
     return items
 
 
+#: a sequence replaying more rows than this (rollback.py: consecutive rollbacks add up) sends no draft until the
+#: replay has gone through, so a run of rejections cannot grow it without bound
+MAX_REPLAY_TO_DRAFT = 16
+
+
 def draft_requests(decoding: list[Sequence], disabled: set[str], n_ctx: int,
-                   buckets: tuple[int, ...] | None) -> list[SeqDraftRequest]:
+                   buckets: tuple[int, ...] | None, cap: int | None = None) -> list[SeqDraftRequest]:
     """Each decoding sequence's draft request: its chain less the disabled speculators, and the most draft
-    tokens its tokens left and context allow (with shape-stable verifies, at most the largest bucket's)."""
+    tokens its tokens left and context allow (with shape-stable verifies, at most the largest bucket's; at most
+    `cap`, the target's rollback limit; none while it replays more than MAX_REPLAY_TO_DRAFT rows)."""
     reqs = []
     for s in decoding:
         chain = tuple(n for n in s.chain if n not in disabled)
-        n_max = max(0, min(s.n_max, s.tokens_left - 1, n_ctx - s.n_past - 2))
+        n_max = max(0, min(s.n_max, s.tokens_left - 1, n_ctx - s.n_past - s.replay_rows - 2))
         if buckets is not None:  # every decode-only round's shape stays in the bucket set
             n_max = min(n_max, max_draft(buckets))
+        if cap is not None:
+            n_max = min(n_max, cap)
+        if s.replay_rows > MAX_REPLAY_TO_DRAFT:
+            n_max = 0
         reqs.append(SeqDraftRequest(s.slot, chain, s.history_view(), n_max, s.tokens_left))
     return reqs
 
 
+def commit_round(chain: Chain, decoding: list[Sequence], proposals: list[Proposal],
+                 chunks: list[tuple[Sequence, int]], items: list[StepItem], results: list[StepResult],
+                 mirror: Callable[[Sequence, np.ndarray, int], None]) -> tuple[list, list]:
+    """Take a round's results into its sequences: each decoding sequence's verdict (its speculators told, its
+    committed tokens mirrored, its position moved on) and each prompt chunk's progress. Returns ([(sequence,
+    result) to emit], [(sequence, error)] for those the target could not go on with (a state it could not roll
+    back: they end with that error, every other sequence goes on)."""
+    failed = [(s, r.error) for s, r in zip(decoding + [s for s, _ in chunks], results) if r.error]
+    emit: list[tuple[Sequence, StepResult]] = []
+    for s, prop, res, it in zip(decoding, proposals, results[: len(decoding)], items):
+        if res.error:
+            continue
+        s.replay_rows = res.n_replay
+        n_drafted = len(prop.tokens)
+        try:
+            chain.accept(prop, n_drafted, res.n_accepted, res.tokens)
+        except Exception:
+            log.exception("speculator accept failed")
+        mirror(s, it.tokens[: 1 + res.n_accepted], it.pos0)
+        s.count_spec(prop.speculator, n_drafted, res.n_accepted)
+        s.n_past += 1 + res.n_accepted
+        s.rounds += 1
+        emit.append((s, res))
+    for (s, n), res in zip(chunks, results[len(decoding) :]):
+        if res.error:
+            continue
+        mirror(s, s.req.prompt_tokens[s.n_prefilled : s.n_prefilled + n], s.n_prefilled)
+        s.n_prefilled += n
+        s.n_past += n
+        if len(res.tokens):
+            s.state = SeqState.DECODING
+            emit.append((s, res))
+    return emit, failed
+
+
 class Scheduler:
     def __init__(
-        self,
-        config: EngineConfig,
-        target: Target,
-        tokenizer: Tokenizer,
-        chain: Chain,
-        n_ctx: int,
-        cost: DecodeCostModel | None = None,
-        shared_cells: int | None = None,
+        self, config: EngineConfig, target: Target, tokenizer: Tokenizer, chain: Chain, n_ctx: int,
+        cost: DecodeCostModel | None = None, shared_cells: int | None = None, memory: TargetMemory | None = None,
     ) -> None:
-        """n_ctx: KV cells one sequence may use. shared_cells: all slots' cells (unified KV cache), or None."""
+        """n_ctx: KV cells one sequence may use. shared_cells: all slots' cells (unified KV cache), or None.
+        memory: the target's memory kind and rollback mode (rollback.py; default: an attention KV cache)."""
         self.config = config
+        self.memory = memory or TargetMemory()
+        self.rollback_price = RollbackPrice(self.memory.rollback)  # a draft's cost beyond its rows (checkpoints)
         self.target = target
         self.tok = tokenizer
         self.chain = chain
@@ -180,7 +228,8 @@ class Scheduler:
         self.pricer = RoundPricer(cost or DecodeCostModel())
         self.free_slots: list[int] = list(range(config.slots))[::-1]
         # finished sequences' KV kept in their slots, reused by prompts that share a prefix (prompt_cache.py)
-        self.prompt_cache = PromptCache(config.prompt_cache)
+        # (a recurrent state cannot be cut back to a shared prefix: no prompt cache on such targets)
+        self.prompt_cache = PromptCache(config.prompt_cache and self.memory.keeps_prefix)
         self.active: dict[int, Sequence] = {}  # slot -> seq
         self.queue: deque[Sequence] = deque()
         self.reserved = 0  # KV cells reserved by active sequences
@@ -275,7 +324,8 @@ class Scheduler:
             # the KV cells hold the history up to n_past (a draft accepted past the end of generation is in the
             # cells but not in the history: cut); they stay for a later prompt with the same prefix
             tokens = seq.history_view()[: seq.n_past]
-            self.target.release(slot, keep=len(tokens) if self.prompt_cache.keep(slot, tokens) else 0)
+            keep = seq.error is None and self.prompt_cache.keep(slot, tokens)  # a failed state is never reused
+            self.target.release(slot, keep=len(tokens) if keep else 0)
             try:
                 self.chain.end(slot, seq.chain)
             except Exception:
@@ -314,9 +364,11 @@ class Scheduler:
         decoding = [s for s in by_slot if s.state == SeqState.DECODING]
         prefilling = [s for s in by_slot if s.state == SeqState.PREFILL]
 
+        # rows the target replays in front of decoding sequences' own (a restored recurrent state: rollback.py)
+        replay = sum(s.replay_rows for s in decoding)
         # prompt chunks: what the batch has room for after one row per decoding sequence
         chunks = list(zip(prefilling, prompt_chunks([len(s.req.prompt_tokens) - s.n_prefilled for s in prefilling],
-                                                    budget - len(decoding), self.config.prefill_chunk)))
+                                                    budget - len(decoding) - replay, self.config.prefill_chunk)))
         n_prefill = sum(n for _, n in chunks)
 
         # KV cells a token of this round attends, on average: with one shared KV stream every slot's cells
@@ -325,7 +377,7 @@ class Scheduler:
         cells = (float(sum(s.n_past for s in by_slot) + self.prompt_cache.idle_cells()) if self.shared_cells
                  else sum(s.n_past for s in seqs) / len(seqs) if seqs else 0.0)
         # memoised for the round: drafts are priced token by token, by every speculator that offers one
-        base_rows = len(decoding) + n_prefill
+        base_rows = len(decoding) + n_prefill + replay
         price = functools.lru_cache(maxsize=None)(lambda n: self.pricer.price(n, base_rows, len(decoding), cells))
         clock.lap("plan")
         proposals = self._draft(decoding, budget - base_rows, base_rows, price)
@@ -341,27 +393,13 @@ class Scheduler:
             except Exception:
                 log.exception("speculator hidden rows failed")
         self.stats.target_seconds += out.decode_seconds
+        self.stats.rollback.add(out.rollback)  # (None where a KV cache is trimmed)
+        self.rollback_price.observe(out.rollback)
 
-        for s, prop, res, it in zip(decoding, proposals, out.results[: len(decoding)], items):
-            n_drafted = len(prop.tokens)
-            try:
-                self.chain.accept(prop, n_drafted, res.n_accepted, res.tokens)
-            except Exception:
-                log.exception("speculator accept failed")
-            self._mirror(s, it.tokens[: 1 + res.n_accepted], it.pos0)
-            s.count_spec(prop.speculator, n_drafted, res.n_accepted)
-            s.n_past += 1 + res.n_accepted
-            s.rounds += 1
-        emit: list[tuple[Sequence, StepResult]] = list(zip(decoding, out.results[: len(decoding)]))
-        for (s, n), res in zip(chunks, out.results[len(decoding) :]):
-            self._mirror(s, s.req.prompt_tokens[s.n_prefilled : s.n_prefilled + n], s.n_prefilled)
-            s.n_prefilled += n
-            s.n_past += n
-            if len(res.tokens):
-                s.state = SeqState.DECODING
-                emit.append((s, res))
+        emit, failed = commit_round(self.chain, decoding, proposals, chunks, items, out.results, self._mirror)
         clock.lap("accept")
         events = [self._emit(s, res.tokens, res.margins) for s, res in emit]
+        events += [self._fail(s, why) for s, why in failed]
         clock.lap("emit")
         if self.on_event:
             for e in events:
@@ -397,13 +435,22 @@ class Scheduler:
         if not any(s.chain for s in decoding):  # plain decoding: nothing to ask
             return [Proposal(s.slot, None) for s in decoding]
         buckets = self.config.shape_buckets
-        reqs = draft_requests(decoding, self.disabled_speculators, self.n_ctx, buckets)
-        rows = None
-        if buckets is not None and base_tokens == len(decoding):
-            # a decode-only round is padded (TargetRunner._pads): drafts are priced by the shape the target runs
-            rows = functools.partial(batch_rows, buckets=buckets, limit=self.config.n_batch)
-        return draft_round(self.chain, self.config.chain, reqs, room, base_tokens, price or self.cost.cost,
-                           self.disabled_speculators, self.stats, self._explore_rng, rows)
+        reqs = draft_requests(decoding, self.disabled_speculators, self.n_ctx, buckets, self.memory.draft_cap)
+        # a decode-only round is padded (TargetRunner._pads): drafts are priced by the shape the target runs
+        padded = buckets is not None and base_tokens == len(decoding)
+        rows = functools.partial(batch_rows, buckets=buckets, limit=self.config.n_batch) if padded else None
+        price = price or self.cost.cost
+        fixed = self.rollback_price.fixed_list(price, base_tokens, [s.replay_rows for s in decoding])
+        return draft_round(self.chain, self.config.chain, reqs, room, base_tokens, price,
+                           self.disabled_speculators, self.stats, self._explore_rng, rows, fixed)
+
+    def _fail(self, s: Sequence, why: str) -> Event:
+        """End a sequence the target could not go on with (rollback.py): slot and state freed, error out."""
+        log.error("request %s failed: %s", s.id, why)
+        s.error, s.finish_reason = why, "error"
+        self.stats.failed_sequences += 1
+        self._finish(s)
+        return Event(s, [], "", True, error=why)
 
     def _emit(self, s: Sequence, toks: np.ndarray, margins: np.ndarray | None) -> Event:
         kept, text = s.emit(toks, margins, self.tok)

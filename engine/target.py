@@ -17,9 +17,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .cost import CALIBRATION_PREFIX, paired_decode_costs
 from .hidden_rows import pack_rows
+from .rollback import RollbackStats, StateRollback
 from .sampling import SamplingParams
+from .target_calibration import DECODE_SIZES, calibrate_cost, measure_attention_cost, measure_decode_costs
 from .verify import verify_greedy, verify_sampled_coupled
 from .verify_shape import padded_rows
 
@@ -43,6 +44,9 @@ class StepItem:
     n_draft: int = 0
     sample: bool = True  # False for a prompt chunk that is not the prompt's last
     hidden: bool = False  # a hidden-state speculator (mtp, eagle3) needs the committed rows' hidden states
+    # leading rows that replay what a restored recurrent state took back (rollback.py): already emitted and
+    # mirrored, so neither the penalty window nor the hidden rows see them again
+    n_replay: int = 0
 
     @property
     def n_commit(self) -> int:
@@ -55,6 +59,9 @@ class StepResult:
     tokens: np.ndarray  # accepted draft tokens followed by the sampled token; empty if not sampled
     n_accepted: int = 0
     margins: np.ndarray | None = None  # top-2 logit margin of each emitted token (record_margins)
+    # the sequence cannot go on (its state could not be rolled back, rollback.py): it ends with this error
+    error: str | None = None
+    n_replay: int = 0  # rows its next verify replays in front of its own (checkpoint rollback)
 
 
 @dataclass
@@ -70,6 +77,8 @@ class StepOutput:
     # hidden rows of the committed tokens of items with hidden=True (engine/hidden_rows.py HiddenRows); in the
     # target actor, replaced by its transport's handle (deployments/actors/row_transport.py)
     hidden: Any = None
+    # this round's rollback work (rollback.RollbackStats; None where the target trims a KV cache)
+    rollback: RollbackStats | None = None
 
 
 @dataclass
@@ -109,24 +118,20 @@ def top2_margin(rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def pooled_attention_slope(times: dict[tuple[int, int], float], short: int, long: int,
-                           sizes: tuple[int, ...]) -> float:
-    """Seconds per (token x KV cell) from decode times `times[prefix, n]` after a short and a long
-    prefix: the extra time summed over sizes, over the extra token-cells summed (never negative).
-
-    >>> t = {(64, 4): 0.030, (64, 16): 0.100, (768, 4): 0.035, (768, 16): 0.121}
-    >>> round(pooled_attention_slope(t, 64, 768, (4, 16)) * 1e6, 2)   # us per token-cell
-    1.85
-    """
-    dt = sum(times[long, n] - times[short, n] for n in sizes)
-    cells = sum(n * (long - short) for n in sizes)
-    return max(0.0, dt / cells) if cells > 0 else 0.0
+def _with_replay(it: StepItem, tokens: np.ndarray, pos0: int, n_replay: int) -> StepItem:
+    """`it` with `n_replay` rows replayed in front of its own (tokens: those rows, then its own)."""
+    return StepItem(it.seq_id, tokens, pos0, it.n_draft, it.sample, it.hidden, n_replay)
 
 
 class TargetRunner:
     def __init__(self, ctx: TargetContext, record_margins: bool = False,
-                 verify_buckets: tuple[int, ...] | None = None) -> None:
+                 verify_buckets: tuple[int, ...] | None = None, rollback: StateRollback | None = None) -> None:
         self.ctx = ctx
+        # how rejected rows leave the sequence's memory (a KV cache: trimmed; a recurrent state: rollback.py)
+        self.rollback = rollback or StateRollback()
+        if self.rollback.mode != "trim" and verify_buckets is not None:
+            raise ValueError("shape-stable verifies pad every verify with rows that are then rejected: a recurrent "
+                             "target would roll its state back every round (use verify_shape exact)")
         self.record_margins = record_margins
         # shape-stable verifies (EngineConfig.shape_buckets): decode-only rounds padded to a bucket; None: off
         self.verify_buckets = verify_buckets
@@ -152,6 +157,7 @@ class TargetRunner:
             raise RuntimeError(f"the target cannot keep {n_keep} cached tokens of slot {seq_id} (partial KV removal "
                                "refused): turn the prompt cache off for this model")
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
+        self.rollback.forget(seq_id)
         sess = _Session(params, seed, np.zeros(0, dtype=np.int32))
         if n_keep > 0:  # the repetition penalty's window would have seen the reused tokens
             sess.push(np.asarray(prompt[:n_keep], dtype=np.int32))
@@ -161,12 +167,19 @@ class TargetRunner:
         """The sequence is done (or cancelled): free its KV cells but the first `keep` (the prompt cache keeps
         them for a later prompt with the same prefix)."""
         self.sessions.pop(seq_id, None)
+        self.rollback.forget(seq_id)
         if keep <= 0 or not self.ctx.seq_rm(seq_id, keep, -1):
             self.ctx.clear_seq(seq_id)
 
     def step(self, items: list[StepItem]) -> StepOutput:
         """Decode every item's rows, verify drafts, roll back rejected rows."""
         results: dict[int, StepResult] = {}
+        failed: dict[int, str] = {}
+        before = RollbackStats(**self.rollback.stats.to_dict()) if self.rollback.mode != "trim" else None
+        order = [it.seq_id for it in items]
+        items, failed = self.rollback.prepare(items, _with_replay)
+        for seq_id, why in failed.items():
+            results[seq_id] = StepResult(seq_id, np.zeros(0, dtype=np.int32), error=why)
         pads = self._pads(items)  # seq_id -> pad rows after its real rows (shape-stable verifies)
         groups = self._pack(items)
         t_decode = verify_s = 0.0
@@ -201,9 +214,13 @@ class TargetRunner:
             self.max_seqs_in_decode = max(self.max_seqs_in_decode, len(group))
             row = 0
             t_verify = time.perf_counter()
+            replay_rows = sum(it.n_replay for it in group)
+            if replay_rows:  # their share of this decode, by rows
+                self.rollback.stats.replay_rows += replay_rows
+                self.rollback.stats.replay_seconds += (time.perf_counter() - t0) * replay_rows / batch.n_tokens
             for it in group:
                 sess = self.sessions[it.seq_id]
-                sess.push(it.tokens[: it.n_commit])
+                sess.push(it.tokens[it.n_replay : it.n_commit])
                 pad = pads.get(it.seq_id, 0)
                 it_row, first_row = first_row, first_row + len(it.tokens) + pad
                 if not it.sample:
@@ -212,6 +229,7 @@ class TargetRunner:
                         rows_it = keep_rows(rows_all[it_row : it_row + len(it.tokens)])
                         hidden_entries.append((it.seq_id, it.pos0, it.tokens, rows_it))
                     continue
+                it_row += it.n_replay  # the hidden rows of replayed tokens went out when they were first decoded
                 k = it.n_draft
                 rows = logits[row : row + k + 1]  # the real rows only: verification never sees a pad row
                 row += k + 1 + pad
@@ -223,22 +241,29 @@ class TargetRunner:
                     rngs = sess.position_rngs(it.pos0 + it.n_commit, k + 1)
                     verdict = verify_sampled_coupled(rows, draft, sess.params, rngs, sess.window)
                 n_acc = verdict.n_accepted
-                if n_acc < k or pad:  # rejected draft rows, and pad rows always, leave the KV cache
-                    self.ctx.seq_rm(it.seq_id, it.pos0 + it.n_commit + n_acc, -1)
+                # rejected draft rows, and pad rows always, leave the sequence's memory
+                error = self.rollback.undo(self.ctx, it, n_acc, pad)
+                if error is not None:  # nothing may decode on this state: the sequence ends here
+                    results[it.seq_id] = StepResult(it.seq_id, np.zeros(0, dtype=np.int32), error=error)
+                    continue
                 sess.push(draft[:n_acc])
                 out = np.empty(n_acc + 1, dtype=np.int32)
                 out[:n_acc] = draft[:n_acc]
                 out[n_acc] = verdict.next_token
                 margins = top2_margin(rows[: n_acc + 1]) if self.record_margins else None
-                results[it.seq_id] = StepResult(it.seq_id, out, n_acc, margins)
+                results[it.seq_id] = StepResult(it.seq_id, out, n_acc, margins,
+                                                n_replay=self.rollback.pending_rows(it.seq_id))
                 if rows_all is not None and it.hidden:  # the committed tokens' rows: context + accepted draft
                     n_kept = it.n_commit + n_acc
-                    rows_it = keep_rows(rows_all[it_row : it_row + n_kept])
-                    hidden_entries.append((it.seq_id, it.pos0, it.tokens[:n_kept], rows_it))
+                    p0 = it.pos0 + it.n_replay
+                    rows_it = keep_rows(rows_all[it_row : it_row + n_kept - it.n_replay])
+                    hidden_entries.append((it.seq_id, p0, it.tokens[it.n_replay : n_kept], rows_it))
             verify_s += time.perf_counter() - t_verify
         self.rounds += 1
-        out = StepOutput([results[it.seq_id] for it in items], t_decode, sum(sizes), len(groups), sizes, seqs,
+        out = StepOutput([results[seq_id] for seq_id in order], t_decode, sum(sizes), len(groups), sizes, seqs,
                          verify_seconds=verify_s)
+        if before is not None:
+            out.rollback = self.rollback.stats.minus(before)
         if hidden_entries:
             h = self.hidden_out
             out.hidden = pack_rows(self.rounds, h.taps, h.tap_widths, hidden_entries)
@@ -246,95 +271,14 @@ class TargetRunner:
         return out
 
     def calibrate_cost(self) -> dict:
-        """What the cost model starts from: {"table": seconds by batch size, "attn_seconds": per token x KV
-        cell, "read_seconds": per KV cell of a one-row decode}. Uses slot 0, which must be idle."""
-        # read_seconds: the same slope for one row, which pays each cell's read alone (prompt cache: what an
-        # idle slot's cells cost every decode in one KV pool without flash attention)
-        return {"table": self.measure_decode_costs(), "attn_seconds": self.measure_attention_cost(),
-                "read_seconds": self.measure_attention_cost(sizes=(1,))}
+        """What the cost model starts from (target_calibration.calibrate_cost). Slot 0 must be idle."""
+        return calibrate_cost(self.ctx)
 
-    def measure_decode_costs(
-        self, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), reps: int = 5,
-        prefix: int = CALIBRATION_PREFIX, seq_id: int = 0,
-    ) -> dict[int, float]:
-        """Seconds per decode of n tokens after a short prefix.
+    def measure_decode_costs(self, sizes: tuple[int, ...] = DECODE_SIZES, reps: int = 5) -> dict[int, float]:
+        return measure_decode_costs(self.ctx, sizes, reps)
 
-        Timed in pairs with a 1-token decode (cost.paired_decode_costs): a slow spell of the host
-        must not become the table's shape.
-        Uses seq_id's slot, which must be idle; it is cleared afterwards.
-        """
-        sizes = tuple(n for n in sizes if n <= self.ctx.n_batch)
-        if not sizes:
-            return {}
-        ids = (np.arange(prefix + max(sizes), dtype=np.int32) * 7 + 100) % 1000 + 10
-        batch = self.ctx.batch
-        self.ctx.clear_seq(seq_id)
-        batch.clear()
-        batch.add_seq(seq_id, ids[:prefix], 0, 1)
-        self.ctx.decode(batch)
-        for n in sizes:  # warm up the buffers for every size
-            self._decode_times(seq_id, ids, prefix, n, 0)
-        out = paired_decode_costs(
-            sizes, reps, lambda n: self._decode_times(seq_id, ids, prefix, n, 1, warm=False)[0])
-        self.ctx.clear_seq(seq_id)
-        return out
-
-    def _decode_times(self, seq_id: int, ids: np.ndarray, prefix: int, n: int, reps: int,
-                      warm: bool = True) -> list[float]:
-        """Seconds of `reps` decodes of ids[prefix:prefix+n] after seq_id's first `prefix` cells, each
-        removed again; with `warm`, a first, untimed decode warms up the buffers for this size."""
-        batch = self.ctx.batch
-        times = []
-        for _ in range(reps + int(warm)):
-            batch.clear()
-            batch.add_seq(seq_id, ids[prefix : prefix + n], prefix, n)
-            t0 = time.perf_counter()
-            self.ctx.decode(batch)
-            times.append(time.perf_counter() - t0)
-            self.ctx.seq_rm(seq_id, prefix, -1)
-        return times[int(warm):]
-
-    def measure_attention_cost(self, short: int = CALIBRATION_PREFIX, long: int = 512,
-                               sizes: tuple[int, ...] = (4, 8), reps: int = 5, seq_id: int = 0) -> float:
-        """Seconds per (token x KV cell): what each cell of a longer context adds to every token of a
-        decode, i.e. what a draft row pays beyond the table's price.
-
-        Timed after the short prefix, then after extending it to the long one, then after cutting it
-        back, each the fastest of `reps` decodes, and pooled over the batch sizes. Sizes of a few
-        rows, as draft rows come: one row's decode also pays the cells' read, which more rows share,
-        and large batches vary too much from run to run (SmolLM2, 16 rows: 83-137 ms). A slope per
-        size with a 1-token decode among them came out anywhere from 0 to 3x between start-ups.
-        Uses seq_id's slot, which must be idle (with a unified KV cache, the whole cache: every cell in
-        use is attended); it is cleared afterwards.
-        """
-        long = min(long, self.ctx.n_ctx_seq - max(sizes) - 1)
-        sizes = tuple(n for n in sizes if n <= self.ctx.n_batch)
-        if long <= short or not sizes:
-            return 0.0
-        ids = (np.arange(long + max(sizes), dtype=np.int32) * 7 + 100) % 1000 + 10
-        batch = self.ctx.batch
-
-        def prefill(start: int, end: int) -> None:
-            for c0 in range(start, end, self.ctx.n_batch):
-                batch.clear()
-                batch.add_seq(seq_id, ids[c0 : min(end, c0 + self.ctx.n_batch)], c0, 1)
-                self.ctx.decode(batch)
-
-        def timed(prefix: int) -> dict[int, float]:
-            # the fastest: interference only ever slows a decode down
-            return {n: min(self._decode_times(seq_id, ids, prefix, n, reps)) for n in sizes}
-
-        self.ctx.clear_seq(seq_id)
-        prefill(0, short)
-        before = timed(short)
-        prefill(short, long)
-        after_long = timed(long)
-        self.ctx.seq_rm(seq_id, short, -1)
-        again = timed(short)
-        self.ctx.clear_seq(seq_id)
-        t = {(long, n): after_long[n] for n in sizes}
-        t |= {(short, n): min(before[n], again[n]) for n in sizes}
-        return pooled_attention_slope(t, short, long, sizes)
+    def measure_attention_cost(self) -> float:
+        return measure_attention_cost(self.ctx)
 
     def _pads(self, items: list[StepItem]) -> dict[int, int]:
         """Pad rows per sequence under shape-stable verifies: in a decode-only round (every item one committed

@@ -58,6 +58,7 @@ class Context:
         swa_full: bool = True,
         exact: bool = False,
         ctx_type: int = 0,
+        n_rs_seq: int = 0,
     ) -> None:
         lib.ensure_backend()
         self.model = model
@@ -79,6 +80,9 @@ class Context:
         params.kv_unified = kv_unified
         params.no_perf = True
         params.swa_full = swa_full
+        # recurrent-state snapshots per sequence (llama.cpp's partial rollback of the last n_rs_seq tokens); only
+        # some architectures have it: llama.cpp clamps the request to 0 for the others (read back below)
+        params.n_rs_seq = n_rs_seq
         params.ctx_type = ctx_type  # 1 = LLAMA_CONTEXT_TYPE_MTP: runs the model's NextN head (native/mtp_backend.py)
         self.ptr = llama_cpp.llama_init_from_model(model.ptr, params)
         if not self.ptr:
@@ -88,6 +92,7 @@ class Context:
         # cells one sequence can use: all of them (unified) or its own stream's share
         self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self.ptr))
         self.n_seq_max = n_seq_max
+        self.n_rs_seq = int(llama_cpp.llama_n_rs_seq(self.ptr))
         self.n_batch = n_batch
         self.n_threads = n_threads
         self.flash_attn = flash_attn

@@ -33,6 +33,16 @@ SPLIT_MODES = {"none": llama_cpp.LLAMA_SPLIT_MODE_NONE, "layer": llama_cpp.LLAMA
                "row": llama_cpp.LLAMA_SPLIT_MODE_ROW, "tensor": llama_cpp.LLAMA_SPLIT_MODE_TENSOR}
 
 
+def memory_kind(recurrent: bool, hybrid: bool) -> str:
+    """'attention' (a KV cache: any suffix can be dropped), 'recurrent' (Mamba, RWKV: one state per sequence,
+    no going back) or 'hybrid' (attention layers plus recurrent ones, e.g. LFM2, Qwen3-Next, Jamba).
+
+    >>> memory_kind(False, False), memory_kind(True, False), memory_kind(False, True)
+    ('attention', 'recurrent', 'hybrid')
+    """
+    return "hybrid" if hybrid else "recurrent" if recurrent else "attention"
+
+
 def gpu_split_params(params, main_gpu: int, split_mode: str, tensor_split: tuple[float, ...] | None) -> dict:
     """Set how the model spreads over GPUs on llama_model_params; returns what was set (for info and tests).
     The tensor_split array must outlive the load: it is returned (as `_array`) for the caller to keep."""
@@ -94,6 +104,9 @@ class Model:
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.n_embd = int(llama_cpp.llama_model_n_embd(self.ptr))
         self.n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self.ptr))
+        # what a rejected draft does to this model's memory (engine/rollback.py picks how to undo it)
+        self.memory_kind = memory_kind(bool(llama_cpp.llama_model_is_recurrent(self.ptr)),
+                                       bool(llama_cpp.llama_model_is_hybrid(self.ptr)))
         self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.eos = int(llama_cpp.llama_vocab_eos(self.vocab))
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))

@@ -1,10 +1,16 @@
 """What the companion's per-slot contexts share: the draft model (draft_backend.py) and the MTP / EAGLE-3
 heads (hidden.py) each hold one sequence per slot, remove KV by slot, and price their draft steps with
 decode costs measured as a draft step runs: one row per sequence.
+
+A recurrent or hybrid companion model (a Mamba or LFM2 draft model) cannot drop a sequence's tail: its
+state has absorbed every draft token. The speculator saves a checkpoint where its committed tokens end,
+before it decodes draft tokens (`checkpoint`); a later `seq_rm` past it comes back to that checkpoint and
+reports where it came back to, and the speculator decodes the rest again with its next catch-up.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -12,8 +18,11 @@ import numpy as np
 
 from specray.engine.cost import paired_decode_costs
 
+from .checkpoints import SeqCheckpoints
 from .context import Context
 from .model import Model
+
+log = logging.getLogger("specray.companion")
 
 
 def top_token_probs(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -33,9 +42,41 @@ class SlotBackend:
         self.n_batch = ctx.n_batch
         self._costs: dict[int, float] = {}
         self.n_decodes = 0
+        # recurrent or hybrid model: one saved state per slot, and the cells it stands for
+        self.checkpoints = SeqCheckpoints(ctx) if model.memory_kind != "attention" else None
+        self._saved_at: dict[int, int] = {}
+        self.restores = 0  # seq_rm calls that came back to a checkpoint
+        self.clears = 0  # seq_rm calls that had to clear the whole sequence (no checkpoint to come back to)
 
-    def seq_rm(self, seq_id: int, p0: int) -> None:
-        self.ctx.seq_rm(seq_id, p0, -1)
+    def seq_rm(self, seq_id: int, p0: int) -> int:
+        """Drop seq_id's cells from p0 on. Returns the cells kept: p0, or where a recurrent state cannot be cut
+        there, the position of its checkpoint at or before p0 (restored), else 0 (cleared). The caller decodes
+        again what lies between."""
+        if p0 > 0 and self.ctx.seq_rm(seq_id, p0, -1):
+            return p0
+        at = self._saved_at.pop(seq_id, -1)
+        if 0 < at <= p0:
+            try:
+                self.checkpoints.restore(seq_id)
+                if self.ctx.seq_rm(seq_id, at, -1):  # a hybrid's attention cells past the checkpoint
+                    self._saved_at[seq_id] = at  # still the state there: it may serve again
+                    self.restores += 1
+                    return at
+            except Exception:
+                log.exception("restoring the saved state of companion sequence %s failed; clearing it", seq_id)
+        if p0 > 0:
+            self.clears += 1
+        self.ctx.clear_seq(seq_id)
+        return 0
+
+    def checkpoint(self, seq_id: int, pos: int) -> None:
+        """Save seq_id's state, which holds its first `pos` cells, for seq_rm to come back to (recurrent and
+        hybrid models only: a KV cache is cut anywhere)."""
+        if self.checkpoints is None:
+            return
+        self._saved_at.pop(seq_id, None)
+        self.checkpoints.save(seq_id)
+        self._saved_at[seq_id] = pos
 
     def pos_max(self, seq_id: int) -> int:
         return self.ctx.seq_pos_max(seq_id)
@@ -72,7 +113,9 @@ class SlotBackend:
             run()
             dt = time.perf_counter() - t0
             for s in seqs:
-                self.ctx.seq_rm(s, prefix, -1)
+                if not self.ctx.seq_rm(s, prefix, -1):  # a recurrent state: cleared and primed again
+                    self.ctx.clear_seq(s)
+                    prime([s])
             return dt
 
         for n in sizes:  # warm up the buffers for every size

@@ -1,7 +1,8 @@
-"""Tiny synthetic GGUFs for the hidden-state speculators (no MTP / EAGLE-3 weights exist offline).
+"""Tiny synthetic GGUFs for tests: hidden-state speculators (no MTP / EAGLE-3 weights exist offline) and
+recurrent targets (what a rejected draft does to a state that cannot simply be truncated).
 
-Two writers, both borrowing a real model's vocabulary (SmolLM2's by default, so
-prompts, chat templates and detokenisation work) and filling every weight with
+Every writer borrows a real model's vocabulary (SmolLM2's by default, so
+prompts, chat templates and detokenisation work) and fills every weight with
 seeded random numbers (same seed, same file):
 
 - `write_mtp_target`: a GLM-4.5-style (`glm4moe`) target with `n_layer` trunk
@@ -16,8 +17,24 @@ seeded random numbers (same seed, same file):
 - `write_eagle3_draft`: an EAGLE-3 draft (`eagle3` architecture: fc fusion of
   three target layers, one decoder layer, its own token embeddings and LM
   head) for a target such as SmolLM2-135M, reading three of its layer inputs.
+- `write_recurrent_target`: a pure Mamba-2 (`mamba2`) target, recurrent only.
+  The vendored llama.cpp keeps no n_rs_seq snapshots for this architecture
+  (it clamps the request to 0), so a partial seq_rm is refused: the model for
+  the checkpoint-and-replay path (native/checkpoints.py).
+- `write_hybrid_target`: an LFM2 (`lfm2`) hybrid, short-convolution blocks
+  mixed with attention blocks (head_count_kv 0 marks a convolution). llama.cpp
+  snapshots its convolution states (n_rs_seq), so the last few tokens of a
+  single decode can be dropped with seq_rm: the model for that path.
 
-Both take a fraction of a second; tests write them into a temp dir.
+The two recurrent targets would babble tokens that never repeat with a random
+LM head, which n-gram speculators never predict. Their heads send a hidden
+state near token x's embedding to x's successor on short random cycles
+(`loop_len`), and each block's output is scaled down (`branch_scale`) so the
+last token dominates the hidden state: greedy decoding wanders a few tokens,
+then loops, which an n-gram speculator predicts only once the loop has begun.
+
+Each takes a fraction of a second; tests write them into a temp dir. The
+command line writes one: `python -m specray.native.synthetic_gguf --help`.
 """
 
 from __future__ import annotations
@@ -33,6 +50,8 @@ from .models import resolve_model
 
 GLM4MOE = "glm4moe"
 EAGLE3 = "eagle3"
+MAMBA2 = "mamba2"
+LFM2 = "lfm2"
 
 
 @dataclass(frozen=True)
@@ -61,6 +80,42 @@ class Eagle3DraftSpec:
     n_head_kv: int = 2
     n_ff: int = 128
     target_layers: tuple[int, int, int] | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RecurrentTargetSpec:
+    """Shape of a synthetic pure Mamba-2 (`mamba2`) target: `n_layer` SSM mixer blocks, no attention, no FFN."""
+
+    n_layer: int = 2
+    n_embd: int = 64
+    d_inner: int = 128  # 2 * n_embd, Mamba-2's expand factor
+    d_state: int = 16
+    n_head: int = 8  # SSM heads (llama.cpp's ssm.time_step_rank); head_dim = d_inner / n_head
+    n_group: int = 1
+    d_conv: int = 4
+    n_ctx_train: int = 8192
+    loop_len: int = 4  # the LM head's successor cycles (see _Init.loop_head); 1: repeat the last token
+    loop_tie: float = 0.8  # share of an LM-head row that is its predecessor's embedding; 0: a random head
+    branch_scale: float = 0.7  # on each mixer's output: smaller, the last token dominates and loops start sooner
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class HybridTargetSpec:
+    """Shape of a synthetic LFM2 (`lfm2`) hybrid: short-convolution blocks, attention at `attn_layers`."""
+
+    n_layer: int = 4
+    attn_layers: tuple[int, ...] = (1, 3)  # the other blocks are short convolutions (head_count_kv 0)
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 128
+    l_cache: int = 3  # short-convolution kernel: the state is the last l_cache - 1 inputs
+    n_ctx_train: int = 8192
+    loop_len: int = 4  # as RecurrentTargetSpec
+    loop_tie: float = 0.8
+    branch_scale: float = 0.5  # on each conv, attention and FFN output (more branches than the Mamba-2 target)
     seed: int = 0
 
 
@@ -110,6 +165,19 @@ def _write(path: str, arch: str, keys: dict, vocab_fields, tensors: dict[str, np
     return path
 
 
+def _cycle_predecessors(perm: np.ndarray, loop_len: int) -> np.ndarray:
+    """pred[t] for cycles made of consecutive runs of `loop_len` tokens of `perm` (the last run may be shorter).
+
+    >>> _cycle_predecessors(np.array([3, 0, 2, 1, 4]), 2).tolist()  # cycles 3->0->3, 2->1->2, 4->4
+    [3, 2, 1, 0, 4]
+    """
+    pred = np.empty(len(perm), dtype=np.int64)
+    for i in range(0, len(perm), loop_len):
+        cyc = perm[i : i + loop_len]
+        pred[np.roll(cyc, -1)] = cyc  # cyc[k] precedes cyc[k + 1]
+    return pred
+
+
 class _Init:
     """Seeded random weights: unit-RMS embedding rows, 1/sqrt(fan_in) projections, unit norms."""
 
@@ -123,6 +191,16 @@ class _Init:
     def mat(self, n_out: int, n_in: int) -> np.ndarray:
         # numpy [n_out, n_in] = ggml {n_in, n_out}: y = W x
         return (self.rng.standard_normal((n_out, n_in), dtype=np.float32) / np.sqrt(n_in)).astype(np.float32)
+
+    def loop_head(self, embd: np.ndarray, loop_len: int, tie: float) -> np.ndarray:
+        """An LM head that, given a hidden state close to token x's embedding, ranks x's successor first on
+        random cycles of `loop_len` tokens: row t is `tie` of t's predecessor's embedding, the rest noise. The
+        recurrent state pulls the hidden state away from the last token's row, so greedy decoding wanders a
+        few tokens and then falls into one of the cycles: text an n-gram speculator partly predicts."""
+        n_vocab, n_embd = embd.shape
+        pred = _cycle_predecessors(self.rng.permutation(n_vocab), loop_len)
+        noise = self.embd(n_vocab, n_embd)
+        return tie * embd[pred] + np.float32(np.sqrt(max(0.0, 1.0 - tie * tie))) * noise
 
     def experts(self, n_expert: int, n_out: int, n_in: int) -> np.ndarray:
         return np.stack([self.mat(n_out, n_in) for _ in range(n_expert)])
@@ -266,8 +344,176 @@ def write_eagle3_draft(path: str, spec: Eagle3DraftSpec = Eagle3DraftSpec(), tar
     return _write(path, a, keys, _vocab_fields(target), tensors)
 
 
+def write_recurrent_target(path: str, spec: RecurrentTargetSpec = RecurrentTargetSpec(),
+                           vocab_from: str = "smollm2-135m") -> str:
+    """Write a pure Mamba-2 target (`mamba2`) with `vocab_from`'s vocabulary to `path`; returns path."""
+    s = spec
+    if s.d_inner % s.n_head or s.d_inner % s.n_group or s.n_head % s.n_group:
+        raise ValueError("d_inner must divide by n_head and n_group, and n_head by n_group")
+    if s.d_conv < 2:
+        raise ValueError("d_conv must be at least 2 (the conv state keeps d_conv - 1 inputs)")
+    _check_loop(s.loop_len, s.loop_tie)
+    n_vocab = len(_meta(vocab_from, "tokenizer.ggml.tokens"))
+    init = _Init(s.seed)
+    conv_dim = s.d_inner + 2 * s.n_group * s.d_state  # x, B, C go through the convolution
+    d_in_proj = s.d_inner + conv_dim + s.n_head  # z, xBC, dt
+    embd = init.embd(n_vocab, s.n_embd)
+    tensors: dict[str, np.ndarray] = {
+        "token_embd.weight": embd.astype(np.float16),
+        "output.weight": init.loop_head(embd, s.loop_len, s.loop_tie).astype(np.float16),
+        "output_norm.weight": init.ones(s.n_embd),
+    }
+    for i in range(s.n_layer):
+        blk = {
+            "attn_norm.weight": init.ones(s.n_embd),
+            "ssm_in.weight": init.mat(d_in_proj, s.n_embd),
+            "ssm_conv1d.weight": init.mat(conv_dim, s.d_conv),
+            "ssm_conv1d.bias": np.zeros(conv_dim, dtype=np.float32),
+            **_mamba2_ssm_params(init, s.n_head),
+            "ssm_norm.weight": np.ones((s.n_group, s.d_inner // s.n_group), dtype=np.float32),
+            "ssm_out.weight": init.mat(s.n_embd, s.d_inner) * np.float32(s.branch_scale),
+        }
+        for k, v in blk.items():
+            tensors[f"blk.{i}.{k}"] = v
+    a = MAMBA2
+    keys = {
+        "general.name": f"specray synthetic mamba2 {s.n_layer} layers",
+        f"{a}.context_length": s.n_ctx_train,
+        f"{a}.embedding_length": s.n_embd,
+        f"{a}.block_count": s.n_layer,
+        f"{a}.ssm.conv_kernel": s.d_conv,
+        f"{a}.ssm.inner_size": s.d_inner,
+        f"{a}.ssm.state_size": s.d_state,
+        f"{a}.ssm.time_step_rank": s.n_head,
+        f"{a}.ssm.group_count": s.n_group,
+        f"{a}.attention.layer_norm_rms_epsilon": 1e-5,
+        f"{a}.vocab_size": n_vocab,
+    }
+    return _write(path, a, keys, _vocab_fields(vocab_from), tensors)
+
+
+def _check_loop(loop_len: int, loop_tie: float) -> None:
+    if loop_len < 1 or not 0.0 <= loop_tie <= 1.0:
+        raise ValueError(f"loop_len must be >= 1 and loop_tie in [0, 1], got {loop_len}, {loop_tie}")
+
+
+def _mamba2_ssm_params(init: _Init, n_head: int) -> dict[str, np.ndarray]:
+    """Per-head A (decay), dt bias and D (skip) as Mamba-2 initialises them: A in [-16, -1], dt in [1e-3, 0.1]."""
+    a = -init.rng.uniform(1.0, 16.0, n_head)  # llama.cpp stores A = -exp(A_log)
+    dt = np.exp(init.rng.uniform(np.log(1e-3), np.log(0.1), n_head))
+    dt_bias = dt + np.log(-np.expm1(-dt))  # softplus(dt_bias) = dt
+    return {
+        "ssm_dt.bias": dt_bias.astype(np.float32),
+        "ssm_a": a.astype(np.float32).reshape(n_head, 1),  # ggml {1, n_head}
+        "ssm_d": np.ones((n_head, 1), dtype=np.float32),
+    }
+
+
+def write_hybrid_target(path: str, spec: HybridTargetSpec = HybridTargetSpec(),
+                        vocab_from: str = "smollm2-135m") -> str:
+    """Write an LFM2 hybrid (`lfm2`) with `vocab_from`'s vocabulary to `path`; returns path."""
+    s = spec
+    if s.n_embd % s.n_head or s.n_head % s.n_head_kv:
+        raise ValueError("n_embd must divide by n_head, and n_head by n_head_kv")
+    attn = sorted(set(s.attn_layers))
+    if not attn or len(attn) == s.n_layer or any(not 0 <= i < s.n_layer for i in attn):
+        raise ValueError(f"attn_layers must name some, not all, of the layers [0, {s.n_layer}), got {s.attn_layers}")
+    if s.l_cache < 2:
+        raise ValueError("l_cache must be at least 2 (the conv state keeps l_cache - 1 inputs)")
+    _check_loop(s.loop_len, s.loop_tie)
+    n_vocab = len(_meta(vocab_from, "tokenizer.ggml.tokens"))
+    head_dim = s.n_embd // s.n_head
+    kv = s.n_head_kv * head_dim
+    init = _Init(s.seed)
+    out_scale = np.float32(s.branch_scale)
+    embd = init.embd(n_vocab, s.n_embd)
+    tensors: dict[str, np.ndarray] = {
+        "token_embd.weight": embd.astype(np.float16),
+        "output.weight": init.loop_head(embd, s.loop_len, s.loop_tie).astype(np.float16),
+        "token_embd_norm.weight": init.ones(s.n_embd),  # LFM2's final norm, under this (historical) name
+    }
+    for i in range(s.n_layer):
+        blk = {"attn_norm.weight": init.ones(s.n_embd)}
+        if i in attn:
+            blk |= {
+                "attn_q_norm.weight": init.ones(head_dim),
+                "attn_k_norm.weight": init.ones(head_dim),
+                "attn_q.weight": init.mat(s.n_embd, s.n_embd),
+                "attn_k.weight": init.mat(kv, s.n_embd),
+                "attn_v.weight": init.mat(kv, s.n_embd),
+                "attn_output.weight": init.mat(s.n_embd, s.n_embd) * out_scale,
+            }
+        else:
+            blk |= {
+                "shortconv.conv.weight": init.mat(s.n_embd, s.l_cache),
+                "shortconv.in_proj.weight": init.mat(3 * s.n_embd, s.n_embd),
+                "shortconv.out_proj.weight": init.mat(s.n_embd, s.n_embd) * out_scale,
+            }
+        blk |= {
+            "ffn_norm.weight": init.ones(s.n_embd),
+            "ffn_gate.weight": init.mat(s.n_ff, s.n_embd),
+            "ffn_up.weight": init.mat(s.n_ff, s.n_embd),
+            "ffn_down.weight": init.mat(s.n_embd, s.n_ff) * out_scale,
+        }
+        for k, v in blk.items():
+            tensors[f"blk.{i}.{k}"] = v
+    a = LFM2
+    keys = {
+        "general.name": f"specray synthetic lfm2 {s.n_layer} layers, attention at {attn}",
+        f"{a}.context_length": s.n_ctx_train,
+        f"{a}.embedding_length": s.n_embd,
+        f"{a}.block_count": s.n_layer,
+        f"{a}.feed_forward_length": s.n_ff,
+        f"{a}.attention.head_count": s.n_head,
+        # 0 KV heads marks a short-convolution layer (llama.cpp's is_recr)
+        f"{a}.attention.head_count_kv": [s.n_head_kv if i in attn else 0 for i in range(s.n_layer)],
+        f"{a}.attention.layer_norm_rms_epsilon": 1e-5,
+        f"{a}.rope.freq_base": 10000.0,
+        f"{a}.shortconv.l_cache": s.l_cache,
+        f"{a}.vocab_size": n_vocab,
+    }
+    return _write(path, a, keys, _vocab_fields(vocab_from), tensors)
+
+
 def cache_path(name: str) -> str:
     """A path under specray's model cache (~/.cache/specray/models) for a generated file."""
     from .draft_truncate import cache_dir
 
     return os.path.join(cache_dir(), name)
+
+
+#: --kind -> (writer, spec class); a writer takes (path, spec, vocabulary source)
+_KINDS = {
+    "mtp": (write_mtp_target, MtpTargetSpec),
+    "eagle3": (write_eagle3_draft, Eagle3DraftSpec),
+    "recurrent": (write_recurrent_target, RecurrentTargetSpec),
+    "hybrid": (write_hybrid_target, HybridTargetSpec),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m specray.native.synthetic_gguf --kind KIND --out PATH.gguf [--seed N]`: print the path written."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m specray.native.synthetic_gguf",
+        description="Write a tiny random-weight GGUF with a real model's vocabulary, for tests: "
+                    "mtp (glm4moe target + NextN head), eagle3 (EAGLE-3 draft for the --vocab-from model), "
+                    "recurrent (pure Mamba-2: no partial rollback in llama.cpp), "
+                    "hybrid (LFM2: short convolutions + attention, n_rs_seq rollback). "
+                    "Same kind and seed, same bytes.",
+    )
+    ap.add_argument("--kind", required=True, choices=list(_KINDS), help="which model to write")
+    ap.add_argument("--out", required=True, metavar="PATH.gguf", help="file to write (replaced if it exists)")
+    ap.add_argument("--seed", type=int, default=0, help="weights' random seed (default 0)")
+    ap.add_argument("--vocab-from", default="smollm2-135m", metavar="MODEL",
+                    help="alias or GGUF path whose vocabulary, tokenizer and chat template are copied; for "
+                         "eagle3, the target it drafts for (default smollm2-135m)")
+    args = ap.parse_args(argv)
+    writer, spec = _KINDS[args.kind]
+    print(writer(args.out, spec(seed=args.seed), args.vocab_from))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

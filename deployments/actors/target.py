@@ -32,15 +32,14 @@ class TargetService:
     """Model + Context + TargetRunner, callable locally or as a Ray actor."""
 
     def __init__(self, engine_config: dict | EngineConfig) -> None:
-        from specray.deployments.builder import open_target  # llama.cpp import stays out of module import
+        from specray.deployments.builder import open_target, target_runner  # llama.cpp stays out of module import
 
         from specray.deployments.builder import usable_cpus
 
         # the actor decides its thread count on its own node (a cluster's nodes differ from the driver's)
         self.config = EngineConfig.model_validate(engine_config).with_threads(True, usable_cpus())
         self.model, self.ctx = open_target(self.config)
-        self.runner = TargetRunner(self.ctx, record_margins=self.config.record_margins,
-                                   verify_buckets=self.config.shape_buckets)
+        self.runner, self.memory = target_runner(self.config, self.model, self.ctx)
         self.hidden_transport = None  # hidden rows for the companion's mtp / eagle3 heads
         if self.config.hidden.enabled:
             from specray.native.hidden import HiddenOutput
@@ -65,6 +64,7 @@ class TargetService:
             "threads": self.config.threads,
             "model": self.config.model,
             "model_description": self.model.description,
+            "memory": self.memory.to_dict(),  # kind and rollback mode (engine/rollback.py)
             "pid": os.getpid(),
             "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")},
             "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
@@ -136,6 +136,7 @@ class TargetService:
             # shape-stable verifies: the buckets this actor pads to (None: off) and the pad rows decoded so far
             "verify_buckets": list(r.verify_buckets) if r.verify_buckets is not None else None,
             "pad_rows": r.pad_rows,
+            "rollback": r.rollback.stats.to_dict(),  # a recurrent target's saves, restores and replays
         }
 
 

@@ -200,8 +200,20 @@ class IngressRoutes:
         return {"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "specray",
              "mode": self.cfg.mode, "chain": self.chains[self.arms.names[0]],
+             # attention, recurrent or hybrid, and the rollback mode of drafts (engine/rollback.py)
+             "memory": await self._target_memory(),
              "arms": [{"name": n, "chain": self.chains[n], "weight": w}
                       for n, w in zip(self.arms.names, self.arms.weights)]}]}
+
+    async def _target_memory(self) -> dict | None:
+        """The first arm's target memory (all arms serve one model), asked once of its engine; None while it
+        cannot answer (asked again next time)."""
+        if getattr(self, "_memory", None) is None:
+            try:
+                self._memory = (await self.engines[self.arms.names[0]].health()).get("target_memory")
+            except Exception:
+                return None
+        return self._memory
 
     @app.get("/health")
     async def health(self):

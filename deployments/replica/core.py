@@ -203,7 +203,8 @@ class RouterCore:
 
     def health(self) -> dict:
         """What /health reports: status ok | degraded (companion down) | recovering (target down) | failed."""
-        return self.faults.health(self.alive())
+        # the target's memory kind (attention, recurrent, hybrid) and how it takes rejected drafts back
+        return self.faults.health(self.alive()) | {"target_memory": self.scheduler.memory.to_dict()}
 
     def stats(self) -> dict:
         """Counters for /v1/stats (thread-safe: read on the round thread between rounds)."""

@@ -16,7 +16,7 @@ from specray.engine.request import Sequence, SeqState
 from specray.engine.scheduler import Event, QueueFullError, Scheduler
 
 from .admission import RequestError
-from .streams import Op, Outbox, Stream, call_in_loop, end_info, resolve
+from .streams import Op, Outbox, Stream, call_in_loop, end_info, error_item, resolve
 
 log = logging.getLogger("specray.router")
 
@@ -108,7 +108,9 @@ class Slots:
             items.append((st.queue, {"type": "delta", "text": ev.text, "t": perf_counter()}))
         if ev.finished:
             del self.streams[ev.seq.id]
-            items.append((st.queue, end_info(ev.seq)))
+            # a sequence the target could not go on with (a state it could not roll back) ends in a 500
+            items.append((st.queue, end_info(ev.seq) if ev.error is None
+                          else error_item(500, ev.error, code="target_state_error")))
 
     def finished(self, seq: Sequence) -> None:
         """Tell the observer once per request (a queued request cancelled never reaches a round)."""

@@ -52,6 +52,8 @@ def round_snapshot(core) -> dict:
             # rounds a speculator was not asked in: its winnings did not pay for its look-ups (lookup_gate.py)
             "lookups_skipped": dict(s.chain.gate.skipped)},
         "host_cost": s.pricer.host.to_dict() | {"shape_change_penalty": s.cost.shape_change_penalty},
+        # a recurrent or hybrid target's rollback mode, and what the planner prices a checkpoint draft at
+        "target_memory": s.memory.to_dict() | {"rollback_price": s.rollback_price.to_dict()},
         "chain": s.config.chain.label,
         "disabled_speculators": sorted(s.disabled_speculators),
         "speculators": {k: asdict(v) for k, v in parts.chain.stats().items()},

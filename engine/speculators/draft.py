@@ -61,8 +61,13 @@ class DraftBackend(Protocol):
         Returns the draft model's top token and its probability after the last token of each run."""
         ...
 
-    def seq_rm(self, seq_id: int, p0: int) -> None:
-        """Remove seq_id's cache cells at positions >= p0."""
+    def seq_rm(self, seq_id: int, p0: int) -> int | None:
+        """Remove seq_id's cache cells at positions >= p0. Returns the cells kept (None: p0): fewer where a
+        recurrent state could only come back to an earlier checkpoint (the rest is decoded again)."""
+        ...
+
+    def checkpoint(self, seq_id: int, pos: int) -> None:
+        """Save seq_id's state at `pos` cells for seq_rm to come back to (recurrent models; else nothing)."""
         ...
 
     def is_eog(self, token: int) -> bool: ...
@@ -205,9 +210,10 @@ class DraftSpeculator(SlotMirror, ModelSpeculator):
 
     def _truncate_kv(self, seq_id: int, st: _SeqState, keep: int) -> None:
         if keep < st.kv.n:
-            self.backend.seq_rm(seq_id, keep)
-            self.counters.rolled_back += st.kv.n - keep
-            st.kv.truncate(keep)
+            kept = self.backend.seq_rm(seq_id, keep)
+            kept = keep if kept is None else min(kept, keep)  # a recurrent model may come back further
+            self.counters.rolled_back += st.kv.n - kept
+            st.kv.truncate(kept)
 
     # ---- what the draft cache must hold ------------------------------------------------------------
     def _wanted(self, st: _SeqState, history: np.ndarray) -> np.ndarray:
@@ -290,11 +296,18 @@ class DraftSpeculator(SlotMirror, ModelSpeculator):
             rows = sum(len(r[1]) for r in steady_runs)
             self.catchup_per_seq += 0.1 * (rows / len(steady_runs) - self.catchup_per_seq)
         decode_s = 0.0
+        save = getattr(self.backend, "checkpoint", None)
+        first = True
         try:
             while runs:
                 td = time.perf_counter()
                 top, prob = self.backend.decode(runs)
                 dt = time.perf_counter() - td
+                if first and save is not None:
+                    # the committed tokens are in: a recurrent model's state is saved here, before draft tokens
+                    for _, req, st, _, _ in active:
+                        save(req.seq_id, st.kv.n)
+                    first = False
                 n_rows = sum(len(r[1]) for r in runs)
                 self.step_cost.observe(n_rows, dt)
                 self.counters.steps += 1
