@@ -42,9 +42,10 @@ def _add_gpu_split_args(g, default=None) -> None:
 
 ROLLBACK_HELP = ("recurrent and hybrid targets (Mamba, RWKV, LFM2, Qwen3-Next, ...): how a rejected draft is taken "
                  "back out of the state. snapshots: llama.cpp keeps the state after each of the last "
-                 "--rollback-snapshots tokens (some architectures only; drafts capped at that many); checkpoint: "
+                 "--rollback-snapshots tokens (some architectures only, at most 2 slots; drafts capped at that many); "
+                 "checkpoint: "
                  "save before the verify, restore and replay the accepted tokens after a partial rejection; auto: "
-                 "snapshots where the architecture has them, else checkpoint; off: no drafts on such targets. "
+                 "checkpoint; off: no drafts on such targets. "
                  "Attention-only targets ignore it")
 ROLLBACK_SNAPSHOTS_HELP = "with --rollback snapshots: recurrent states kept per sequence = the most draft tokens"
 GPU_LAYERS_HELP = ("target layers offloaded to a GPU (companion models follow: all or none); default: all of "

@@ -219,10 +219,11 @@ class EngineConfig(BaseModel):
         "auto", description="how a recurrent or hybrid target (Mamba, RWKV, LFM2, Qwen3-Next, Jamba, ...) takes a "
         "rejected draft back out of its state (engine/rollback.py); attention-only targets ignore it. snapshots: "
         "llama.cpp keeps each sequence's state after each of its last rollback_snapshots tokens and rolls back to "
-        "one (some architectures only; drafts capped at that many tokens). checkpoint: the state is saved before "
-        "a verify that carries drafts, restored after a partial rejection, and the accepted tokens replayed in the "
-        "next round's batch. auto: snapshots where the architecture has them, else checkpoint. off: no drafts on "
-        "such targets. Either way such targets run without the prompt cache and with verify_shape exact")
+        "one (some architectures only, at most 2 slots; drafts capped at that many tokens). checkpoint: the state is "
+        "saved before a verify that carries drafts, restored after a partial rejection, and the accepted tokens "
+        "replayed in the next round's batch. auto: checkpoint (as fast or faster where measured, any slot count). "
+        "off: no drafts on such targets. Either way such targets run without the prompt cache and with "
+        "verify_shape exact")
     rollback_snapshots: int = Field(
         8, ge=1, le=64, description="rollback snapshots: recurrent states kept per sequence (llama.cpp's n_rs_seq), "
         "the most draft tokens one verify may carry; each costs one more copy of the recurrent state in memory")

@@ -25,6 +25,11 @@ it. Two ways back (llama.cpp PR #19493, ik_llama.cpp's spec checkpoints):
   replayed rows (rollback_price.py prices both).
 - "off": the target decodes without drafts.
 
+"auto" runs checkpoint: on the synthetic LFM2 (specray bench, 1 and 2 slots) it was as fast as snapshots or
+faster (no cap on the draft's length), it is right with any number of slots, and every recurrent
+architecture has it. Snapshots keep the saved states where the model runs (no copy to the host), which
+should matter for a large recurrent state on a GPU: not measured yet.
+
 Any refusal (seq_rm false, a save or restore failing) fails that sequence
 (StepResult.error): nothing ever decodes on a state holding rejected tokens.
 """
@@ -47,13 +52,12 @@ def wants_snapshots(memory_kind: str, requested: str, slots: int, drafts: bool) 
     """Whether to ask the context for rollback snapshots (n_rs_seq): a recurrent or hybrid target that drafts,
     with few enough slots, where the mode may use them. Every decode writes them, drafted or not.
 
-    >>> wants_snapshots("hybrid", "auto", 1, True), wants_snapshots("hybrid", "auto", 4, True)
+    >>> wants_snapshots("hybrid", "snapshots", 1, True), wants_snapshots("hybrid", "snapshots", 4, True)
     (True, False)
-    >>> wants_snapshots("attention", "auto", 1, True), wants_snapshots("hybrid", "auto", 1, drafts=False)
+    >>> wants_snapshots("hybrid", "auto", 1, True), wants_snapshots("hybrid", "snapshots", 1, drafts=False)
     (False, False)
     """
-    return (memory_kind != "attention" and requested in ("auto", "snapshots") and drafts
-            and slots <= MAX_SNAPSHOT_SLOTS)
+    return memory_kind != "attention" and requested == "snapshots" and drafts and slots <= MAX_SNAPSHOT_SLOTS
 
 
 def rollback_mode(memory_kind: str, requested: str, n_rs_seq: int, slots: int = 1) -> str:
@@ -61,10 +65,8 @@ def rollback_mode(memory_kind: str, requested: str, n_rs_seq: int, slots: int = 
 
     >>> rollback_mode("attention", "checkpoint", 0)   # a KV cache drops any suffix
     'trim'
-    >>> rollback_mode("hybrid", "auto", 8), rollback_mode("recurrent", "auto", 0)
-    ('snapshots', 'checkpoint')
-    >>> rollback_mode("hybrid", "auto", 0, slots=4)   # no snapshots asked for 4 slots
-    'checkpoint'
+    >>> rollback_mode("hybrid", "snapshots", 8), rollback_mode("hybrid", "auto", 0), rollback_mode("recurrent", "off", 0)
+    ('snapshots', 'checkpoint', 'off')
     >>> rollback_mode("recurrent", "snapshots", 0)
     Traceback (most recent call last):
     ...
@@ -85,9 +87,7 @@ def rollback_mode(memory_kind: str, requested: str, n_rs_seq: int, slots: int = 
     if requested == "snapshots" and n_rs_seq <= 0:
         raise ValueError("rollback 'snapshots' needs llama.cpp's recurrent-state snapshots (n_rs_seq), which this "
                          "model's architecture does not have: use 'checkpoint' or 'auto'")
-    if requested == "auto":
-        return "snapshots" if n_rs_seq > 0 else "checkpoint"
-    return requested
+    return "checkpoint" if requested == "auto" else requested
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,6 @@ class TargetRunner:
     def step(self, items: list[StepItem]) -> StepOutput:
         """Decode every item's rows, verify drafts, roll back rejected rows."""
         results: dict[int, StepResult] = {}
-        failed: dict[int, str] = {}
         before = RollbackStats(**self.rollback.stats.to_dict()) if self.rollback.mode != "trim" else None
         order = [it.seq_id for it in items]
         items, failed = self.rollback.prepare(items, _with_replay)

@@ -37,9 +37,9 @@ PROMPTS = ["one two three one two three one two three one two",
            "red green blue red green blue red green",
            "def f(x): return x\ndef g(x): return x\ndef h(x):"] + spec_bench_prompts(3)
 # (model, rollback requested, rollback run, slots)
-# (LFM2 with 4 slots: no snapshots, rollback.MAX_SNAPSHOT_SLOTS)
+# (snapshots: at most rollback.MAX_SNAPSHOT_SLOTS slots)
 CASES = [("mamba2", "auto", "checkpoint", 1), ("mamba2", "auto", "checkpoint", 4),
-         ("lfm2", "auto", "snapshots", 1), ("lfm2", "auto", "snapshots", 2), ("lfm2", "auto", "checkpoint", 4),
+         ("lfm2", "snapshots", "snapshots", 1), ("lfm2", "snapshots", "snapshots", 2), ("lfm2", "auto", "checkpoint", 4),
          ("lfm2", "checkpoint", "checkpoint", 2)]
 
 
@@ -113,7 +113,7 @@ def test_seeded_sampling_with_penalties_is_the_target_only_output(models, name):
 
 def test_plain_decoding_runs_without_snapshots(models):
     """Without speculation the context asks for no snapshots: every decode would write them for nothing."""
-    eng = _engine(models["lfm2"], "auto", 1, speculators=())
+    eng = _engine(models["lfm2"], "snapshots", 1, speculators=())
     try:
         assert eng.ctx.n_rs_seq == 0
         assert eng.scheduler.memory.rollback == "checkpoint"  # still correct for a request that asks for drafts
@@ -143,7 +143,7 @@ def test_a_refused_rollback_fails_that_request_only(models, name, mode, monkeypa
     """The target refuses the rollback once (seq_rm false in snapshots mode, a failing restore in checkpoint
     mode): that sequence ends with an error naming it, the others in its batch and the next request are
     exactly the target-only output."""
-    eng = _engine(models[name], "auto" if mode == "snapshots" else mode, 2 if mode == "snapshots" else 4)
+    eng = _engine(models[name], mode, 2 if mode == "snapshots" else 4)
     try:
         base = [s.generated for s in _run(eng, ())]
         refused = []
