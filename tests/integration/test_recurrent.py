@@ -20,18 +20,10 @@ from specray.native.model import Model
 from specray.native.synthetic_gguf import write_hybrid_target, write_recurrent_target
 
 from ..conftest import spec_bench_prompts
+# every model-free speculator, with parameters that draft while the text still wanders (many partial rejections)
+from .test_lossless import ALL, PARAMS
 
-ALL = ("ngram_simple", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "suffix")
 DEFAULT_CHAIN = tuple(ChainConfig().speculators)
-# aggressive parameters: drafts while the text still wanders, so many are rejected in part
-PARAMS = {
-    "ngram_simple": {"size_n": 2, "size_m": 8},
-    "ngram_map_k": {"size_n": 2, "size_m": 8},
-    "ngram_map_k4v": {"size_n": 2, "size_m": 8},
-    "ngram_mod": {"n_match": 3, "n_min": 1, "n_max": 8, "pool_size": 1 << 16},
-    "ngram_cache": {"n_draft": 6},
-    "suffix": {"min_match": 1, "p_min": 0.01},
-}
 MAX_TOKENS = 48
 PROMPTS = ["one two three one two three one two three one two",
            "red green blue red green blue red green",
