@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--repeat-penalty", type=float, default=1.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="subtracted once from each token seen in the last 64 tokens, in [-2, 2] (default: 0)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="subtracted once per occurrence in the last 64 tokens, in [-2, 2] (default: 0)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     _add_model_args(gen)
@@ -383,7 +387,8 @@ def _cmd_generate(args) -> int:
                        draft=DraftModelConfig(model=args.draft_model, cross_vocab=args.cross_vocab),
                        hidden=HiddenStateConfig(mtp=args.mtp, eagle3_model=args.eagle3_model))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                              repeat_penalty=args.repeat_penalty, seed=args.seed)
+                              repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty, seed=args.seed)
     if cfg.hidden.enabled:  # a bad --eagle3-model fails before the target loads
         from specray.native.hidden_heads import target_taps
 
@@ -510,6 +515,10 @@ def main(argv: list[str] | None = None) -> int:
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    for flag in ("presence_penalty", "frequency_penalty"):
+        v = getattr(args, flag, None)
+        if v is not None and not -2.0 <= v <= 2.0:
+            parser.error(f"--{flag.replace('_', '-')} must be in [-2, 2], got {v}")
     v = getattr(args, "rollback_snapshots", None)
     if v is not None and not 1 <= v <= 64:
         parser.error(f"--rollback-snapshots must be 1-64, got {v}")

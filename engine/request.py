@@ -114,6 +114,7 @@ class Sequence:
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.finish_reason: str | None = None
         self.error: str | None = None  # finish_reason "error": why the target could not go on with it
+        self.logprobs: list = []  # logprobs.TokenLogprobs of the generated tokens, a chunk per round (if asked)
         # top-2 logit margin per generated token (record_margins), plus the end-of-generation token's when
         # it stopped on one: the bench classifies a divergence by the margin where it began
         self.margins: list[float] = []

@@ -3,13 +3,18 @@
 The distribution the target samples from is built exactly as llama.cpp's
 default sampler chain does it (the samplers this module supports, in order):
 
-    penalties -> top_k -> top_p -> min_p -> temperature -> softmax -> draw
+    logit_bias -> penalties -> top_k -> top_p -> min_p -> temperature -> softmax -> draw
 
 Notes on the llama.cpp semantics kept here:
 
+* logit_bias: each listed token's bias is added to its logit, before anything
+  else (llama.cpp's logit_bias sampler; OpenAI's ``logit_bias``).
 * penalties: every *distinct* token of the last ``repeat_last_n`` tokens is
   penalised once: a positive logit is divided by ``repeat_penalty``, a logit
-  <= 0 is multiplied by it.
+  <= 0 is multiplied by it; then ``count * frequency_penalty +
+  presence_penalty`` is subtracted, count being its occurrences in the window
+  (llama.cpp's penalties sampler; OpenAI's presence and frequency penalties,
+  over llama.cpp's window rather than the whole text).
 * top_k / top_p / min_p act on the logits *before* temperature: top_p uses the
   softmax at temperature 1 over the candidates left by top_k; min_p keeps the
   tokens with ``logit >= max_logit + log(min_p)`` (``p >= min_p * p_max``).
@@ -25,10 +30,11 @@ Everything is pure numpy; probabilities are float64 and uniforms are float64.
 from __future__ import annotations
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
     "SamplingParams",
+    "adjusted_logits",
     "apply_repetition_penalty",
     "penalty_window",
     "target_probs",
@@ -85,10 +91,36 @@ class SamplingParams(BaseModel):
         ge=0,
         description="How many most recent tokens the repetition penalty looks at; 0 = off.",
     )
+    presence_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
+        description="Subtracted once from the logit of each token found in the last repeat_last_n tokens; 0 = off.",
+    )
+    frequency_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
+        description="Subtracted from a token's logit once per time it occurs in the last repeat_last_n tokens; 0 = off.",
+    )
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict,
+        description="Token id -> value added to its logit before every other step (-100 bans a token in practice).",
+    )
+    logprobs: int | None = Field(
+        default=None, ge=0, le=20,
+        description=(
+            "Report each emitted token's log-probability (log-softmax of the target's raw logits, as llama-server "
+            "and vLLM report it) and this many most likely tokens with theirs; None = off."
+        ),
+    )
     seed: int | None = Field(
         default=None,
         description="RNG seed for reproducible sampling; None = fresh entropy.",
     )
+
+    @field_validator("logit_bias", mode="after")
+    @classmethod
+    def _finite_bias(cls, v: dict[int, float]) -> dict[int, float]:
+        if any(t < 0 for t in v) or not all(np.isfinite(list(v.values()))):
+            raise ValueError("logit_bias maps token ids >= 0 to finite values")
+        return v
 
     @property
     def greedy(self) -> bool:
@@ -97,8 +129,14 @@ class SamplingParams(BaseModel):
 
     @property
     def penalty_active(self) -> bool:
-        """True if the repetition penalty changes anything."""
-        return self.repeat_penalty != 1.0 and self.repeat_last_n > 0
+        """True if the penalties (repeat, frequency, presence) change anything."""
+        return self.repeat_last_n > 0 and (
+            self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True if the logits are changed before the candidates are picked (logit_bias or penalties)."""
+        return bool(self.logit_bias) or self.penalty_active
 
 
 def penalty_window(recent_tokens: np.ndarray | None, last_n: int) -> np.ndarray:
@@ -110,29 +148,63 @@ def penalty_window(recent_tokens: np.ndarray | None, last_n: int) -> np.ndarray:
 
 
 def apply_repetition_penalty(
-    logits: np.ndarray, recent_tokens: np.ndarray | None, penalty: float
+    logits: np.ndarray, recent_tokens: np.ndarray | None, penalty: float, frequency: float = 0.0,
+    presence: float = 0.0,
 ) -> np.ndarray:
-    """Return a copy of ``logits`` (1-D, [V]) with llama.cpp's repeat penalty applied.
+    """Return a copy of ``logits`` (1-D, [V]) with llama.cpp's penalties applied.
 
     Each distinct token id in ``recent_tokens`` (the caller passes the window,
     e.g. ``penalty_window(history, repeat_last_n)``) is penalised once: a
-    logit > 0 is divided by ``penalty``, a logit <= 0 multiplied by it. Ids
-    outside [0, V) are ignored. The arithmetic stays in the logits' dtype
-    (float32 logits are scaled by a float32 penalty, as llama.cpp does).
+    logit > 0 is divided by ``penalty``, a logit <= 0 multiplied by it; then
+    ``count * frequency + presence`` is subtracted (count: its occurrences in
+    the window). Ids outside [0, V) are ignored. The arithmetic stays in the
+    logits' dtype (float32 logits, float32 factors, as llama.cpp does).
+
+    >>> apply_repetition_penalty(np.array([2.0, -1.0, 3.0], dtype=np.float32), np.array([0, 0, 1]), 2.0, 0.5, 0.25)
+    array([-0.25, -2.75,  3.  ], dtype=float32)
     """
     out = np.array(logits, copy=True)
-    if penalty == 1.0 or recent_tokens is None:
+    if (penalty == 1.0 and frequency == 0.0 and presence == 0.0) or recent_tokens is None:
         return out
-    toks = np.unique(np.asarray(recent_tokens).astype(np.int64, copy=False))
+    toks, counts = np.unique(np.asarray(recent_tokens).astype(np.int64, copy=False), return_counts=True)
     if toks.size == 0:
         return out
-    toks = toks[(toks >= 0) & (toks < out.shape[-1])]
+    inside = (toks >= 0) & (toks < out.shape[-1])
+    toks, counts = toks[inside], counts[inside]
     if toks.size == 0:
         return out
-    pen = out.dtype.type(penalty) if np.issubdtype(out.dtype, np.floating) else penalty
+    f = out.dtype.type if np.issubdtype(out.dtype, np.floating) else float
     vals = out[toks]
-    out[toks] = np.where(vals <= 0, vals * pen, vals / pen)
+    if penalty != 1.0:
+        vals = np.where(vals <= 0, vals * f(penalty), vals / f(penalty))
+    if frequency != 0.0 or presence != 0.0:
+        vals = vals - (counts.astype(vals.dtype) * f(frequency) + f(presence))
+    out[toks] = vals
     return out
+
+
+def adjusted_logits(logits: np.ndarray, params: SamplingParams, recent_tokens: np.ndarray | None) -> np.ndarray:
+    """The logits the sampler chain picks candidates from: logit_bias added, then the penalties over the
+    last ``repeat_last_n`` of ``recent_tokens``. 1-D [V] or 2-D [rows, V] (the same window for every row: the
+    bias alone, as greedy verification batches it). Returns ``logits`` itself when nothing changes.
+
+    >>> p = SamplingParams(logit_bias={2: -100.0}, presence_penalty=1.0)
+    >>> adjusted_logits(np.array([1.0, 0.5, 3.0], dtype=np.float32), p, np.array([0]))
+    array([  0. ,   0.5, -97. ], dtype=float32)
+    """
+    x = logits
+    if params.logit_bias:
+        ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64, count=len(params.logit_bias))
+        vals = np.fromiter(params.logit_bias.values(), dtype=np.float64, count=len(params.logit_bias))
+        inside = ids < x.shape[-1]
+        x = np.array(x, copy=True)
+        x[..., ids[inside]] += vals[inside].astype(x.dtype)
+    if params.penalty_active and x.ndim == 1:
+        window = penalty_window(recent_tokens, params.repeat_last_n)
+        if window.size:
+            x = apply_repetition_penalty(x, window, params.repeat_penalty, params.frequency_penalty,
+                                         params.presence_penalty)
+    return x
 
 
 def _softmax64(x: np.ndarray) -> np.ndarray:
@@ -170,11 +242,9 @@ def target_probs(
     if V == 0:
         raise ValueError("empty logits row")
 
-    # 1. penalties
-    if params.penalty_active:
-        window = penalty_window(recent_tokens, params.repeat_last_n)
-        if window.size:
-            x = apply_repetition_penalty(x, window, params.repeat_penalty)
+    # 1. logit_bias, penalties
+    if params.adjusts_logits:
+        x = adjusted_logits(x, params, recent_tokens)
 
     if params.temperature == 0.0:
         out = np.zeros(V, dtype=np.float64)

@@ -26,6 +26,7 @@ from .chain import Chain, Proposal, SeqDraftRequest
 from .config import ChainConfig, EngineConfig
 from .cost import DecodeCostModel
 from .drafting import draft_round
+from .logprobs import TokenLogprobs
 from .prompt_cache import PromptCache, idle_budget
 from .request import GenerationRequest, Sequence, SeqState, admission_plan
 from .round_price import RoundPricer
@@ -62,6 +63,7 @@ class Event:
     text: str
     finished: bool
     error: str | None = None  # the sequence failed (its state could not be rolled back): it ends with this error
+    logprobs: TokenLogprobs | None = None  # of `tokens`, where the request asked for them
 
 
 @dataclass
@@ -398,7 +400,7 @@ class Scheduler:
 
         emit, failed = commit_round(self.chain, decoding, proposals, chunks, items, out.results, self._mirror)
         clock.lap("accept")
-        events = [self._emit(s, res.tokens, res.margins) for s, res in emit]
+        events = [self._emit(s, res) for s, res in emit]
         events += [self._fail(s, why) for s, why in failed]
         clock.lap("emit")
         if self.on_event:
@@ -452,12 +454,15 @@ class Scheduler:
         self._finish(s)
         return Event(s, [], "", True, error=why)
 
-    def _emit(self, s: Sequence, toks: np.ndarray, margins: np.ndarray | None) -> Event:
-        kept, text = s.emit(toks, margins, self.tok)
+    def _emit(self, s: Sequence, res: StepResult) -> Event:
+        kept, text = s.emit(res.tokens, res.margins, self.tok)
         self.stats.tokens_emitted += len(kept)
+        lps = None if res.logprobs is None else res.logprobs.head(len(kept))  # the kept tokens' (a prefix)
+        if lps is not None:
+            s.logprobs.append(lps)
         if s.finish_reason is not None:
             self._finish(s)
-        return Event(s, kept, text, s.finished)
+        return Event(s, kept, text, s.finished, logprobs=lps)
 
     def run(self, reqs: list[GenerationRequest]) -> list[Sequence]:  # all of them, to the end
         seqs = [self.submit(r) for r in reqs]

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .hidden_rows import pack_rows
+from .logprobs import TokenLogprobs, token_logprobs
 from .rollback import RollbackStats, StateRollback
 from .sampling import SamplingParams
 from .target_calibration import DECODE_SIZES, calibrate_cost, measure_attention_cost, measure_decode_costs
@@ -62,6 +63,7 @@ class StepResult:
     # the sequence cannot go on (its state could not be rolled back, rollback.py): it ends with this error
     error: str | None = None
     n_replay: int = 0  # rows its next verify replays in front of its own (checkpoint rollback)
+    logprobs: TokenLogprobs | None = None  # of `tokens`, where the request asked for them (SamplingParams.logprobs)
 
 
 @dataclass
@@ -250,8 +252,11 @@ class TargetRunner:
                 out[:n_acc] = draft[:n_acc]
                 out[n_acc] = verdict.next_token
                 margins = top2_margin(rows[: n_acc + 1]) if self.record_margins else None
+                # each emitted token's own row: what target-only decoding would have reported for it
+                lps = None if sess.params.logprobs is None else token_logprobs(rows[: n_acc + 1], out,
+                                                                                sess.params.logprobs)
                 results[it.seq_id] = StepResult(it.seq_id, out, n_acc, margins,
-                                                n_replay=self.rollback.pending_rows(it.seq_id))
+                                                n_replay=self.rollback.pending_rows(it.seq_id), logprobs=lps)
                 if rows_all is not None and it.hidden:  # the committed tokens' rows: context + accepted draft
                     n_kept = it.n_commit + n_acc
                     p0 = it.pos0 + it.n_replay

@@ -36,7 +36,7 @@ import numpy as np
 
 from .sampling import (
     SamplingParams,
-    apply_repetition_penalty,
+    adjusted_logits,
     sample_token,
     target_probs,
 )
@@ -87,20 +87,21 @@ def verify_greedy(
 
     ``logits`` is [k+1, V], ``draft`` [k] (k may be 0: the result is then
     ``(0, argmax(row 0))``). Row ``i``'s argmax is compared with ``draft[i]``
-    up to the first mismatch. Only the repetition penalty of ``params`` is
-    used (temperature etc. are irrelevant to greedy); with a penalty, row
-    ``i`` is penalised over ``recent_tokens + draft[:i]`` (last
+    up to the first mismatch. Only the logit bias and the penalties of
+    ``params`` are used (temperature etc. are irrelevant to greedy); with a
+    penalty, row ``i`` is penalised over ``recent_tokens + draft[:i]`` (last
     ``repeat_last_n``), so the result equals one-by-one greedy decoding with
-    the penalty. Without a penalty this is one ``np.argmax`` over the block.
+    the same bias and penalties. Without a penalty this is one ``np.argmax`` over the block.
     Ties go to the lowest token id (as ``np.argmax`` and llama.cpp's greedy).
     """
-    if len(draft) == 0 and (params is None or not params.penalty_active) and logits.ndim == 2 and len(logits) == 1:
+    if len(draft) == 0 and (params is None or not params.adjusts_logits) and logits.ndim == 2 and len(logits) == 1:
         # most rounds' rows (plain decoding, sequences the planner sent no draft): one argmax, no checks to make
         return Verdict(0, int(logits[0].argmax()))
     logits, draft, k, _ = _check_inputs(logits, draft)
 
     if params is None or not params.penalty_active:
-        am = np.argmax(logits, axis=1)
+        # the bias is the same for every row: one add over the block
+        am = np.argmax(logits if params is None else adjusted_logits(logits, params, None), axis=1)
         mismatch = np.flatnonzero(am[:k] != draft)
         n = int(mismatch[0]) if mismatch.size else k
         return Verdict(n, int(am[n]))
@@ -108,9 +109,7 @@ def verify_greedy(
     hist, n_recent = _history(recent_tokens, draft)
     last_n = params.repeat_last_n
     for i in range(k + 1):
-        row = apply_repetition_penalty(
-            logits[i], _window(hist, n_recent + i, last_n), params.repeat_penalty
-        )
+        row = adjusted_logits(logits[i], params, _window(hist, n_recent + i, last_n))
         tok = int(np.argmax(row))
         if i == k or tok != int(draft[i]):
             return Verdict(i, tok)

@@ -52,8 +52,10 @@ from specray.deployments.http.openai_schema import (
     DeltaTemplate,
     OpenAIError,
     chat_chunk,
+    chat_logprobs,
     chat_response,
     completion_chunk,
+    completion_logprobs,
     completion_response,
     error_body,
     new_id,
@@ -306,7 +308,8 @@ class IngressRoutes:
                                        headers=arm_header)
             records.add(result)
             build = chat_response if chat else completion_response
-            return JSONResponse(build(rid, self.model_id, result) | {"arm": arm},
+            wants = req["sampling"].get("logprobs") is not None
+            return JSONResponse(build(rid, self.model_id, result, logprobs=wants) | {"arm": arm},
                                 headers=arm_header
                                 | (_truncation_header(result["usage"].get("truncated_prompt_tokens", 0)) or {}))
 
@@ -346,13 +349,24 @@ class IngressRoutes:
         records = self.records[arm]
         tag = {"arm": arm}
         delta = DeltaTemplate(rid, model, created, chat, tag)
+        offset = 0  # completions logprobs' text_offset of the next token
         try:
             if chat:
                 yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}) | tag)
             async for chunk in gen:
                 t_got = perf_counter()
                 t = chunk["type"]
-                if t == "delta":
+                if t == "delta" and "logprobs" in chunk:  # the slow path: the chunk carries its tokens' logprobs
+                    lps = chunk["logprobs"]
+                    if chat:
+                        line = _sse(chat_chunk(rid, model, created, {"content": chunk["text"]},
+                                               logprobs=chat_logprobs(lps)) | tag)
+                    else:
+                        line = _sse(completion_chunk(rid, model, created, chunk["text"],
+                                                     logprobs=completion_logprobs(lps, offset)) | tag)
+                        offset += sum(len(e["token"]) for e in lps)
+                    yield line
+                elif t == "delta":
                     line = delta.sse(chunk["text"])
                     clock.sse_s += perf_counter() - t_got
                     clock.sse_n += 1

@@ -1,8 +1,12 @@
 """OpenAI-compatible request bodies, response builders and error bodies.
 
 Unknown OpenAI fields are ignored (clients send many); fields specray cannot
-honour with a non-default value (n > 1, logprobs, echo, presence/frequency
-penalties, tools) are refused with a 400 naming the field. Extensions:
+honour with a non-default value (n > 1, echo, tools, response_format other
+than text) are refused with a 400 naming the field. `logprobs` /
+`top_logprobs` (chat) and `logprobs: N` (completions) report the raw
+distribution's log-probabilities (engine/logprobs.py); `presence_penalty`,
+`frequency_penalty` and `logit_bias` shape sampling as llama.cpp's samplers
+do (engine/sampling.py), with speculation on. Extensions:
 `speculative` ({"chain", "n_max", "enabled"}), `top_k`, `min_p`,
 `repeat_penalty` (alias `repetition_penalty`), `ignore_eos`, `cache_prompt` (the prompt cache;
 reported as `usage.prompt_tokens_details.cached_tokens`).
@@ -14,7 +18,7 @@ import json
 import time
 import uuid
 from json.encoder import encode_basestring_ascii
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
@@ -98,11 +102,10 @@ class _Common(BaseModel):
     cache_prompt: bool = Field(
         True, description="reuse the KV of a prefix this server still holds from an earlier request (llama-server's "
         "name for it); false prefills the whole prompt. The output is the same either way")
-    # OpenAI fields accepted only at their neutral value
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logprobs: Any = None
-    logit_bias: dict | None = None
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string, OpenAI's shape) -> bias in [-100, 100] added to its logit")
 
     @field_validator("seed")
     @classmethod
@@ -112,14 +115,27 @@ class _Common(BaseModel):
     def check_supported(self) -> None:
         if self.n not in (None, 1):
             raise OpenAIError("only n=1 is supported", param="n")
-        if self.presence_penalty not in (None, 0, 0.0):
-            raise OpenAIError("presence_penalty is not supported (use repeat_penalty)", param="presence_penalty")
-        if self.frequency_penalty not in (None, 0, 0.0):
-            raise OpenAIError("frequency_penalty is not supported (use repeat_penalty)", param="frequency_penalty")
-        if self.logprobs not in (None, False, 0):
-            raise OpenAIError("logprobs are not supported", param="logprobs")
-        if self.logit_bias:
-            raise OpenAIError("logit_bias is not supported", param="logit_bias")
+
+    def logprob_count(self) -> int | None:
+        """Alternatives to report per token, or None: no logprobs (the subclasses read their own fields)."""
+        return None
+
+    def bias(self) -> dict[int, float]:
+        """logit_bias with integer keys; a 400 naming the field for a key that is no token id or a value
+        outside [-100, 100] (a key past the vocabulary is refused where the vocabulary is known)."""
+        out: dict[int, float] = {}
+        for k, v in (self.logit_bias or {}).items():
+            try:
+                t = int(k)
+            except ValueError:
+                t = -1
+            if t < 0:
+                raise OpenAIError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}", param="logit_bias")
+            if not -100.0 <= v <= 100.0:
+                raise OpenAIError(f"logit_bias values must be in [-100, 100], got {v} for token {k}",
+                                  param="logit_bias")
+            out[t] = float(v)
+        return out
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -144,6 +160,10 @@ class _Common(BaseModel):
                 "top_k": self.top_k,
                 "min_p": self.min_p,
                 "repeat_penalty": self.repeat_penalty,
+                "presence_penalty": self.presence_penalty or 0.0,
+                "frequency_penalty": self.frequency_penalty or 0.0,
+                "logit_bias": self.bias(),
+                "logprobs": self.logprob_count(),
                 "seed": self.seed,
             },
             "stop": self.stops(),
@@ -159,6 +179,11 @@ class CompletionRequest(_Common):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities of each token and this many "
+                                 "most likely alternatives (OpenAI allows 5; llama-server more)")
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def to_engine(self) -> dict:
         if self.echo:
@@ -215,6 +240,13 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list | None = None
     response_format: dict | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def to_engine(self) -> dict:
         if self.tools:
@@ -239,32 +271,61 @@ def now() -> int:
     return int(time.time())
 
 
-def completion_response(rid: str, model: str, result: dict) -> dict:
+def chat_logprobs(entries: list[dict]) -> dict:
+    """OpenAI's chat `logprobs` of tokens (replica/streams.logprob_entries).
+
+    >>> chat_logprobs([{"id": 5, "token": "hi", "bytes": [104, 105], "logprob": -0.1, "top": [["hi", [104, 105], -0.1]]}])
+    {'content': [{'token': 'hi', 'logprob': -0.1, 'bytes': [104, 105], 'top_logprobs': [{'token': 'hi', 'logprob': -0.1, 'bytes': [104, 105]}]}], 'refusal': None}
+    """
+    return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": b} for t, b, lp in e["top"]]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
+    """OpenAI's completions (legacy) `logprobs`; `offset`: the text offset of the first token.
+
+    >>> completion_logprobs([{"id": 5, "token": "a", "bytes": [97], "logprob": -0.5, "top": [["a", [97], -0.5], ["b", [98], -1.5]]},
+    ...                      {"id": 6, "token": "bc", "bytes": [98, 99], "logprob": -0.2, "top": []}])
+    {'tokens': ['a', 'bc'], 'token_logprobs': [-0.5, -0.2], 'top_logprobs': [{'a': -0.5, 'b': -1.5}, {}], 'text_offset': [0, 1]}
+    """
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t: lp for t, _, lp in e["top"]} for e in entries], "text_offset": offsets}
+
+
+def completion_response(rid: str, model: str, result: dict, logprobs: bool = False) -> dict:
     return {
         "id": rid, "object": "text_completion", "created": now(), "model": model,
         "choices": [{"index": 0, "text": result["text"], "finish_reason": result["finish_reason"],
-                     "logprobs": None}],
+                     "logprobs": completion_logprobs(result.get("logprobs") or []) if logprobs else None}],
         "usage": result["usage"], "speculative": result["speculative"],
     }
 
 
-def chat_response(rid: str, model: str, result: dict) -> dict:
+def chat_response(rid: str, model: str, result: dict, logprobs: bool = False) -> dict:
     return {
         "id": rid, "object": "chat.completion", "created": now(), "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": result["text"]},
-                     "finish_reason": result["finish_reason"], "logprobs": None}],
+                     "finish_reason": result["finish_reason"],
+                     "logprobs": chat_logprobs(result.get("logprobs") or []) if logprobs else None}],
         "usage": result["usage"], "speculative": result["speculative"],
     }
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None) -> dict:
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None,
+                     logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
+               logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
 
 
 # ---- SSE chunks on the hot path --------------------------------------------------------------------

@@ -127,11 +127,15 @@ class Admission:
         c = self.chain_config()
         speculates = bool(c.speculators) if chain is None else bool(chain)
         draft_room = min(c.n_max, c.n_max if n_max is None else n_max) if speculates else 0
+        sampling = SamplingParams.model_validate(request.get("sampling") or {})
+        if sampling.logit_bias and max(sampling.logit_bias) >= self.model.n_vocab:
+            raise RequestError(f"logit_bias token {max(sampling.logit_bias)} is outside the vocabulary "
+                               f"[0, {self.model.n_vocab})", param="logit_bias")
         dropped = fit_prompt(len(prompt), max_tokens, self.n_ctx_seq, draft_room, self.truncate)
         return ServeRequest(
             prompt_tokens=prompt[dropped:].copy() if dropped else prompt,
             max_tokens=max_tokens,
-            sampling=SamplingParams.model_validate(request.get("sampling") or {}),
+            sampling=sampling,
             stop=stop,
             chain=None if chain is None else tuple(chain),
             n_max=n_max,

@@ -101,12 +101,13 @@ class EngineReplica:
             yield {"type": "start", "id": seq.id, "prompt_tokens": len(req.prompt_tokens),
                    "truncated_prompt_tokens": getattr(req, "truncated_prompt_tokens", 0)}
             while True:
-                text, term, t_made = await next_chunk_stamped(queue)
-                if text:
+                lps: list = []
+                text, term, t_made = await next_chunk_stamped(queue, lps)
+                if text or lps:
                     if t_made is not None:
                         emit_s += perf_counter() - t_made
                         emit_chunks += 1
-                    yield {"type": "delta", "text": text}
+                    yield {"type": "delta", "text": text} | ({"logprobs": lps} if lps else {})
                 if term is not None:
                     done = True
                     if term["type"] == "end":  # the ingress adds its own stages (once per request)
@@ -123,6 +124,7 @@ class EngineReplica:
     async def generate(self, request: dict) -> dict:
         """The whole result at once: {"id", "text", "finish_reason", "usage", "speculative"} or an error chunk."""
         parts: list[str] = []
+        lps: list = []  # the tokens' logprob entries (streams.logprob_entries), where asked for
         start: dict = {}
         async for chunk in self.generate_stream(request):
             t = chunk["type"]
@@ -130,10 +132,11 @@ class EngineReplica:
                 start = chunk
             elif t == "delta":
                 parts.append(chunk["text"])
+                lps.extend(chunk.get("logprobs", ()))
             elif t == "error":
                 return chunk
             elif t == "end":
-                return {"type": "result", "id": start.get("id"), "text": "".join(parts)} | {
+                return {"type": "result", "id": start.get("id"), "text": "".join(parts), "logprobs": lps} | {
                     k: chunk[k] for k in ("finish_reason", "usage", "speculative", "timing")
                 }
         return {"type": "error", "status": 500, "message": "stream ended without a result", "param": None,

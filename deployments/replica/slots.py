@@ -16,7 +16,7 @@ from specray.engine.request import Sequence, SeqState
 from specray.engine.scheduler import Event, QueueFullError, Scheduler
 
 from .admission import RequestError
-from .streams import Op, Outbox, Stream, call_in_loop, end_info, error_item, resolve
+from .streams import Op, Outbox, Stream, call_in_loop, end_info, error_item, logprob_entries, resolve
 
 log = logging.getLogger("specray.router")
 
@@ -103,9 +103,12 @@ class Slots:
                 self.scheduler.cancel(ev.seq)
             return
         items = out.setdefault(st.loop, [])
-        if ev.text:
+        if ev.text or (ev.logprobs is not None and len(ev.logprobs)):
             # "t": when the round produced it; the replica's loop measures the emit stage from it
-            items.append((st.queue, {"type": "delta", "text": ev.text, "t": perf_counter()}))
+            item = {"type": "delta", "text": ev.text, "t": perf_counter()}
+            if ev.logprobs is not None:  # asked for: the kept tokens' logprobs, with their text
+                item["logprobs"] = logprob_entries(ev.logprobs, ev.tokens, self.scheduler.tok.token_to_piece)
+            items.append((st.queue, item))
         if ev.finished:
             del self.streams[ev.seq.id]
             # a sequence the target could not go on with (a state it could not roll back) ends in a 500

@@ -5,7 +5,8 @@ The round thread never touches an event loop directly: it collects
 one `call_soon_threadsafe` (one wake-up per event loop per round).
 
 Items: {"type": "delta", "text", "t"} ("t": perf_counter when the round
-produced it), then one of {"type": "end", ...} (end_info)
+produced it; "logprobs": logprob_entries of its tokens where the request asked
+for them), then one of {"type": "end", ...} (end_info)
 or {"type": "error", ...} (error_item).
 """
 
@@ -68,6 +69,22 @@ def end_info(seq: Sequence) -> dict:
     }
 
 
+def logprob_entries(lps, tokens: list[int], piece) -> list[dict]:
+    """JSON-ready entries of emitted tokens' logprobs (engine/logprobs.TokenLogprobs): per token its id, text,
+    UTF-8 bytes, logprob and its top alternatives as [text, bytes, logprob]; `piece(token)` -> bytes. The
+    ingress shapes them as OpenAI's chat or completions logprobs (openai_schema.py)."""
+    def text_bytes(t: int) -> tuple[str, list[int]]:
+        b = piece(int(t))
+        return b.decode("utf-8", "replace"), list(b)
+
+    out = []
+    for i, t in enumerate(tokens):
+        s, b = text_bytes(t)
+        top = [[*text_bytes(a), float(lp)] for a, lp in zip(lps.top_ids[i], lps.top_logprobs[i])]
+        out.append({"id": int(t), "token": s, "bytes": b, "logprob": float(lps.logprob[i]), "top": top})
+    return out
+
+
 def error_item(status: int, message: str, code: str | None = None) -> dict:
     return {"type": "error", "status": status, "message": message, "param": None, "code": code}
 
@@ -109,20 +126,26 @@ async def next_chunk(queue: asyncio.Queue) -> tuple[str, dict | None]:
     return text, term
 
 
-async def next_chunk_stamped(queue: asyncio.Queue) -> tuple[str, dict | None, float | None]:
+async def next_chunk_stamped(queue: asyncio.Queue,
+                             logprobs: list | None = None) -> tuple[str, dict | None, float | None]:
     """next_chunk, plus when the round thread produced the oldest delta taken (perf_counter; None if
-    no delta was taken): the replica's emit stage is "now" minus that, once per chunk it yields."""
+    no delta was taken): the replica's emit stage is "now" minus that, once per chunk it yields. The deltas'
+    logprob entries, if any, are added to `logprobs`."""
     item = await queue.get()
     if item["type"] != "delta":
         return "", item, None
     t_made = item.get("t")
     if queue.empty():  # the common case: one round's delta, nothing to merge
+        if logprobs is not None and "logprobs" in item:
+            logprobs.extend(item["logprobs"])
         return item["text"], None, t_made
     texts: list[str] = []
     while True:
         if item["type"] != "delta":
             return "".join(texts), item, t_made
         texts.append(item["text"])
+        if logprobs is not None and "logprobs" in item:
+            logprobs.extend(item["logprobs"])
         if queue.empty():
             return "".join(texts), None, t_made
         item = queue.get_nowait()

@@ -67,8 +67,12 @@ optional = {
         "chain": either(st.sampled_from(["ngram_mod", "suffix", "ngram_mod,suffix", "none", "", "bogus", "none,suffix"])
                         | st.lists(st.sampled_from(["ngram_simple", "suffix", "x"]), max_size=3)),
         "n_max": either(st.integers(0, 16), ints)})),
-    "logprobs": either(st.booleans() | st.none()),
-    "presence_penalty": either(st.just(0.0), floats),
+    "logprobs": either(st.booleans() | st.none() | st.integers(0, 25)),
+    "top_logprobs": either(st.integers(0, 25), ints),
+    "presence_penalty": either(st.floats(-2, 2), floats),
+    "frequency_penalty": either(st.floats(-2, 2), floats),
+    "logit_bias": either(st.dictionaries(st.sampled_from(["0", "17", "49151", "49152", "-1", "x", "1e3"]),
+                                         st.floats(-150, 150) | floats, max_size=3)),
     "user": either(small_text),
     "unknown_field": junk,
 }
