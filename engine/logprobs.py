@@ -32,6 +32,25 @@ class TokenLogprobs:
         return TokenLogprobs(self.logprob[:n], self.top_ids[:n], self.top_logprobs[:n])
 
 
+def concat(chunks: list[TokenLogprobs]) -> TokenLogprobs:
+    """Several rounds' TokenLogprobs as one."""
+    return TokenLogprobs(np.concatenate([c.logprob for c in chunks]), np.concatenate([c.top_ids for c in chunks]),
+                         np.concatenate([c.top_logprobs for c in chunks]))
+
+
+def prompt_rows(n_tokens: int, pos0: int, n_prompt: int, sampled: bool) -> int:
+    """Logits rows a prompt chunk of `n_tokens` at `pos0` outputs for the prompt's own logprobs (echo): each row
+    predicts the next prompt token, so all of them but, in the prompt's last chunk, the last one (the row the
+    first generated token is sampled from). 0 for rows past the prompt (a decode round's verify).
+
+    >>> prompt_rows(4, 0, 10, sampled=False), prompt_rows(6, 4, 10, sampled=True), prompt_rows(3, 10, 10, True)
+    (4, 5, 0)
+    """
+    if pos0 + n_tokens > n_prompt:
+        return 0
+    return n_tokens - 1 if sampled else n_tokens
+
+
 def token_logprobs(rows: np.ndarray, tokens: np.ndarray, top_n: int) -> TokenLogprobs:
     """Log-softmax of each row (float64) at its token, and its top_n.
 

@@ -115,6 +115,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None  # finish_reason "error": why the target could not go on with it
         self.logprobs: list = []  # logprobs.TokenLogprobs of the generated tokens, a chunk per round (if asked)
+        self.prompt_logprobs: list = []  # echo: TokenLogprobs of prompt tokens 1.. (the first has none), by chunk
+        self.prompt_logprobs_sent = False  # they go out with the first event
         # top-2 logit margin per generated token (record_margins), plus the end-of-generation token's when
         # it stopped on one: the bench classifies a divergence by the margin where it began
         self.margins: list[float] = []
@@ -207,6 +209,17 @@ class Sequence:
         if self.finish_reason is not None and self.finish_reason != "stop":
             text += self.feed_text(b"", final=True)
         return kept, text
+
+    def take_logprobs(self, lps, n_kept: int) -> tuple:
+        """(the kept tokens' logprobs: a prefix of the round's TokenLogprobs, or None; the prompt's logprobs
+        chunks with the first event of an echo request, else None), recorded on the sequence."""
+        lps = None if lps is None else lps.head(n_kept)
+        if lps is not None:
+            self.logprobs.append(lps)
+        plp = None
+        if self.prompt_logprobs and not self.prompt_logprobs_sent:
+            plp, self.prompt_logprobs_sent = self.prompt_logprobs, True
+        return lps, plp
 
     def count_spec(self, name: str | None, n_drafted: int, n_accepted: int) -> None:
         if not name or n_drafted <= 0:

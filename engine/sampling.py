@@ -110,6 +110,13 @@ class SamplingParams(BaseModel):
             "and vLLM report it) and this many most likely tokens with theirs; None = off."
         ),
     )
+    prompt_logprobs: bool = Field(
+        default=False,
+        description=(
+            "Also report the prompt tokens' log-probabilities (completions' echo): every prompt row outputs "
+            "logits, and the prompt cache is not used for the request."
+        ),
+    )
     seed: int | None = Field(
         default=None,
         description="RNG seed for reproducible sampling; None = fresh entropy.",

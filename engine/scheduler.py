@@ -64,6 +64,7 @@ class Event:
     finished: bool
     error: str | None = None  # the sequence failed (its state could not be rolled back): it ends with this error
     logprobs: TokenLogprobs | None = None  # of `tokens`, where the request asked for them
+    prompt_logprobs: list | None = None  # echo: the prompt's TokenLogprobs chunks, with the sequence's first event
 
 
 @dataclass
@@ -203,6 +204,8 @@ def commit_round(chain: Chain, decoding: list[Sequence], proposals: list[Proposa
         if res.error:
             continue
         mirror(s, s.req.prompt_tokens[s.n_prefilled : s.n_prefilled + n], s.n_prefilled)
+        if res.prompt_logprobs is not None:
+            s.prompt_logprobs.append(res.prompt_logprobs)
         s.n_prefilled += n
         s.n_past += n
         if len(res.tokens):
@@ -288,7 +291,8 @@ class Scheduler:
             prompt = seq.req.prompt_tokens
             # hidden-state speculators need the target's hidden rows of every prompt token, which a reused
             # prefix never produces: such sequences prefill the whole prompt
-            use = seq.req.cache_prompt and not self._needs_hidden(seq)
+            # echo (prompt logprobs) needs every prompt row's logits too
+            use = seq.req.cache_prompt and not self._needs_hidden(seq) and not seq.req.sampling.prompt_logprobs
             slot, reuse = self.prompt_cache.pick(self.free_slots, prompt, use)
             if self.shared_cells is not None:  # one KV pool: idle caches hold cells of it too
                 room = self.shared_cells - self.reserved - seq.reserve
@@ -457,12 +461,10 @@ class Scheduler:
     def _emit(self, s: Sequence, res: StepResult) -> Event:
         kept, text = s.emit(res.tokens, res.margins, self.tok)
         self.stats.tokens_emitted += len(kept)
-        lps = None if res.logprobs is None else res.logprobs.head(len(kept))  # the kept tokens' (a prefix)
-        if lps is not None:
-            s.logprobs.append(lps)
+        lps, plp = s.take_logprobs(res.logprobs, len(kept))
         if s.finish_reason is not None:
             self._finish(s)
-        return Event(s, kept, text, s.finished, logprobs=lps)
+        return Event(s, kept, text, s.finished, logprobs=lps, prompt_logprobs=plp)
 
     def run(self, reqs: list[GenerationRequest]) -> list[Sequence]:  # all of them, to the end
         seqs = [self.submit(r) for r in reqs]

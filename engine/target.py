@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .hidden_rows import pack_rows
-from .logprobs import TokenLogprobs, token_logprobs
+from .logprobs import TokenLogprobs, prompt_rows, token_logprobs
 from .rollback import RollbackStats, StateRollback
 from .sampling import SamplingParams
 from .target_calibration import DECODE_SIZES, calibrate_cost, measure_attention_cost, measure_decode_costs
@@ -64,6 +64,8 @@ class StepResult:
     error: str | None = None
     n_replay: int = 0  # rows its next verify replays in front of its own (checkpoint rollback)
     logprobs: TokenLogprobs | None = None  # of `tokens`, where the request asked for them (SamplingParams.logprobs)
+    # of the prompt tokens this chunk's rows predict (echo: SamplingParams.prompt_logprobs)
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -88,6 +90,7 @@ class _Session:
     params: SamplingParams
     seed: int  # the request's seed, or a random one
     window: np.ndarray  # last tokens of the sequence (for the repetition penalty)
+    prompt: np.ndarray | None = None  # kept where the request reports its prompt's logprobs (echo)
 
     def position_rngs(self, pos0: int, n: int) -> list[np.random.Generator]:
         """One generator per sequence position: a sampled token depends only on
@@ -160,7 +163,8 @@ class TargetRunner:
                                "refused): turn the prompt cache off for this model")
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
         self.rollback.forget(seq_id)
-        sess = _Session(params, seed, np.zeros(0, dtype=np.int32))
+        sess = _Session(params, seed, np.zeros(0, dtype=np.int32),
+                        np.asarray(prompt, dtype=np.int32) if params.prompt_logprobs else None)
         if n_keep > 0:  # the repetition penalty's window would have seen the reused tokens
             sess.push(np.asarray(prompt[:n_keep], dtype=np.int32))
         self.sessions[seq_id] = sess
@@ -193,7 +197,8 @@ class TargetRunner:
             batch.clear()
             for it in group:
                 pad = pads.get(it.seq_id, 0)
-                n_logits = it.n_draft + 1 + pad if it.sample else 0  # pad rows get logits: n_outputs is shape
+                # pad rows get logits: n_outputs is shape; echo: every prompt row but the sampled one too
+                n_logits = (it.n_draft + 1 + pad if it.sample else 0) + self._echo_rows(it)
                 # pad token: the last real token repeated. Any valid id would do (its logits are never read, its
                 # cells are removed below); this one is valid for every vocabulary and costs no look-up
                 toks = np.concatenate([it.tokens, np.full(pad, it.tokens[-1], dtype=np.int32)]) if pad else it.tokens
@@ -224,8 +229,14 @@ class TargetRunner:
                 sess.push(it.tokens[it.n_replay : it.n_commit])
                 pad = pads.get(it.seq_id, 0)
                 it_row, first_row = first_row, first_row + len(it.tokens) + pad
+                echo = self._echo_rows(it)
+                plp = None
+                if echo:  # row j predicts the prompt token after it
+                    p0 = it.pos0 + 1
+                    plp = token_logprobs(logits[row : row + echo], sess.prompt[p0 : p0 + echo], sess.params.logprobs or 0)
+                    row += echo
                 if not it.sample:
-                    results[it.seq_id] = StepResult(it.seq_id, np.zeros(0, dtype=np.int32))
+                    results[it.seq_id] = StepResult(it.seq_id, np.zeros(0, dtype=np.int32), prompt_logprobs=plp)
                     if rows_all is not None and it.hidden:
                         rows_it = keep_rows(rows_all[it_row : it_row + len(it.tokens)])
                         hidden_entries.append((it.seq_id, it.pos0, it.tokens, rows_it))
@@ -256,7 +267,8 @@ class TargetRunner:
                 lps = None if sess.params.logprobs is None else token_logprobs(rows[: n_acc + 1], out,
                                                                                 sess.params.logprobs)
                 results[it.seq_id] = StepResult(it.seq_id, out, n_acc, margins,
-                                                n_replay=self.rollback.pending_rows(it.seq_id), logprobs=lps)
+                                                n_replay=self.rollback.pending_rows(it.seq_id), logprobs=lps,
+                                                prompt_logprobs=plp)
                 if rows_all is not None and it.hidden:  # the committed tokens' rows: context + accepted draft
                     n_kept = it.n_commit + n_acc
                     p0 = it.pos0 + it.n_replay
@@ -283,6 +295,13 @@ class TargetRunner:
 
     def measure_attention_cost(self) -> float:
         return measure_attention_cost(self.ctx)
+
+    def _echo_rows(self, it: StepItem) -> int:
+        """Leading logits rows of `it` for its prompt's own logprobs (echo requests' prompt chunks; else 0)."""
+        sess = self.sessions.get(it.seq_id)
+        if sess is None or sess.prompt is None or it.n_draft:
+            return 0
+        return prompt_rows(len(it.tokens), it.pos0, len(sess.prompt), it.sample)
 
     def _pads(self, items: list[StepItem]) -> dict[int, int]:
         """Pad rows per sequence under shape-stable verifies: in a decode-only round (every item one committed

@@ -57,6 +57,7 @@ from specray.deployments.http.openai_schema import (
     completion_chunk,
     completion_logprobs,
     completion_response,
+    echo_text,
     error_body,
     new_id,
     now,
@@ -332,14 +333,15 @@ class IngressRoutes:
                                    headers=arm_header)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            self._sse_stream(gen, rid, chat, include_usage, arm, clock, wants_timing(request.headers)),
+            self._sse_stream(gen, rid, chat, include_usage, arm, clock, wants_timing(request.headers),
+                             logprobs_on=req["sampling"].get("logprobs") is not None),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | arm_header
             | (_truncation_header(first.get("truncated_prompt_tokens", 0)) or {}),
         )
 
     async def _sse_stream(self, gen, rid: str, chat: bool, include_usage: bool, arm: str, clock: StreamClock,
-                          timing: bool = False):
+                          timing: bool = False, logprobs_on: bool = False):
         """The SSE body. Deltas (one per round per stream at most: the replica merges what queued up) are
         written from a per-stream template: no dict or json.dumps per chunk (openai_schema.DeltaTemplate).
         With `timing` the final chunk carries the per-stage breakdown under `specray_timing` (timing.py)."""
@@ -356,15 +358,19 @@ class IngressRoutes:
             async for chunk in gen:
                 t_got = perf_counter()
                 t = chunk["type"]
-                if t == "delta" and "logprobs" in chunk:  # the slow path: the chunk carries its tokens' logprobs
-                    lps = chunk["logprobs"]
+                if t == "delta" and ("logprobs" in chunk or "prompt_logprobs" in chunk):
+                    # the slow path: the chunk carries its tokens' logprobs (or, echo, the prompt's)
+                    lps = chunk.get("logprobs", [])
                     if chat:
                         line = _sse(chat_chunk(rid, model, created, {"content": chunk["text"]},
                                                logprobs=chat_logprobs(lps)) | tag)
                     else:
-                        line = _sse(completion_chunk(rid, model, created, chunk["text"],
-                                                     logprobs=completion_logprobs(lps, offset)) | tag)
-                        offset += sum(len(e["token"]) for e in lps)
+                        plps = chunk.get("prompt_logprobs", [])
+                        entries = plps + lps
+                        logprobs = completion_logprobs(entries, offset) if logprobs_on else None
+                        line = _sse(completion_chunk(rid, model, created, echo_text(plps) + chunk["text"],
+                                                     logprobs=logprobs) | tag)
+                        offset += sum(len(e["token"]) for e in entries)
                     yield line
                 elif t == "delta":
                     line = delta.sse(chunk["text"])

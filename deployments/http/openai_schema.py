@@ -1,10 +1,11 @@
 """OpenAI-compatible request bodies, response builders and error bodies.
 
 Unknown OpenAI fields are ignored (clients send many); fields specray cannot
-honour with a non-default value (n > 1, echo, tools, response_format other
-than text) are refused with a 400 naming the field. `logprobs` /
-`top_logprobs` (chat) and `logprobs: N` (completions) report the raw
-distribution's log-probabilities (engine/logprobs.py); `presence_penalty`,
+honour with a non-default value (n > 1, best_of, suffix, tools,
+response_format other than text) are refused with a 400 naming the field.
+`logprobs` / `top_logprobs` (chat) and `logprobs: N` (completions) report
+the raw distribution's log-probabilities (engine/logprobs.py), `echo` the
+prompt's too; `presence_penalty`,
 `frequency_penalty` and `logit_bias` shape sampling as llama.cpp's samplers
 do (engine/sampling.py), with speculation on. Extensions:
 `speculative` ({"chain", "n_max", "enabled"}), `top_k`, `min_p`,
@@ -186,13 +187,13 @@ class CompletionRequest(_Common):
         return self.logprobs
 
     def to_engine(self) -> dict:
-        if self.echo:
-            raise OpenAIError("echo is not supported", param="echo")
         if self.best_of not in (None, 1):
             raise OpenAIError("best_of is not supported", param="best_of")
         if self.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         d = self.engine_fields(self.max_tokens)
+        # echo: the prompt comes back in front of the text, as its tokens (with their logprobs where asked)
+        d["sampling"]["prompt_logprobs"] = self.echo
         p = self.prompt
         if isinstance(p, list) and not p:
             raise OpenAIError("prompt is empty", param="prompt")
@@ -293,15 +294,23 @@ def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
     for e in entries:
         offsets.append(offset)
         offset += len(e["token"])
+    # an echoed prompt's first token has no logprob: null, as OpenAI and llama-server report it
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t: lp for t, _, lp in e["top"]} for e in entries], "text_offset": offsets}
+            "top_logprobs": [None if e["top"] is None else {t: lp for t, _, lp in e["top"]} for e in entries],
+            "text_offset": offsets}
+
+
+def echo_text(prompt_entries: list[dict]) -> str:
+    """The echoed prompt: its tokens' text (what the logprobs' text offsets count)."""
+    return "".join(e["token"] for e in prompt_entries)
 
 
 def completion_response(rid: str, model: str, result: dict, logprobs: bool = False) -> dict:
+    prompt = result.get("prompt_logprobs") or []  # echo
     return {
         "id": rid, "object": "text_completion", "created": now(), "model": model,
-        "choices": [{"index": 0, "text": result["text"], "finish_reason": result["finish_reason"],
-                     "logprobs": completion_logprobs(result.get("logprobs") or []) if logprobs else None}],
+        "choices": [{"index": 0, "text": echo_text(prompt) + result["text"], "finish_reason": result["finish_reason"],
+                     "logprobs": completion_logprobs(prompt + (result.get("logprobs") or [])) if logprobs else None}],
         "usage": result["usage"], "speculative": result["speculative"],
     }
 

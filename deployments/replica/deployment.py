@@ -101,13 +101,13 @@ class EngineReplica:
             yield {"type": "start", "id": seq.id, "prompt_tokens": len(req.prompt_tokens),
                    "truncated_prompt_tokens": getattr(req, "truncated_prompt_tokens", 0)}
             while True:
-                lps: list = []
+                lps: dict[str, list] = {"logprobs": [], "prompt_logprobs": []}
                 text, term, t_made = await next_chunk_stamped(queue, lps)
-                if text or lps:
+                if text or lps["logprobs"] or lps["prompt_logprobs"]:
                     if t_made is not None:
                         emit_s += perf_counter() - t_made
                         emit_chunks += 1
-                    yield {"type": "delta", "text": text} | ({"logprobs": lps} if lps else {})
+                    yield {"type": "delta", "text": text} | {k: v for k, v in lps.items() if v}
                 if term is not None:
                     done = True
                     if term["type"] == "end":  # the ingress adds its own stages (once per request)
@@ -125,6 +125,7 @@ class EngineReplica:
         """The whole result at once: {"id", "text", "finish_reason", "usage", "speculative"} or an error chunk."""
         parts: list[str] = []
         lps: list = []  # the tokens' logprob entries (streams.logprob_entries), where asked for
+        plps: list = []  # echo: the prompt tokens' entries
         start: dict = {}
         async for chunk in self.generate_stream(request):
             t = chunk["type"]
@@ -133,10 +134,12 @@ class EngineReplica:
             elif t == "delta":
                 parts.append(chunk["text"])
                 lps.extend(chunk.get("logprobs", ()))
+                plps.extend(chunk.get("prompt_logprobs", ()))
             elif t == "error":
                 return chunk
             elif t == "end":
-                return {"type": "result", "id": start.get("id"), "text": "".join(parts), "logprobs": lps} | {
+                return {"type": "result", "id": start.get("id"), "text": "".join(parts), "logprobs": lps,
+                        "prompt_logprobs": plps} | {
                     k: chunk[k] for k in ("finish_reason", "usage", "speculative", "timing")
                 }
         return {"type": "error", "status": 500, "message": "stream ended without a result", "param": None,

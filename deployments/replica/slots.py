@@ -16,7 +16,8 @@ from specray.engine.request import Sequence, SeqState
 from specray.engine.scheduler import Event, QueueFullError, Scheduler
 
 from .admission import RequestError
-from .streams import Op, Outbox, Stream, call_in_loop, end_info, error_item, logprob_entries, resolve
+from .streams import (Op, Outbox, Stream, call_in_loop, end_info, error_item, logprob_entries, prompt_logprob_entries,
+                      resolve)
 
 log = logging.getLogger("specray.router")
 
@@ -103,11 +104,14 @@ class Slots:
                 self.scheduler.cancel(ev.seq)
             return
         items = out.setdefault(st.loop, [])
-        if ev.text or (ev.logprobs is not None and len(ev.logprobs)):
+        if ev.text or (ev.logprobs is not None and len(ev.logprobs)) or ev.prompt_logprobs:
             # "t": when the round produced it; the replica's loop measures the emit stage from it
             item = {"type": "delta", "text": ev.text, "t": perf_counter()}
+            piece = self.scheduler.tok.token_to_piece if ev.logprobs is not None or ev.prompt_logprobs else None
             if ev.logprobs is not None:  # asked for: the kept tokens' logprobs, with their text
-                item["logprobs"] = logprob_entries(ev.logprobs, ev.tokens, self.scheduler.tok.token_to_piece)
+                item["logprobs"] = logprob_entries(ev.logprobs, ev.tokens, piece)
+            if ev.prompt_logprobs:  # echo: the prompt's, once, with the first tokens
+                item["prompt_logprobs"] = prompt_logprob_entries(ev.prompt_logprobs, ev.seq.req.prompt_tokens, piece)
             items.append((st.queue, item))
         if ev.finished:
             del self.streams[ev.seq.id]

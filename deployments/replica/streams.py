@@ -85,6 +85,18 @@ def logprob_entries(lps, tokens: list[int], piece) -> list[dict]:
     return out
 
 
+def prompt_logprob_entries(chunks: list, prompt, piece) -> list[dict]:
+    """Echo: the prompt tokens' entries (as logprob_entries), the first one without a logprob (nothing
+    predicts it); `chunks`: the prompt's TokenLogprobs by prefill chunk, for tokens 1..."""
+    from specray.engine.logprobs import concat
+
+    first = piece(int(prompt[0]))
+    head = {"id": int(prompt[0]), "token": first.decode("utf-8", "replace"), "bytes": list(first), "logprob": None,
+            "top": None}
+    lps = concat(chunks)
+    return [head] + logprob_entries(lps, [int(t) for t in prompt[1 : 1 + len(lps)]], piece)
+
+
 def error_item(status: int, message: str, code: str | None = None) -> dict:
     return {"type": "error", "status": status, "message": message, "param": None, "code": code}
 
@@ -126,26 +138,30 @@ async def next_chunk(queue: asyncio.Queue) -> tuple[str, dict | None]:
     return text, term
 
 
+def _collect(item: dict, into: dict[str, list] | None) -> None:
+    if into is not None:
+        for key, entries in into.items():
+            entries.extend(item.get(key, ()))
+
+
 async def next_chunk_stamped(queue: asyncio.Queue,
-                             logprobs: list | None = None) -> tuple[str, dict | None, float | None]:
+                             logprobs: dict[str, list] | None = None) -> tuple[str, dict | None, float | None]:
     """next_chunk, plus when the round thread produced the oldest delta taken (perf_counter; None if
     no delta was taken): the replica's emit stage is "now" minus that, once per chunk it yields. The deltas'
-    logprob entries, if any, are added to `logprobs`."""
+    entries under each key of `logprobs` ("logprobs", "prompt_logprobs") are added to its lists."""
     item = await queue.get()
     if item["type"] != "delta":
         return "", item, None
     t_made = item.get("t")
     if queue.empty():  # the common case: one round's delta, nothing to merge
-        if logprobs is not None and "logprobs" in item:
-            logprobs.extend(item["logprobs"])
+        _collect(item, logprobs)
         return item["text"], None, t_made
     texts: list[str] = []
     while True:
         if item["type"] != "delta":
             return "".join(texts), item, t_made
         texts.append(item["text"])
-        if logprobs is not None and "logprobs" in item:
-            logprobs.extend(item["logprobs"])
+        _collect(item, logprobs)
         if queue.empty():
             return "".join(texts), None, t_made
         item = queue.get_nowait()

@@ -103,3 +103,22 @@ def test_fast_mode_logprobs_within_the_logits_drift(smollm2):
         assert compared >= 20  # tokens both runs emitted before any near-tie divergence
     finally:
         eng.close()
+
+
+def test_echo_prompt_logprobs_across_prefill_chunks(smollm2):
+    """The prompt's own logprobs (echo) come from every prompt row, chunk boundaries included: prefilled in
+    chunks of 16 or all at once (exact mode), the same numbers; the first prompt token has none."""
+    sp = SamplingParams(logprobs=2, prompt_logprobs=True)
+    got = []
+    for chunk in (256, 16):
+        cfg = EngineConfig(model="smollm2-135m", slots=2, n_ctx=2048, exact=True, calibrate=False, prefill_chunk=chunk)
+        eng = LocalEngine(cfg, model=smollm2)
+        try:
+            seqs = _run(eng, ("ngram_mod",), sp)
+            got.append([(np.concatenate([c.logprob for c in s.prompt_logprobs]), len(s.req.prompt_tokens))
+                        for s in seqs])
+        finally:
+            eng.close()
+    for (a, n), (b, _) in zip(*got):
+        assert len(a) == n - 1 and (a <= 0).all()
+        np.testing.assert_array_equal(a, b)

@@ -101,3 +101,28 @@ def test_bad_logprob_and_bias_fields_are_400s(rel_server):
             assert param in (err.get("param") or "") + err["message"], (body, err)
         r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 21})
         assert r.status_code == 400 and "logprobs" in r.text
+
+
+def test_completion_echo_with_logprobs(client):
+    """lm-eval's loglikelihood request: echo + logprobs + 1 token. The prompt comes back with its tokens'
+    logprobs (the first one null), and a prompt token's logprob is the one the model gives it when it is
+    generated (exact mode)."""
+    prompt = COMPLETION_PROMPTS[0]
+    first = client.completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0, logprobs=0)
+    nxt, lp_next = first.choices[0].text, first.choices[0].logprobs.token_logprobs[0]
+    r = client.completions.create(model="m", prompt=prompt + nxt, max_tokens=1, temperature=0, logprobs=1,
+                                  echo=True)
+    c = r.choices[0]
+    assert c.text.startswith(prompt + nxt)
+    lp = c.logprobs
+    assert len(lp.tokens) == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == c.text
+    prompt_last = lp.token_logprobs[r.usage.prompt_tokens - 1]
+    assert abs(prompt_last - lp_next) < 1e-3, (prompt_last, lp_next)
+    # streamed: the prompt in the first chunk, then the tokens
+    chunks = [ch for ch in client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0,
+                                                     echo=True, stream=True) if ch.choices]
+    assert "".join(ch.choices[0].text for ch in chunks).startswith(prompt)
+    assert chunks[0].choices[0].logprobs is None  # echo without logprobs: the text only
