@@ -14,6 +14,7 @@ import numpy as np
 
 from specray.engine.config import ChainConfig
 from specray.engine.request import GenerationRequest, admission_plan
+from specray.engine.sampling import SamplingParams
 from specray.native.context import n_ctx_for_seq
 
 from .shapes import chain_of
@@ -22,9 +23,10 @@ from .shapes import chain_of
 NAMED_MAX = 12
 
 
-def bench_request(tokens: np.ndarray, max_tokens: int, config: str) -> GenerationRequest:
-    """The request a configuration's run submits for a prompt."""
-    return GenerationRequest(prompt_tokens=tokens, max_tokens=max_tokens, chain=tuple(chain_of(config)))
+def bench_request(tokens: np.ndarray, max_tokens: int, config: str, grammar: str | None = None) -> GenerationRequest:
+    """The request a configuration's run submits for a prompt (`grammar`: GBNF its output follows)."""
+    return GenerationRequest(prompt_tokens=tokens, max_tokens=max_tokens, chain=tuple(chain_of(config)),
+                             sampling=SamplingParams(grammar=grammar))
 
 
 def cells_needed(n_prompt: int, max_tokens: int, configs: list[str], chain: ChainConfig) -> int:

@@ -149,6 +149,11 @@ def request_body(prompt: Prompt, max_tokens: int, extra: dict) -> tuple[str, dic
     # engine does (a prompt the server saw in an earlier run would otherwise come from its prompt cache)
     body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "cache_prompt": False,
             "stream_options": {"include_usage": True}} | extra
+    if prompt.get("json_schema") is not None:  # structured output: OpenAI's shape, which llama-server takes too
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "output", "schema": prompt["json_schema"]}}
+    if prompt.get("grammar") is not None:
+        body["grammar"] = prompt["grammar"]
     if prompt.get("messages") is not None:
         return "/v1/chat/completions", body | {"messages": prompt["messages"]}
     return "/v1/completions", body | {"prompt": prompt["prompt"]}

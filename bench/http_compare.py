@@ -48,7 +48,12 @@ def select_prompts(path: str, categories: list[str] | None, per_category: int | 
         for items in by_cat.values():
             if items and len(out) < n:
                 bp = items.pop(0)
-                out.append({"messages": bp.messages} if bp.messages is not None else {"prompt": bp.prompt})
+                d = {"messages": bp.messages} if bp.messages is not None else {"prompt": bp.prompt}
+                if bp.json_schema is not None:
+                    d["json_schema"] = bp.json_schema
+                if bp.grammar is not None:
+                    d["grammar"] = bp.grammar
+                out.append(d)
     return out
 
 

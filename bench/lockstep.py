@@ -37,11 +37,13 @@ class ConfigRun:
     at a time (lockstep) with only its own rounds' time counted."""
 
     def __init__(self, engine: LocalEngine, chain: Chain, name: str, prompts: list[np.ndarray],
-                 max_tokens: int, profiler: RoundProfiler | None = None) -> None:
+                 max_tokens: int, profiler: RoundProfiler | None = None,
+                 grammars: list[str | None] | None = None) -> None:
         self.engine, self.name = engine, name
         self.profiler = profiler  # --profile: cProfile on during this run's rounds
         engine.scheduler.chain = chain
-        reqs = [bench_request(t, max_tokens, name) for t in prompts]
+        grammars = grammars or [None] * len(prompts)
+        reqs = [bench_request(t, max_tokens, name, g) for t, g in zip(prompts, grammars)]
         st = engine.scheduler.stats
         self.before = (st.prefill_seconds, st.loaded_seconds, st.loaded_tokens, st.rounds, st.draft_seconds,
                        st.target_seconds, dict(st.stage_seconds), st.seq_rounds, dict(chain.gate.seconds),

@@ -32,6 +32,19 @@ class BenchPrompt:
     prompt: str | None = None
     messages: list[dict] | None = None
     id: str | None = None  # the file's `question_id` or `id`, to name the prompt in reports
+    json_schema: dict | None = None  # the output must follow this JSON schema (structured outputs)
+    grammar: str | None = None  # or this GBNF grammar
+
+
+def prompt_grammar(bp: BenchPrompt) -> str | None:
+    """The GBNF a prompt's output must follow (its grammar, or its JSON schema's), None for free text."""
+    if bp.grammar is not None:
+        return bp.grammar
+    if bp.json_schema is None:
+        return None
+    from specray.native.grammar import schema_to_gbnf
+
+    return schema_to_gbnf(bp.json_schema)
 
 
 def read_jsonl(path: str):
@@ -47,8 +60,9 @@ def read_jsonl(path: str):
 
 
 def load_prompts(path: str, categories: list[str] | None, per_category: int | None) -> list[BenchPrompt]:
-    """JSONL with `prompt` (raw text) or `messages` (chat), or Spec-Bench's `turns`; optional `category`, and
-    `question_id` or `id` (names the prompt in reports)."""
+    """JSONL with `prompt` (raw text) or `messages` (chat), or Spec-Bench's `turns`; optional `category`,
+    `question_id` or `id` (names the prompt in reports), and `json_schema` (a JSON schema) or `grammar` (GBNF)
+    the output must follow (bench/data/json_extraction.jsonl)."""
     out: list[BenchPrompt] = []
     counts: dict[str, int] = defaultdict(int)
     for lineno, obj in read_jsonl(path):
@@ -67,6 +81,9 @@ def load_prompts(path: str, categories: list[str] | None, per_category: int | No
             raise ValueError(f"{path}:{lineno}: needs 'prompt', 'messages' or 'turns'")
         pid = obj.get("question_id", obj.get("id"))
         bp.id = None if pid is None else str(pid)
+        if obj.get("json_schema") is not None and not isinstance(obj["json_schema"], dict):
+            raise ValueError(f"{path}:{lineno}: json_schema must be a JSON object")
+        bp.json_schema, bp.grammar = obj.get("json_schema"), obj.get("grammar")
         counts[cat] += 1
         out.append(bp)
     if not out:

@@ -34,7 +34,7 @@ from .lockstep import ConfigRun, LlamaRun, PlainLlama, cpu_steal_seconds, run_al
 from .order import ORDERS, baseline_positions, reversed_turn, run_order
 from .probes import measure_batch_variance, measure_layout_variance, probe_prefix
 from .progress import Progress
-from .prompts import BenchPrompt, default_prompts_path, load_prompts
+from .prompts import BenchPrompt, default_prompts_path, load_prompts, prompt_grammar
 from .report import BenchReport, ConfigResult, write_json
 from .round_profile import RoundProfiler
 from .shapes import chain_of, expand_configs, split_config
@@ -145,6 +145,9 @@ def run_bench(
                         engines[c].speculator_factory) for c in configs} for _ in range(repeats)]
     categories = list(dict.fromkeys(p.category for p in prompts))
     report = BenchReport(model=model, configs=list(configs), categories=categories)
+    if llama_baseline and any(p.json_schema is not None or p.grammar is not None for p in prompts):
+        progress("no llama_cpp reference row: llama_cpp.Llama's loop runs without the prompts' grammars")
+        llama_baseline = False
     if llama_baseline and build_has_amx():
         # llama_cpp.Llama cannot turn weight repacking off, and repacking crashes on AMX builds
         progress("no llama_cpp reference row: this llama.cpp build has AMX kernels")
@@ -189,6 +192,7 @@ def run_bench(
     for ci, cat in enumerate(categories):
         cat_prompts = [p for p in prompts if p.category == cat]
         tokens = [engine.prompt_tokens(p.prompt, p.messages) for p in cat_prompts]
+        grammars = [prompt_grammar(p) for p in cat_prompts]
         report.results[cat] = {c: ConfigResult(c) for c in report.configs}
         report.baselines[cat] = {c: ConfigResult("none") for c in report.configs}
         report.repeat_results[cat], report.repeat_baselines[cat] = [], []
@@ -205,18 +209,19 @@ def run_bench(
             # that finishes some sequences sooner would leave the all-slots-busy window sooner)
             step = 1 if slots == 1 else len(tokens)
             for gi, g in enumerate(range(0, len(tokens), step)):
-                group = tokens[g : g + step]
+                group, group_grammars = tokens[g : g + step], grammars[g : g + step]
                 sequence = run_order(report.configs, order, reverse=reversed_turn(rep, ci, gi))
                 runs: list[tuple[str, ConfigResult, list | None]] = []
                 if order == "lockstep":
                     live = {c: LlamaRun(llama, group, max_tokens) if c == "llama_cpp" else
-                            ConfigRun(engines[c], chains[rep][c], c, group, max_tokens, profiler) for c in sequence}
+                            ConfigRun(engines[c], chains[rep][c], c, group, max_tokens, profiler, group_grammars)
+                            for c in sequence}
                     done = run_lockstep(live, on_round=tracker.ticker(runs_done, live.values(), where))
                     runs = [(c, *done[c]) for c in sequence]
                 else:
                     for i, c in enumerate(sequence):  # one after another, on the one engine
                         run = (LlamaRun(llama, group, max_tokens) if c == "llama_cpp" else
-                               ConfigRun(engines[c], chains[rep][c], c, group, max_tokens, profiler))
+                               ConfigRun(engines[c], chains[rep][c], c, group, max_tokens, profiler, group_grammars))
                         runs.append((c, *run_alone(run, tracker.ticker(runs_done + i * len(group), [run], where))))
                 runs_done += len(group) * len(sequence)
                 base_seqs = next(seqs for c, _, seqs in runs if c == "none")

@@ -116,8 +116,11 @@ def target_runner(config: EngineConfig, model, ctx):
         log.warning("verify_shape bucketed is off for this %s target: every pad row would roll its state back",
                     memory.kind)
         buckets = None
+    from specray.native.grammar import GrammarCompiler
+
     return TargetRunner(ctx, record_margins=config.record_margins, verify_buckets=buckets,
-                        rollback=StateRollback(memory.rollback, checkpoints)), memory
+                        rollback=StateRollback(memory.rollback, checkpoints),
+                        constraints=GrammarCompiler(model)), memory
 
 
 def open_draft(config: EngineConfig, target, target_ctx):
@@ -144,12 +147,24 @@ def open_hidden(config: EngineConfig, target, target_ctx, runner):
     return heads
 
 
-def local_speculator_factory(draft_model, hidden_heads=None) -> Factory:
+def grammar_builders(model) -> dict:
+    """The `grammar` speculator's builder: it drafts on the vocabulary of `model` (the target, or the router's
+    vocabulary-only copy of it)."""
+    from specray.engine.speculators.grammar import GrammarSpeculator
+    from specray.native.grammar import GrammarCompiler
+
+    tools = GrammarCompiler(model)
+    return {"grammar": lambda p: GrammarSpeculator(p, tools)}
+
+
+def local_speculator_factory(draft_model, hidden_heads=None, model=None) -> Factory:
     """Chain factory of an in-process engine: model speculators run on `draft_model` and the hidden-state
-    heads (their rows come from the target in-process, without a copy)."""
+    heads (their rows come from the target in-process, without a copy); `grammar` on `model`'s vocabulary."""
     builders = {"draft": draft_model.speculator} if draft_model is not None else {}
     if hidden_heads is not None:
         builders |= hidden_heads.builders()
+    if model is not None:
+        builders |= grammar_builders(model)
     return speculator_factory(builders or None)
 
 
@@ -184,11 +199,12 @@ def _build_local(config: EngineConfig, model) -> EngineParts:
     except BaseException:
         ctx.close()
         raise
-    factory = local_speculator_factory(draft_model, hidden_heads)
+    factory = local_speculator_factory(draft_model, hidden_heads, model)
     chain = Chain(config.chain, factory)
     # a sequence may use n_ctx_seq cells; with a unified KV cache all slots share n_ctx
     scheduler = Scheduler(config, runner, model, chain, ctx.n_ctx_seq, cost,
-                          shared_cells=ctx.n_ctx if ctx.kv_unified else None, memory=memory)
+                          shared_cells=ctx.n_ctx if ctx.kv_unified else None, memory=memory,
+                          constraints=runner.constraints)
     return EngineParts(config, model, chain, scheduler, ctx.n_ctx, ctx.n_ctx_seq, factory, ctx=ctx, runner=runner,
                        draft_model=draft_model, hidden_heads=hidden_heads)
 
@@ -196,6 +212,7 @@ def _build_local(config: EngineConfig, model) -> EngineParts:
 def _build_remote(config: EngineConfig, actors, step_timeout_s: float | None) -> EngineParts:
     import ray
 
+    from specray.native.grammar import GrammarCompiler
     from specray.native.model import Model
 
     from .actors.companion import companion_speculator_factory
@@ -209,10 +226,11 @@ def _build_remote(config: EngineConfig, actors, step_timeout_s: float | None) ->
     if config.calibrate:
         cost = DecodeCostModel.calibrated(ray.get(actors.target.handle.calibrate_cost.remote()))
     # model speculators run in the companion actor, one call per round for all slots
-    factory = companion_speculator_factory(actors.companion, config, ack_sink=remote.ack_hidden)
+    factory = companion_speculator_factory(actors.companion, config, ack_sink=remote.ack_hidden,
+                                           extra=grammar_builders(model))
     chain = Chain(config.chain, factory)
     scheduler = Scheduler(config, remote, model, chain, info["n_ctx_seq"], cost,
                           shared_cells=info["n_ctx"] if info["kv_unified"] else None,
-                          memory=TargetMemory(**info["memory"]))
+                          memory=TargetMemory(**info["memory"]), constraints=GrammarCompiler(model))
     return EngineParts(config, model, chain, scheduler, info["n_ctx"], info["n_ctx_seq"], factory, remote=remote,
                        actors=actors)

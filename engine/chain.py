@@ -235,9 +235,11 @@ class Chain:
             self.speculator(name)
 
     # ---- sequence life -----------------------------------------------------------
-    def begin(self, seq_id: int, names: tuple[str, ...], prompt: np.ndarray) -> None:
-        for name in names:
-            self.speculator(name).begin(seq_id, prompt)
+    def begin(self, seq_id: int, names: tuple[str, ...], prompt: np.ndarray, grammar: str | None = None) -> None:
+        for name in names:  # `grammar`: the request's, for the speculators that read it (set_grammar)
+            if hasattr(spec := self.speculator(name), "set_grammar"):
+                spec.set_grammar(seq_id, grammar)
+            spec.begin(seq_id, prompt)
 
     def end(self, seq_id: int, names: tuple[str, ...]) -> None:
         for name in names:

@@ -121,6 +121,13 @@ class SamplingParams(BaseModel):
         default=None,
         description="RNG seed for reproducible sampling; None = fresh entropy.",
     )
+    grammar: str | None = Field(
+        default=None,
+        description=(
+            "GBNF grammar the generated text must follow (llama.cpp's grammar sampler, as llama-server's "
+            "`grammar`; response_format json_object / json_schema become one); None = free text."
+        ),
+    )
 
     @field_validator("logit_bias", mode="after")
     @classmethod

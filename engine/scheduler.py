@@ -24,6 +24,7 @@ import numpy as np
 
 from .chain import Chain, Proposal, SeqDraftRequest
 from .config import ChainConfig, EngineConfig
+from .constraint import ConstraintFactory
 from .cost import DecodeCostModel
 from .drafting import draft_round
 from .logprobs import TokenLogprobs
@@ -214,14 +215,24 @@ def commit_round(chain: Chain, decoding: list[Sequence], proposals: list[Proposa
     return emit, failed
 
 
+def check_grammar(constraints: ConstraintFactory | None, grammar: str | None) -> None:
+    """ValueError if a request's grammar does not compile: checked at submit, so a bad one never reaches a round."""
+    if grammar is not None:
+        if constraints is None:
+            raise ValueError("this engine cannot apply grammars")
+        constraints(grammar).close()
+
+
 class Scheduler:
     def __init__(
         self, config: EngineConfig, target: Target, tokenizer: Tokenizer, chain: Chain, n_ctx: int,
         cost: DecodeCostModel | None = None, shared_cells: int | None = None, memory: TargetMemory | None = None,
+        constraints: ConstraintFactory | None = None,
     ) -> None:
         """n_ctx: KV cells one sequence may use. shared_cells: all slots' cells (unified KV cache), or None.
-        memory: the target's memory kind and rollback mode (rollback.py; default: an attention KV cache)."""
-        self.config = config
+        memory: the target's memory kind and rollback mode (rollback.py; default: an attention KV cache).
+        constraints: compiles requests' grammars (None: refused)."""
+        self.config, self.constraints = config, constraints
         self.memory = memory or TargetMemory()
         self.rollback_price = RollbackPrice(self.memory.rollback)  # a draft's cost beyond its rows (checkpoints)
         self.target = target
@@ -254,6 +265,7 @@ class Scheduler:
             self.chain.validate(chain)
         except (ValueError, TypeError) as e:
             raise ValueError(str(e)) from None
+        check_grammar(self.constraints, req.sampling.grammar)
         if (buckets := self.config.shape_buckets) is not None:
             # shape-stable verifies: a round may pad this sequence's verify to the largest bucket (another
             # sequence's draft sets the round's bucket); those cells are held for a moment, so reserved
@@ -308,7 +320,7 @@ class Scheduler:
             self.reserved += seq.reserve
             self.target.start(slot, seq.req.sampling, prompt, reuse)  # drops the cells past the reused prefix
             try:
-                self.chain.begin(slot, seq.chain, prompt)
+                self.chain.begin(slot, seq.chain, prompt, seq.req.sampling.grammar)
             except Exception:  # a failing speculator degrades to plain decoding
                 log.exception("speculator begin failed; sequence %s decodes without speculation", seq.id)
                 seq.chain = ()

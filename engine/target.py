@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .constraint import ConstraintError, ConstraintFactory, TokenConstraint
 from .hidden_rows import pack_rows
 from .logprobs import TokenLogprobs, prompt_rows, token_logprobs
 from .rollback import RollbackStats, StateRollback
@@ -91,6 +92,7 @@ class _Session:
     seed: int  # the request's seed, or a random one
     window: np.ndarray  # last tokens of the sequence (for the repetition penalty)
     prompt: np.ndarray | None = None  # kept where the request reports its prompt's logprobs (echo)
+    constraint: TokenConstraint | None = None  # the request's grammar state (SamplingParams.grammar)
 
     def position_rngs(self, pos0: int, n: int) -> list[np.random.Generator]:
         """One generator per sequence position: a sampled token depends only on
@@ -130,8 +132,11 @@ def _with_replay(it: StepItem, tokens: np.ndarray, pos0: int, n_replay: int) -> 
 
 class TargetRunner:
     def __init__(self, ctx: TargetContext, record_margins: bool = False,
-                 verify_buckets: tuple[int, ...] | None = None, rollback: StateRollback | None = None) -> None:
+                 verify_buckets: tuple[int, ...] | None = None, rollback: StateRollback | None = None,
+                 constraints: ConstraintFactory | None = None) -> None:
         self.ctx = ctx
+        # builds a sequence's grammar state (specray.native.grammar.GrammarCompiler); None: grammars refused
+        self.constraints = constraints
         # how rejected rows leave the sequence's memory (a KV cache: trimmed; a recurrent state: rollback.py)
         self.rollback = rollback or StateRollback()
         if self.rollback.mode != "trim" and verify_buckets is not None:
@@ -163,8 +168,14 @@ class TargetRunner:
                                "refused): turn the prompt cache off for this model")
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
         self.rollback.forget(seq_id)
+        self._drop_constraint(seq_id)
+        constraint = None
+        if params.grammar is not None:
+            if self.constraints is None:
+                raise ValueError("this target cannot apply grammars (no constraint factory)")
+            constraint = self.constraints(params.grammar)
         sess = _Session(params, seed, np.zeros(0, dtype=np.int32),
-                        np.asarray(prompt, dtype=np.int32) if params.prompt_logprobs else None)
+                        np.asarray(prompt, dtype=np.int32) if params.prompt_logprobs else None, constraint)
         if n_keep > 0:  # the repetition penalty's window would have seen the reused tokens
             sess.push(np.asarray(prompt[:n_keep], dtype=np.int32))
         self.sessions[seq_id] = sess
@@ -172,10 +183,17 @@ class TargetRunner:
     def release(self, seq_id: int, keep: int = 0) -> None:
         """The sequence is done (or cancelled): free its KV cells but the first `keep` (the prompt cache keeps
         them for a later prompt with the same prefix)."""
+        self._drop_constraint(seq_id)
         self.sessions.pop(seq_id, None)
         self.rollback.forget(seq_id)
         if keep <= 0 or not self.ctx.seq_rm(seq_id, keep, -1):
             self.ctx.clear_seq(seq_id)
+
+    def _drop_constraint(self, seq_id: int) -> None:
+        sess = self.sessions.get(seq_id)
+        if sess is not None and sess.constraint is not None:
+            sess.constraint.close()
+            sess.constraint = None
 
     def step(self, items: list[StepItem]) -> StepOutput:
         """Decode every item's rows, verify drafts, roll back rejected rows."""
@@ -246,12 +264,18 @@ class TargetRunner:
                 rows = logits[row : row + k + 1]  # the real rows only: verification never sees a pad row
                 row += k + 1 + pad
                 draft = it.tokens[it.n_commit :]
-                if sess.params.greedy:
-                    verdict = verify_greedy(rows, draft, sess.window, sess.params)
-                else:
-                    # row i predicts the token at position pos0 + n_commit + i
-                    rngs = sess.position_rngs(it.pos0 + it.n_commit, k + 1)
-                    verdict = verify_sampled_coupled(rows, draft, sess.params, rngs, sess.window)
+                try:
+                    if sess.params.greedy:
+                        verdict = verify_greedy(rows, draft, sess.window, sess.params, sess.constraint)
+                    else:
+                        # row i predicts the token at position pos0 + n_commit + i
+                        rngs = sess.position_rngs(it.pos0 + it.n_commit, k + 1)
+                        verdict = verify_sampled_coupled(rows, draft, sess.params, rngs, sess.window,
+                                                         sess.constraint)
+                except ConstraintError as e:  # the grammar cannot go on: this sequence ends with the error
+                    self.rollback.undo(self.ctx, it, 0, pad)
+                    results[it.seq_id] = StepResult(it.seq_id, np.zeros(0, dtype=np.int32), error=str(e))
+                    continue
                 n_acc = verdict.n_accepted
                 # rejected draft rows, and pad rows always, leave the sequence's memory
                 error = self.rollback.undo(self.ctx, it, n_acc, pad)

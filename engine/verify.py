@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .constraint import TokenConstraint, constrained_argmax, constrained_row
 from .sampling import (
     SamplingParams,
     adjusted_logits,
@@ -82,6 +83,7 @@ def verify_greedy(
     draft: np.ndarray,
     recent_tokens: np.ndarray | None = None,
     params: SamplingParams | None = None,
+    constraint: TokenConstraint | None = None,
 ) -> Verdict:
     """Greedy verification: ``(n_accepted, next_token)``.
 
@@ -93,7 +95,13 @@ def verify_greedy(
     ``repeat_last_n``), so the result equals one-by-one greedy decoding with
     the same bias and penalties. Without a penalty this is one ``np.argmax`` over the block.
     Ties go to the lowest token id (as ``np.argmax`` and llama.cpp's greedy).
+
+    With a ``constraint`` (a grammar, engine/constraint.py), row ``i``'s choice is the best token it allows
+    after the tokens emitted before it, and it is advanced with every emitted token (rejected draft tokens
+    never reach it), which is what constrained one-by-one decoding does.
     """
+    if constraint is not None:
+        return _verify_greedy_constrained(logits, draft, recent_tokens, params, constraint)
     if len(draft) == 0 and (params is None or not params.adjusts_logits) and logits.ndim == 2 and len(logits) == 1:
         # most rounds' rows (plain decoding, sequences the planner sent no draft): one argmax, no checks to make
         return Verdict(0, int(logits[0].argmax()))
@@ -111,6 +119,24 @@ def verify_greedy(
     for i in range(k + 1):
         row = adjusted_logits(logits[i], params, _window(hist, n_recent + i, last_n))
         tok = int(np.argmax(row))
+        if i == k or tok != int(draft[i]):
+            return Verdict(i, tok)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _verify_greedy_constrained(logits: np.ndarray, draft: np.ndarray, recent_tokens: np.ndarray | None,
+                               params: SamplingParams | None, constraint: TokenConstraint) -> Verdict:
+    """verify_greedy under a grammar: row by row, the grammar advanced by each emitted token."""
+    logits, draft, k, _ = _check_inputs(logits, draft)
+    adjust = params is not None and params.adjusts_logits
+    hist, n_recent = _history(recent_tokens, draft) if adjust and params.penalty_active else (None, 0)
+    for i in range(k + 1):
+        row = logits[i]
+        if adjust:
+            row = adjusted_logits(row, params, None if hist is None else
+                                  _window(hist, n_recent + i, params.repeat_last_n))
+        tok = constrained_argmax(row, constraint)
+        constraint.accept(tok)
         if i == k or tok != int(draft[i]):
             return Verdict(i, tok)
     raise AssertionError("unreachable")  # pragma: no cover
@@ -190,6 +216,7 @@ def verify_sampled_coupled(
     params: SamplingParams,
     rngs: "list[np.random.Generator]",
     recent_tokens: np.ndarray | None = None,
+    constraint: TokenConstraint | None = None,
 ) -> Verdict:
     """Rejection sampling for deterministic (one-hot q) drafters, coupled to the position.
 
@@ -202,17 +229,23 @@ def verify_sampled_coupled(
     draw depends only on (seed, position, logits), a seeded request gives the
     same tokens whatever the speculators propose, with or without speculation
     (in exact mode bit for bit). This is also what llama.cpp's verify does.
+
+    With a ``constraint`` each row is masked by the grammar (after the tokens emitted before it) before the
+    sampler chain: the target samples from its distribution restricted to what the grammar allows.
     """
     if params.greedy:
-        return verify_greedy(logits, draft, recent_tokens, params)
+        return verify_greedy(logits, draft, recent_tokens, params, constraint)
     logits, draft, k, _ = _check_inputs(logits, draft)
     if len(rngs) < k + 1:
         raise ValueError(f"need {k + 1} generators, got {len(rngs)}")
     hist, n_recent = _history(recent_tokens, draft)
     last_n = params.repeat_last_n if params.penalty_active else 0
     for i in range(k + 1):
-        p = target_probs(logits[i], params, _window(hist, n_recent + i, last_n))
+        row = logits[i] if constraint is None else constrained_row(logits[i], constraint)
+        p = target_probs(row, params, _window(hist, n_recent + i, last_n))
         x = sample_token(p, rngs[i])
+        if constraint is not None:
+            constraint.accept(x)
         if i == k or x != int(draft[i]):
             return Verdict(i, x)
     raise AssertionError("unreachable")  # pragma: no cover

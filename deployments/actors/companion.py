@@ -229,13 +229,13 @@ class CompanionDraftProxy(CompanionProxy):
         return super().counters() | {"buffered_commits": len(self._commits)}
 
 
-def companion_speculator_factory(client, config: EngineConfig, ack_sink=None) -> Factory:
+def companion_speculator_factory(client, config: EngineConfig, ack_sink=None, extra=None) -> Factory:
     """Chain factory of the router in distributed mode: `draft`, `mtp` and `eagle3` run in the companion (if
-    configured), model-free speculators in the router. `ack_sink` takes CUDA-IPC hidden-row buffer acks back to
-    the target (RemoteTarget.ack_hidden)."""
+    configured), model-free speculators in the router, and the router's own `extra` builders (`grammar`).
+    `ack_sink` takes CUDA-IPC hidden-row buffer acks back to the target (RemoteTarget.ack_hidden)."""
     from specray.deployments.actors.companion_hidden import hidden_proxy_builders
 
-    builders = hidden_proxy_builders(client, config, ack_sink)
+    builders = dict(extra or {}) | hidden_proxy_builders(client, config, ack_sink)
     if config.draft.model:
         costs = client.sup.info.get("draft_decode_costs")
         builders["draft"] = lambda p: CompanionDraftProxy(p, client, costs)

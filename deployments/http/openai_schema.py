@@ -1,8 +1,11 @@
 """OpenAI-compatible request bodies, response builders and error bodies.
 
 Unknown OpenAI fields are ignored (clients send many); fields specray cannot
-honour with a non-default value (n > 1, best_of, suffix, tools,
-response_format other than text) are refused with a 400 naming the field.
+honour with a non-default value (n > 1, best_of, suffix, tools) are refused
+with a 400 naming the field. `response_format` json_object / json_schema
+and the `grammar` / `json_schema` extensions constrain the output with a
+grammar (native/grammar.py; compiled in the replica, which knows the
+vocabulary).
 `logprobs` / `top_logprobs` (chat) and `logprobs: N` (completions) report
 the raw distribution's log-probabilities (engine/logprobs.py), `echo` the
 prompt's too; `presence_penalty`,
@@ -107,6 +110,11 @@ class _Common(BaseModel):
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = Field(
         None, description="token id (as a string, OpenAI's shape) -> bias in [-100, 100] added to its logit")
+    response_format: dict | None = Field(
+        None, description="{'type': 'text' | 'json_object' | 'json_schema'}; json_schema: {'json_schema': {'name': "
+        "..., 'schema': {...}}} (OpenAI's shape) or {'schema': {...}} (llama-server's)")
+    grammar: str | None = Field(None, description="a GBNF grammar the output follows (llama-server's extension)")
+    json_schema: dict | None = Field(None, description="a JSON schema the output follows (llama-server's extension)")
 
     @field_validator("seed")
     @classmethod
@@ -137,6 +145,38 @@ class _Common(BaseModel):
                                   param="logit_bias")
             out[t] = float(v)
         return out
+
+    def constraint(self) -> dict | None:
+        """What the output must follow, for the replica to compile: {'kind': 'gbnf' | 'json_object' |
+        'json_schema', 'value': ..., 'param': the field it came from}; None for free text. 400s name the field."""
+        found = []
+        if self.grammar is not None:
+            if not isinstance(self.grammar, str) or not self.grammar.strip():
+                raise OpenAIError("grammar must be a non-empty GBNF string", param="grammar")
+            found.append({"kind": "gbnf", "value": self.grammar, "param": "grammar"})
+        if self.json_schema is not None:
+            found.append({"kind": "json_schema", "value": self.json_schema, "param": "json_schema"})
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                schema = rf.get("schema")  # llama-server also takes a schema here
+                found.append({"kind": "json_schema", "value": schema, "param": "response_format"} if schema else
+                             {"kind": "json_object", "value": None, "param": "response_format"})
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else rf.get("schema")
+                if not isinstance(schema, dict):
+                    raise OpenAIError("response_format json_schema needs json_schema.schema (a JSON schema object)",
+                                      param="response_format")
+                found.append({"kind": "json_schema", "value": schema, "param": "response_format"})
+            elif kind != "text":
+                raise OpenAIError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                                  param="response_format")
+        if len(found) > 1:
+            raise OpenAIError("give at most one of grammar, json_schema and a JSON response_format",
+                              param=found[1]["param"])
+        return found[0] if found else None
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -172,6 +212,7 @@ class _Common(BaseModel):
             "n_max": spec.n_max if spec else None,
             "ignore_eos": self.ignore_eos,
             "cache_prompt": self.cache_prompt,
+            "constraint": self.constraint(),
         }
 
 
@@ -240,7 +281,6 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list | None = None
-    response_format: dict | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -252,8 +292,6 @@ class ChatCompletionRequest(_Common):
     def to_engine(self) -> dict:
         if self.tools:
             raise OpenAIError("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise OpenAIError("response_format other than text is not supported", param="response_format")
         if not self.messages:
             raise OpenAIError("messages must not be empty", param="messages")
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

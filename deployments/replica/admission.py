@@ -71,6 +71,7 @@ class Admission:
         self.n_ctx_seq = n_ctx_seq
         self.chain_config = chain_config  # the running chain's config (it changes with a live update)
         self.truncate = truncate  # ServeConfig.prompt_overflow == "truncate"
+        self._grammars = None  # compiles requests' grammars (native.grammar.GrammarCompiler), made at first use
 
     def make_request(self, request: dict) -> ServeRequest:
         """The engine request for a replica request dict; RequestError (400) for anything wrong with it."""
@@ -82,6 +83,25 @@ class Admission:
             raise RequestError("text must be valid Unicode (lone surrogate escapes are not)") from None
         except (ValueError, TypeError, OverflowError) as e:
             raise RequestError(str(e)) from None
+
+    def grammar(self, constraint: dict) -> str:
+        """The GBNF of a request's constraint ({'kind', 'value', 'param'}, openai_schema), compiled once against
+        this vocabulary: a 400 naming the field if it does not."""
+        from specray.native.grammar import JSON_OBJECT_GBNF, GrammarCompiler, GrammarError, schema_to_gbnf
+
+        param = constraint.get("param") or "grammar"
+        kind, value = constraint.get("kind"), constraint.get("value")
+        try:
+            gbnf = (value if kind == "gbnf" else JSON_OBJECT_GBNF if kind == "json_object"
+                    else schema_to_gbnf(value) if kind == "json_schema" else None)
+            if gbnf is None:
+                raise GrammarError(f"unknown constraint kind {kind!r}")
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.model)
+            self._grammars.check(gbnf)
+        except GrammarError as e:
+            raise RequestError(str(e), param=param, code="invalid_grammar") from None
+        return gbnf
 
     def prompt_tokens(self, request: dict) -> np.ndarray:
         if request.get("messages") is not None:
@@ -128,6 +148,8 @@ class Admission:
         speculates = bool(c.speculators) if chain is None else bool(chain)
         draft_room = min(c.n_max, c.n_max if n_max is None else n_max) if speculates else 0
         sampling = SamplingParams.model_validate(request.get("sampling") or {})
+        if request.get("constraint"):
+            sampling = sampling.model_copy(update={"grammar": self.grammar(request["constraint"])})
         if sampling.logit_bias and max(sampling.logit_bias) >= self.model.n_vocab:
             raise RequestError(f"logit_bias token {max(sampling.logit_bias)} is outside the vocabulary "
                                f"[0, {self.model.n_vocab})", param="logit_bias")

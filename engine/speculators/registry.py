@@ -12,7 +12,7 @@ a `Chain` takes.
 >>> make_speculator("nope")
 Traceback (most recent call last):
 ...
-ValueError: unknown speculator 'nope'; known: draft, eagle3, mtp, ngram_cache, ngram_map_k, ngram_map_k4v, ngram_mod, ngram_simple, suffix
+ValueError: unknown speculator 'nope'; known: draft, eagle3, grammar, mtp, ngram_cache, ngram_map_k, ngram_map_k4v, ngram_mod, ngram_simple, suffix
 >>> make_speculator("draft")
 Traceback (most recent call last):
 ...
@@ -30,6 +30,7 @@ from specray.engine.speculator import Speculator
 
 from .draft_base import DraftParams
 from .eagle3 import Eagle3Params
+from .grammar import GrammarParams, GrammarSpeculator
 from .mtp import MtpParams
 
 from .ngram_cache import NgramCacheParams, NgramCacheSpeculator
@@ -46,6 +47,8 @@ SPECULATOR_TYPES: dict[str, tuple[type[BaseModel], type[Speculator]]] = {
     NgramModSpeculator.name: (NgramModParams, NgramModSpeculator),
     NgramCacheSpeculator.name: (NgramCacheParams, NgramCacheSpeculator),
     SuffixSpeculator.name: (SuffixParams, SuffixSpeculator),
+    # drafts only with the vocabulary an engine's builder passes it (deployments/builder.grammar_builders)
+    GrammarSpeculator.name: (GrammarParams, GrammarSpeculator),
 }
 
 #: speculators that need a model, by name -> their parameters (built through `speculator_factory`)

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from specray.engine.speculator import DraftRequest, Speculator
 from specray.engine.speculators.registry import SPECULATOR_TYPES, make_params, make_speculator
 
-NAMES = {"ngram_simple", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "suffix"}
+NAMES = {"ngram_simple", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "suffix", "grammar"}
 
 
 def test_registered_names():
