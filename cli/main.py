@@ -139,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="subtracted once per occurrence in the last 64 tokens, in [-2, 2] (default: 0)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    out = gen.add_mutually_exclusive_group()
+    out.add_argument("--grammar", default=None, metavar="FILE.gbnf",
+                     help="the output follows this GBNF grammar (llama.cpp's grammar sampler)")
+    out.add_argument("--json-schema", default=None, metavar="FILE.json",
+                     help="the output follows this JSON schema (converted to a grammar)")
+    out.add_argument("--json", action="store_true", help="the output is one JSON object")
     _add_model_args(gen)
     _add_spec_args(gen)
     _add_draft_args(gen)
@@ -374,6 +380,23 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "settings (params, autoscaling); given --arm flags replace the file's set of arms")
 
 
+def _grammar_arg(args) -> str | None:
+    """The GBNF of generate's --grammar / --json-schema / --json (SystemExit naming the flag if it is bad)."""
+    from specray.native.grammar import JSON_OBJECT_GBNF, GrammarError, schema_to_gbnf
+
+    flag, path = ("--grammar", args.grammar) if args.grammar else ("--json-schema", args.json_schema)
+    if args.json:
+        return JSON_OBJECT_GBNF
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            text = f.read()
+        return text if flag == "--grammar" else schema_to_gbnf(json.loads(text))
+    except (OSError, ValueError) as e:  # GrammarError and JSONDecodeError are ValueErrors
+        raise SystemExit(f"specray generate: error: {flag} {path}: {e}") from None
+
+
 def _cmd_generate(args) -> int:
     from specray.deployments.local_engine import LocalEngine
     from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig, HiddenStateConfig, parse_chain
@@ -388,7 +411,7 @@ def _cmd_generate(args) -> int:
                        hidden=HiddenStateConfig(mtp=args.mtp, eagle3_model=args.eagle3_model))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
-                              frequency_penalty=args.frequency_penalty, seed=args.seed)
+                              frequency_penalty=args.frequency_penalty, seed=args.seed, grammar=_grammar_arg(args))
     if cfg.hidden.enabled:  # a bad --eagle3-model fails before the target loads
         from specray.native.hidden_heads import target_taps
 
@@ -397,7 +420,12 @@ def _cmd_generate(args) -> int:
     messages = None if args.raw else [{"role": "user", "content": args.prompt}]
     req = engine.request(None if messages else args.prompt, messages, max_tokens=args.max_tokens,
                          sampling=sampling, stop=args.stop)
-    seq = engine.submit(req)
+    try:
+        seq = engine.submit(req)
+    except ValueError as e:  # e.g. a --grammar that does not compile
+        engine.close()
+        print(f"specray generate: error: {e}", file=sys.stderr)
+        return 2
     import time
 
     t0 = time.perf_counter()

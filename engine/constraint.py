@@ -43,10 +43,12 @@ def constrained_row(row: np.ndarray, constraint: TokenConstraint) -> np.ndarray:
     return masked
 
 
-def constrained_argmax(row: np.ndarray, constraint: TokenConstraint) -> int:
+def constrained_argmax(row: np.ndarray, constraint: TokenConstraint, masked: list | None = None) -> int:
     """The highest-logit token the constraint allows (lowest id on ties, as np.argmax). The unconstrained argmax
     is tried first: where the grammar allows it (most rows), no full-vocabulary check is needed, which is
-    llama.cpp's common_sampler shortcut, exact for greedy.
+    llama.cpp's common_sampler shortcut, exact for greedy. `masked`: where the full check ran, the masked row
+    is appended to it (else None): the choice's margin is over the allowed tokens only (the bench's tie check,
+    TargetRunner.record_margins).
 
     >>> class Even:  # allows even token ids only
     ...     def allows(self, t): return t % 2 == 0
@@ -58,5 +60,10 @@ def constrained_argmax(row: np.ndarray, constraint: TokenConstraint) -> int:
     """
     t = int(np.argmax(row))
     if constraint.allows(t):
+        if masked is not None:
+            masked.append(None)
         return t
-    return int(np.argmax(constrained_row(row, constraint)))
+    m = constrained_row(row, constraint)
+    if masked is not None:
+        masked.append(m)
+    return int(np.argmax(m))

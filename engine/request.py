@@ -30,6 +30,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     cache_prompt: bool = True  # may reuse a slot's cached KV of a common prefix (engine/prompt_cache.py)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    # requests with the same key and prompt share the prompt's KV cells (OpenAI's n > 1): the first one
+    # prefills, the others copy its cells (Scheduler._admit_fork)
+    share_prompt: str | None = None
 
 
 def admission_plan(req: GenerationRequest, chain: "ChainConfig",
@@ -128,6 +131,7 @@ class Sequence:
         self.t_first_token: float | None = None
         self.t_finish: float | None = None
         self.cancelled = False
+        self.fork_of: Sequence | None = None  # copies this sequence's prompt cells when admitted (share_prompt)
 
     @property
     def finished(self) -> bool:

@@ -29,6 +29,7 @@ from .cost import DecodeCostModel
 from .drafting import draft_round
 from .logprobs import TokenLogprobs
 from .prompt_cache import PromptCache, idle_budget
+from .prompt_share import admit_plan, link
 from .request import GenerationRequest, Sequence, SeqState, admission_plan
 from .round_price import RoundPricer
 from .rollback import RollbackStats, TargetMemory
@@ -46,7 +47,7 @@ class Tokenizer(Protocol):
 
 
 class Target(Protocol):
-    def start(self, seq_id: int, params, prompt: np.ndarray, n_keep: int = 0) -> None: ...
+    def start(self, seq_id: int, params, prompt: np.ndarray, n_keep: int = 0, copy_from: int | None = None) -> None: ...
     def step(self, items: list[StepItem]) -> StepOutput: ...
     def release(self, seq_id: int, keep: int = 0) -> None: ...
 
@@ -90,6 +91,7 @@ class RoundStats:
     # a recurrent target's state rollbacks (rollback.py): saves, restores, replayed rows
     rollback: RollbackStats = field(default_factory=RollbackStats)
     failed_sequences: int = 0  # sequences ended with an error by the target (a state it could not roll back)
+    shared_prompts: int = 0  # sequences that copied a sibling's prompt cells instead of prefilling (n > 1)
 
     def add_round(self, clock: RoundClock, prefill_share: float, loaded_tokens: int | None, n_decoding: int) -> None:
         """One round's stamps, `prefill_share` of its time on prompt rows; loaded_tokens: what it emitted if every
@@ -247,6 +249,7 @@ class Scheduler:
         # (a recurrent state cannot be cut back to a shared prefix: no prompt cache on such targets)
         self.prompt_cache = PromptCache(config.prompt_cache and self.memory.keeps_prefix)
         self.active: dict[int, Sequence] = {}  # slot -> seq
+        self.prompt_groups: dict[str, Sequence] = {}  # share_prompt key -> the group's first sequence
         self.queue: deque[Sequence] = deque()
         self.reserved = 0  # KV cells reserved by active sequences
         self.stats = RoundStats()
@@ -277,6 +280,7 @@ class Scheduler:
         if len(self.queue) >= self.config.max_queue and not self.free_slots:
             raise QueueFullError(f"server busy: {len(self.active)} slots busy and {len(self.queue)} queued")
         seq = Sequence(req, chain, n_max, need)
+        link(self.prompt_groups, seq)  # n > 1: shares the prompt's cells with its group's first (prompt_share.py)
         self.queue.append(seq)
         return seq
 
@@ -301,11 +305,12 @@ class Scheduler:
         while self.queue and self.free_slots:
             seq = self.queue[0]
             prompt = seq.req.prompt_tokens
-            # hidden-state speculators need the target's hidden rows of every prompt token, which a reused
-            # prefix never produces: such sequences prefill the whole prompt
-            # echo (prompt logprobs) needs every prompt row's logits too
-            use = seq.req.cache_prompt and not self._needs_hidden(seq) and not seq.req.sampling.prompt_logprobs
-            slot, reuse = self.prompt_cache.pick(self.free_slots, prompt, use)
+            # hidden-state speculators (and echo) need every prompt row, which a reused prefix never produces
+            every_row = self._needs_hidden(seq) or seq.req.sampling.prompt_logprobs
+            plan = admit_plan(seq, self.prompt_cache, self.free_slots, every_row, self.memory.keeps_prefix)
+            if plan is None:
+                break  # it copies the prompt of a sequence still prefilling it (n > 1): next round
+            slot, reuse, use, copy_from = plan
             if self.shared_cells is not None:  # one KV pool: idle caches hold cells of it too
                 room = self.shared_cells - self.reserved - seq.reserve
                 if room < 0 and self.active:
@@ -313,12 +318,13 @@ class Scheduler:
                 self.prompt_cache.evict(max(0, room), self.target.release, but=slot)
             self.queue.popleft()
             self.free_slots.remove(slot)
-            self.prompt_cache.claim(slot, reuse, use)
+            self.prompt_cache.claim(slot, 0 if copy_from is not None else reuse, use)
+            self.stats.shared_prompts += copy_from is not None
             seq.slot, seq.state, seq.t_admit = slot, SeqState.PREFILL, time.perf_counter()
             seq.n_prefilled = seq.n_past = seq.cached_tokens = reuse
             self.active[slot] = seq
             self.reserved += seq.reserve
-            self.target.start(slot, seq.req.sampling, prompt, reuse)  # drops the cells past the reused prefix
+            self.target.start(slot, seq.req.sampling, prompt, reuse, copy_from)  # drops cells past the prefix
             try:
                 self.chain.begin(slot, seq.chain, prompt, seq.req.sampling.grammar)
             except Exception:  # a failing speculator degrades to plain decoding
@@ -356,8 +362,7 @@ class Scheduler:
         that runs step(): it ends and begins running sequences' speculators, which a round also calls."""
         old = self.config.chain
         change = self.chain.reconfigure(new, {s.slot: (s.chain, s.history_view()) for s in self.active.values()})
-        # a fresh instance gets another chance: a speculator disabled after a failure may work with new
-        # parameters (an instance that failed and was not rebuilt stays disabled)
+        # a fresh instance gets another chance (one that failed and was not rebuilt stays disabled)
         self.disabled_speculators -= {*change.rebuilt, *change.built}
         self.config = self.config.model_copy(update={"chain": new})
         return {"chain": new.label, "rebuilt": change.rebuilt,
@@ -376,19 +381,16 @@ class Scheduler:
             self.prompt_cache.evict(idle_budget(self.config.prompt_cache_slowdown, self.cost.cost(1, 0),
                                                 self.cost.read_seconds), self.target.release)
         budget = self.target_budget()
-        # slot order: llama.cpp packs consecutive sequence ids into one ubatch when
-        # each slot has its own KV stream (exact mode)
+        # slot order: llama.cpp packs consecutive sequence ids into one ubatch with a KV stream per slot (exact)
         by_slot = [self.active[k] for k in sorted(self.active)]
         decoding = [s for s in by_slot if s.state == SeqState.DECODING]
         prefilling = [s for s in by_slot if s.state == SeqState.PREFILL]
-
         # rows the target replays in front of decoding sequences' own (a restored recurrent state: rollback.py)
         replay = sum(s.replay_rows for s in decoding)
         # prompt chunks: what the batch has room for after one row per decoding sequence
         chunks = list(zip(prefilling, prompt_chunks([len(s.req.prompt_tokens) - s.n_prefilled for s in prefilling],
                                                     budget - len(decoding) - replay, self.config.prefill_chunk)))
         n_prefill = sum(n for _, n in chunks)
-
         # KV cells a token of this round attends, on average: with one shared KV stream every slot's cells
         # (masked, but computed; idle caches too), with a stream per slot its own sequence's
         seqs = decoding or prefilling

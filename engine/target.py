@@ -157,9 +157,15 @@ class TargetRunner:
         self.step_decodes = 0  # decodes run by step() (calibration excluded)
         self.step_decode_seqs = 0  # sequences summed over those decodes: / step_decodes = mean batch width
 
-    def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray, n_keep: int = 0) -> None:
+    def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray, n_keep: int = 0,
+              copy_from: int | None = None) -> None:
         """Register a sequence whose first `n_keep` prompt tokens are already in its slot's KV cells (the
-        prompt cache: the scheduler knows they match); every cell past them is dropped."""
+        prompt cache: the scheduler knows they match); every cell past them is dropped. `copy_from`: the slot
+        whose cells are copied in first (a sibling of an n > 1 request that prefilled the same prompt)."""
+        if copy_from is not None:
+            self.ctx.clear_seq(seq_id)
+            # the whole sequence (a copy across KV streams must be whole); the cells past n_keep go below
+            self.ctx.seq_cp(copy_from, seq_id, -1, -1)
         if n_keep <= 0:
             self.ctx.clear_seq(seq_id)
         elif not self.ctx.seq_rm(seq_id, n_keep, -1):
@@ -264,9 +270,11 @@ class TargetRunner:
                 rows = logits[row : row + k + 1]  # the real rows only: verification never sees a pad row
                 row += k + 1 + pad
                 draft = it.tokens[it.n_commit :]
+                # the grammar's masked rows where it overrode the argmax: the margins are over allowed tokens
+                masked = [] if self.record_margins and sess.constraint is not None else None
                 try:
                     if sess.params.greedy:
-                        verdict = verify_greedy(rows, draft, sess.window, sess.params, sess.constraint)
+                        verdict = verify_greedy(rows, draft, sess.window, sess.params, sess.constraint, masked)
                     else:
                         # row i predicts the token at position pos0 + n_commit + i
                         rngs = sess.position_rngs(it.pos0 + it.n_commit, k + 1)
@@ -287,6 +295,9 @@ class TargetRunner:
                 out[:n_acc] = draft[:n_acc]
                 out[n_acc] = verdict.next_token
                 margins = top2_margin(rows[: n_acc + 1]) if self.record_margins else None
+                for i, m in enumerate(masked or []):
+                    if m is not None and i <= n_acc:
+                        margins[i] = top2_margin(m[None, :])[0]
                 # each emitted token's own row: what target-only decoding would have reported for it
                 lps = None if sess.params.logprobs is None else token_logprobs(rows[: n_acc + 1], out,
                                                                                 sess.params.logprobs)

@@ -84,6 +84,7 @@ def verify_greedy(
     recent_tokens: np.ndarray | None = None,
     params: SamplingParams | None = None,
     constraint: TokenConstraint | None = None,
+    masked: list | None = None,
 ) -> Verdict:
     """Greedy verification: ``(n_accepted, next_token)``.
 
@@ -98,10 +99,11 @@ def verify_greedy(
 
     With a ``constraint`` (a grammar, engine/constraint.py), row ``i``'s choice is the best token it allows
     after the tokens emitted before it, and it is advanced with every emitted token (rejected draft tokens
-    never reach it), which is what constrained one-by-one decoding does.
+    never reach it), which is what constrained one-by-one decoding does; `masked` collects each decided row's
+    masked logits where the grammar overrode the argmax (None where it did not).
     """
     if constraint is not None:
-        return _verify_greedy_constrained(logits, draft, recent_tokens, params, constraint)
+        return _verify_greedy_constrained(logits, draft, recent_tokens, params, constraint, masked)
     if len(draft) == 0 and (params is None or not params.adjusts_logits) and logits.ndim == 2 and len(logits) == 1:
         # most rounds' rows (plain decoding, sequences the planner sent no draft): one argmax, no checks to make
         return Verdict(0, int(logits[0].argmax()))
@@ -125,7 +127,8 @@ def verify_greedy(
 
 
 def _verify_greedy_constrained(logits: np.ndarray, draft: np.ndarray, recent_tokens: np.ndarray | None,
-                               params: SamplingParams | None, constraint: TokenConstraint) -> Verdict:
+                               params: SamplingParams | None, constraint: TokenConstraint,
+                               masked: list | None = None) -> Verdict:
     """verify_greedy under a grammar: row by row, the grammar advanced by each emitted token."""
     logits, draft, k, _ = _check_inputs(logits, draft)
     adjust = params is not None and params.adjusts_logits
@@ -135,7 +138,7 @@ def _verify_greedy_constrained(logits: np.ndarray, draft: np.ndarray, recent_tok
         if adjust:
             row = adjusted_logits(row, params, None if hist is None else
                                   _window(hist, n_recent + i, params.repeat_last_n))
-        tok = constrained_argmax(row, constraint)
+        tok = constrained_argmax(row, constraint, masked)
         constraint.accept(tok)
         if i == k or tok != int(draft[i]):
             return Verdict(i, tok)

@@ -26,6 +26,7 @@ specray.native.chat_template.ChatTemplateError: chat template refused the messag
 from __future__ import annotations
 
 import functools
+import json
 from datetime import datetime
 
 import jinja2
@@ -66,6 +67,66 @@ def message_text(content) -> str:
     return "" if content is None else str(content)
 
 
+#: the system prompt that shows tools to a model whose template does not (NousResearch's Hermes format, which
+#: Qwen 2.5/3 templates also write); the model answers with <tool_call> blocks (deployments/http/tool_calls.py)
+HERMES_TOOLS_PROMPT = (
+    "You are a function calling AI model. You are provided with function signatures within <tools></tools> XML "
+    "tags. You may call one or more functions to assist with the user query. Don't make assumptions about what "
+    "values to plug into functions. Here are the available tools: <tools>\n{tools}\n</tools>\n\nFor each function "
+    "call return a json object with function name and arguments within <tool_call></tool_call> XML tags as "
+    "follows:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+
+
+def reads_tools(template: str) -> bool:
+    """True if a Jinja template renders `tools` itself (Qwen, Hermes, Llama 3.1, ...)."""
+    return is_jinja(template) and "tools" in template
+
+
+def _arguments(call: dict) -> dict:
+    """A call's arguments as a dict (OpenAI sends a JSON string; templates write them with tojson)."""
+    args = call.get("function", {}).get("arguments", {})
+    if isinstance(args, str):
+        try:
+            return json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return {"_raw": args}
+    return args
+
+
+def tool_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    r"""Messages for a template that does not read tools: the tools go into the system prompt (Hermes format),
+    an assistant's tool calls become <tool_call> blocks of its text, a tool's result a user message in
+    <tool_response> tags.
+
+    >>> m = tool_messages([{"role": "user", "content": "hi"},
+    ...                    {"role": "assistant", "content": None,
+    ...                     "tool_calls": [{"function": {"name": "f", "arguments": '{"x": 1}'}}]},
+    ...                    {"role": "tool", "content": "42", "tool_call_id": "c1"}], None)
+    >>> [(x["role"], x["content"]) for x in m]
+    [('user', 'hi'), ('assistant', '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'), ('user', '<tool_response>\n42\n</tool_response>')]
+    """
+    out = []
+    for m in messages:
+        m = dict(m)
+        calls = m.pop("tool_calls", None)
+        if calls:
+            blocks = [json.dumps({"name": c.get("function", {}).get("name"), "arguments": _arguments(c)})
+                      for c in calls]
+            text = message_text(m.get("content"))
+            m["content"] = (text + "\n" if text else "") + "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in blocks)
+        if m.get("role") == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{message_text(m.get('content'))}\n</tool_response>"}
+        out.append(m)
+    if tools:
+        prompt = HERMES_TOOLS_PROMPT.format(tools="\n".join(json.dumps({"type": "function", "function": f})
+                                                           for f in tools))
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": message_text(out[0].get("content")) + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
 def render_chat(
     template: str,
     messages: list[dict],
@@ -73,15 +134,28 @@ def render_chat(
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
+    tools: list[dict] | None = None,
 ) -> str:
-    """The prompt text for `messages` under Jinja `template`."""
-    msgs = [{**m, "role": str(m.get("role", "")), "content": message_text(m.get("content"))} for m in messages]
+    """The prompt text for `messages` under Jinja `template`; `tools` (OpenAI function dicts: name, description,
+    parameters) go to a template that reads them, else into the messages (tool_messages)."""
+    if reads_tools(template):
+        msgs = [{**m, "role": str(m.get("role", "")), "content": message_text(m.get("content"))}
+                | ({"tool_calls": [{"type": "function", "function": {"name": c.get("function", {}).get("name"),
+                                                                     "arguments": _arguments(c)}}
+                                   for c in m["tool_calls"]]} if m.get("tool_calls") else {})
+                for m in messages]
+        extra = {"tools": [{"type": "function", "function": f} for f in tools]} if tools else {}
+    else:
+        msgs = [{**m, "role": str(m.get("role", "")), "content": message_text(m.get("content"))}
+                for m in tool_messages(messages, tools)]
+        extra = {}
     try:
         return compile_template(template).render(
             messages=msgs,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
+            **extra,
         )
     except ChatTemplateError:
         raise

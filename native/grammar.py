@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -23,7 +24,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import llama_grammar
 
-__all__ = ["Grammar", "GrammarCompiler", "GrammarError", "JSON_OBJECT_GBNF", "schema_to_gbnf"]
+__all__ = ["Grammar", "GrammarCompiler", "GrammarError", "JSON_OBJECT_GBNF", "schema_to_gbnf", "tool_call_gbnf"]
 
 #: `{"type": "json_object"}`: any JSON object (llama.cpp's grammars/json.gbnf)
 JSON_OBJECT_GBNF = llama_grammar.JSON_GBNF
@@ -52,6 +53,13 @@ def schema_to_gbnf(schema: dict | str) -> str:
     except (ValueError, TypeError, KeyError, AssertionError, NotImplementedError, RecursionError,
             json.JSONDecodeError) as e:
         raise GrammarError(f"the JSON schema cannot be turned into a grammar: {e}") from None
+
+
+def tool_call_gbnf(schema: dict) -> str:
+    """GBNF for one Hermes-style tool call whose JSON follows `schema` (deployments/http/tool_calls.py):
+    `<tool_call>\n{...}\n</tool_call>`, the model's end token after it."""
+    body = re.sub(r"^root ::=", "call ::=", schema_to_gbnf(schema), flags=re.M)
+    return body + '\nroot ::= "<tool_call>\\n" call "\\n</tool_call>"\n'
 
 
 class _TokenArray:

@@ -11,7 +11,7 @@ import llama_cpp
 import numpy as np
 
 from . import lib
-from .chat_template import compile_template, is_jinja, message_text, render_chat
+from .chat_template import compile_template, is_jinja, message_text, render_chat, tool_messages
 from .models import default_template_for, resolve_model
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,8 @@ class Model:
         return b"".join(self.token_to_piece(int(t), special) for t in tokens).decode("utf-8", "replace")
 
     # ---- chat --------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         """Format chat messages with the model's template.
 
         Jinja template text is rendered (as llama-server and HF transformers do, so a
@@ -195,8 +196,9 @@ class Model:
         if self._jinja:
             return render_chat(
                 self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self._special_text(self.bos), eos_token=self._special_text(self.eos),
+                bos_token=self._special_text(self.bos), eos_token=self._special_text(self.eos), tools=tools,
             )
+        messages = tool_messages(messages, tools)  # llama.cpp's built-in formatters know no tools
         arr = (llama_cpp.llama_chat_message * len(messages))()
         keep = []
         for i, m in enumerate(messages):
@@ -216,9 +218,10 @@ class Model:
             raise ValueError(f"llama.cpp does not support the chat template of {self.name}")
         return buf.raw[:n].decode("utf-8", "replace")
 
-    def chat_tokens(self, messages: list[dict]) -> np.ndarray:
-        """Template-formatted prompt tokens. The template carries its own BOS where needed."""
-        text = self.apply_chat_template(messages)
+    def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> np.ndarray:
+        """Template-formatted prompt tokens (`tools`: functions the model may call, chat_template.render_chat).
+        The template carries its own BOS where needed."""
+        text = self.apply_chat_template(messages, tools=tools)
         return self.tokenize(text, add_special=self.add_bos and not self._text_has_bos(text), parse_special=True)
 
     def _special_text(self, token: int) -> str:

@@ -83,10 +83,10 @@ class TargetService:
         with self._lock:
             return self.runner.calibrate_cost()
 
-    def start_many(self, starts: list[tuple[int, SamplingParams, np.ndarray, int]]) -> None:
+    def start_many(self, starts: list[tuple]) -> None:
         with self._lock:
-            for seq_id, params, prompt, n_keep in starts:
-                self.runner.start(seq_id, params, prompt, n_keep)
+            for start in starts:
+                self.runner.start(*start)
 
     def release(self, seq_ids: list[int]) -> None:
         with self._lock:
@@ -96,7 +96,7 @@ class TargetService:
     def step(
         self,
         items: list[StepItem],
-        starts: list[tuple[int, SamplingParams, np.ndarray, int]] = (),
+        starts: list[tuple] = (),
         releases: list[tuple[int, int]] = (),
         hidden_acks: list = (),
     ) -> tuple[StepOutput, float]:
@@ -108,8 +108,8 @@ class TargetService:
                 self.hidden_transport.acknowledge(hidden_acks)
             for seq_id, keep in releases:
                 self.runner.release(seq_id, keep)
-            for seq_id, params, prompt, n_keep in starts:
-                self.runner.start(seq_id, params, prompt, n_keep)
+            for start in starts:  # (seq_id, params, prompt, n_keep, copy_from)
+                self.runner.start(*start)
             out = self.runner.step(items) if items else StepOutput([], 0.0, 0, 0)
             if out.hidden is not None and self.hidden_transport is not None:
                 out.hidden = self.hidden_transport.export(out.hidden)
@@ -182,7 +182,7 @@ class RemoteTarget:
         self.actor = actor
         self.epoch = epoch
         self.timeout_s = timeout_s  # a step that takes longer counts as a hung actor (GetTimeoutError)
-        self._starts: list[tuple[int, SamplingParams, np.ndarray, int]] = []
+        self._starts: list[tuple] = []  # TargetRunner.start's arguments
         self._releases: list[tuple[int, int]] = []  # (slot, KV cells it keeps for the prompt cache)
         self._hidden_acks: list = []  # CUDA-IPC hidden-row buffers the companion is done with
         self.hop = HopStats()
@@ -203,8 +203,9 @@ class RemoteTarget:
     def pending(self) -> bool:
         return bool(self._releases or self._starts)
 
-    def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray, n_keep: int = 0) -> None:
-        self._starts.append((seq_id, params, np.asarray(prompt, dtype=np.int32), n_keep))
+    def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray, n_keep: int = 0,
+              copy_from: int | None = None) -> None:
+        self._starts.append((seq_id, params, np.asarray(prompt, dtype=np.int32), n_keep, copy_from))
 
     def release(self, seq_id: int, keep: int = 0) -> None:
         # a slot released and started again before the next step: the release must come first,

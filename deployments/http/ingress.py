@@ -31,10 +31,8 @@ after it started ends with an error event, then `data: [DONE]`.
 # no `from __future__ import annotations` here: Serve rebuilds the route signatures and FastAPI
 # must see real classes, not strings, or bodies turn into query parameters
 import asyncio
-import json
 import logging
 import os
-from time import perf_counter
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -49,20 +47,18 @@ from specray.deployments.http.guard import Guard, configure
 from specray.deployments.http.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
-    DeltaTemplate,
     OpenAIError,
-    chat_chunk,
-    chat_logprobs,
     chat_response,
-    completion_chunk,
-    completion_logprobs,
     completion_response,
-    echo_text,
     error_body,
     new_id,
     now,
 )
 from specray.deployments.http.timing import StreamClock, wants_timing
+from specray.deployments.http.choices import generate_choices
+from specray.deployments.http.sse import handle_error as _handle_error
+from specray.deployments.http.sse import sse_body
+from specray.deployments.http.tool_calls import ToolCallStream
 from specray.deployments.config import ServeConfig
 
 log = logging.getLogger("specray.ingress")
@@ -131,25 +127,6 @@ def _truncation_header(n: int) -> dict | None:
     return {"X-Specray-Prompt-Truncated": str(n)} if n else None
 
 
-def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-#: handle errors that mean "try again later", not a bug: Serve's back-pressure, a replica that died or is
-#: being replaced
-_UNAVAILABLE = ("BackPressureError", "DeploymentUnavailableError", "RayActorError", "ActorDiedError",
-                "ActorUnavailableError")
-
-
-def _handle_error(e: Exception) -> OpenAIError:
-    """Errors raised by a handle call (the replica itself answers bad requests with error chunks)."""
-    name = type(e).__name__
-    if name == "BackPressureError":
-        return OpenAIError(f"server overloaded: {e}", 503, code="overloaded")
-    if name in _UNAVAILABLE:
-        return OpenAIError(f"engine unavailable: {name}: {e}", 503, code="engine_unavailable")
-    log.exception("engine call failed")
-    return OpenAIError(f"internal error: {name}: {e}", 500)
 
 
 class IngressRoutes:
@@ -294,6 +271,8 @@ class IngressRoutes:
         clock = StreamClock(request.scope)
         rid = new_id("chatcmpl" if chat else "cmpl")
         req["request_id"] = rid
+        if req.get("n", 1) > 1:  # n choices: n engine requests sharing the prompt's cells (choices.py)
+            return await generate_choices(self, req, body, chat, arm, req["n"])
         engine, records = self.engines[arm], self.records[arm]
         arm_header = {ARM_HEADER: arm}
         if not body.stream:
@@ -308,9 +287,10 @@ class IngressRoutes:
                 return _error_response(result["message"], result["status"], result.get("param"), result.get("code"),
                                        headers=arm_header)
             records.add(result)
-            build = chat_response if chat else completion_response
             wants = req["sampling"].get("logprobs") is not None
-            return JSONResponse(build(rid, self.model_id, result, logprobs=wants) | {"arm": arm},
+            body_out = (chat_response(rid, self.model_id, result, logprobs=wants, tools=bool(req.get("tools")))
+                        if chat else completion_response(rid, self.model_id, result, logprobs=wants))
+            return JSONResponse(body_out | {"arm": arm},
                                 headers=arm_header
                                 | (_truncation_header(result["usage"].get("truncated_prompt_tokens", 0)) or {}))
 
@@ -333,82 +313,14 @@ class IngressRoutes:
                                    headers=arm_header)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            self._sse_stream(gen, rid, chat, include_usage, arm, clock, wants_timing(request.headers),
-                             logprobs_on=req["sampling"].get("logprobs") is not None),
+            sse_body(gen, rid, self.model_id, self.records[arm], chat, include_usage, arm, clock,
+                     wants_timing(request.headers),
+                     logprobs_on=req["sampling"].get("logprobs") is not None,
+                     tools=ToolCallStream() if chat and req.get("tools") else None),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | arm_header
             | (_truncation_header(first.get("truncated_prompt_tokens", 0)) or {}),
         )
-
-    async def _sse_stream(self, gen, rid: str, chat: bool, include_usage: bool, arm: str, clock: StreamClock,
-                          timing: bool = False, logprobs_on: bool = False):
-        """The SSE body. Deltas (one per round per stream at most: the replica merges what queued up) are
-        written from a per-stream template: no dict or json.dumps per chunk (openai_schema.DeltaTemplate).
-        With `timing` the final chunk carries the per-stage breakdown under `specray_timing` (timing.py)."""
-        created = now()
-        model = self.model_id
-        finished = False
-        records = self.records[arm]
-        tag = {"arm": arm}
-        delta = DeltaTemplate(rid, model, created, chat, tag)
-        offset = 0  # completions logprobs' text_offset of the next token
-        try:
-            if chat:
-                yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}) | tag)
-            async for chunk in gen:
-                t_got = perf_counter()
-                t = chunk["type"]
-                if t == "delta" and ("logprobs" in chunk or "prompt_logprobs" in chunk):
-                    # the slow path: the chunk carries its tokens' logprobs (or, echo, the prompt's)
-                    lps = chunk.get("logprobs", [])
-                    if chat:
-                        line = _sse(chat_chunk(rid, model, created, {"content": chunk["text"]},
-                                               logprobs=chat_logprobs(lps)) | tag)
-                    else:
-                        plps = chunk.get("prompt_logprobs", [])
-                        entries = plps + lps
-                        logprobs = completion_logprobs(entries, offset) if logprobs_on else None
-                        line = _sse(completion_chunk(rid, model, created, echo_text(plps) + chunk["text"],
-                                                     logprobs=logprobs) | tag)
-                        offset += sum(len(e["token"]) for e in entries)
-                    yield line
-                elif t == "delta":
-                    line = delta.sse(chunk["text"])
-                    clock.sse_s += perf_counter() - t_got
-                    clock.sse_n += 1
-                    yield line
-                elif t == "end":
-                    clock.end_chunk()
-                    records.add(chunk)
-                    last = (chat_chunk(rid, model, created, {}, chunk["finish_reason"]) if chat
-                            else completion_chunk(rid, model, created, "", chunk["finish_reason"])) | tag
-                    if include_usage:
-                        yield _sse(last)
-                        last = {"id": rid, "object": last["object"], "created": created, "model": model,
-                                "choices": [], "usage": chunk["usage"], "speculative": chunk["speculative"]} | tag
-                    else:
-                        last["usage"] = chunk["usage"]
-                        last["speculative"] = chunk["speculative"]
-                    stages = clock.stages(chunk.get("timing") or {})
-                    records.add_stages(stages)
-                    if timing:
-                        last["specray_timing"] = stages
-                    yield _sse(last)
-                    finished = True
-                elif t == "error":
-                    records.add_error(chunk["status"])
-                    yield _sse(error_body(chunk["message"], chunk["status"], chunk.get("param"), chunk.get("code")))
-                    finished = True
-                    break
-        except Exception as e:
-            err = _handle_error(e)
-            records.add_error(err.status)
-            yield _sse(error_body(str(err), err.status))
-            finished = True
-        finally:
-            if not finished:
-                gen.cancel()  # the client went away: the replica frees the slot
-        yield _sse("[DONE]")
 
 
 @serve.deployment(name="Ingress")

@@ -1,8 +1,9 @@
 """OpenAI-compatible request bodies, response builders and error bodies.
 
 Unknown OpenAI fields are ignored (clients send many); fields specray cannot
-honour with a non-default value (n > 1, best_of, suffix, tools) are refused
-with a 400 naming the field. `response_format` json_object / json_schema
+honour with a non-default value (best_of, suffix) are refused with a 400
+naming the field. `n > 1` gives n choices (choices.py). `tools` / `tool_choice` show the tools to the model
+and parse its `<tool_call>` blocks back (tool_calls.py). `response_format` json_object / json_schema
 and the `grammar` / `json_schema` extensions constrain the output with a
 grammar (native/grammar.py; compiled in the replica, which knows the
 vocabulary).
@@ -28,7 +29,11 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from specray.engine.config import parse_chain
 
+from .tool_calls import check_tools, parse_tool_calls, tool_call_schema
+
 DEFAULT_MAX_TOKENS = 256
+#: the most choices (n) one request may ask for; the replica also refuses more than its slots
+MAX_CHOICES = 16
 
 
 class OpenAIError(Exception):
@@ -122,8 +127,8 @@ class _Common(BaseModel):
         return None if v is None else v % (1 << 64)
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise OpenAIError("only n=1 is supported", param="n")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise OpenAIError(f"n must be in [1, {MAX_CHOICES}], got {self.n}", param="n")
 
     def logprob_count(self) -> int | None:
         """Alternatives to report per token, or None: no logprobs (the subclasses read their own fields)."""
@@ -213,6 +218,7 @@ class _Common(BaseModel):
             "ignore_eos": self.ignore_eos,
             "cache_prompt": self.cache_prompt,
             "constraint": self.constraint(),
+            "n": self.n or 1,
         }
 
 
@@ -262,6 +268,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (sent back in a tool-call loop)
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def to_engine(self) -> dict:
+        m = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            m["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
 
     def text(self) -> str:
         if self.content is None:
@@ -281,6 +297,8 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -290,14 +308,25 @@ class ChatCompletionRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def to_engine(self) -> dict:
-        if self.tools:
-            raise OpenAIError("tools are not supported", param="tools")
         if not self.messages:
             raise OpenAIError("messages must not be empty", param="messages")
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         d = self.engine_fields(mt)
-        d["messages"] = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                         for m in self.messages]
+        d["messages"] = [m.to_engine() for m in self.messages]
+        if self.tools and self.tool_choice != "none":
+            try:
+                funcs, forced = check_tools(self.tools, self.tool_choice)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
+            d["tools"] = funcs  # shown to the model (chat template), and its output parsed for calls
+            if forced is not None:  # a call it must make: held to it by a grammar
+                if d["constraint"] is not None:
+                    raise OpenAIError("tool_choice that forces a call cannot be combined with "
+                                      f"{d['constraint']['param']}", param="tool_choice")
+                d["constraint"] = {"kind": "tool_call", "value": tool_call_schema(funcs, forced),
+                                   "param": "tool_choice"}
+        elif self.tool_choice not in (None, "none", "auto"):
+            raise OpenAIError("tool_choice needs tools", param="tool_choice")
         return d
 
 
@@ -353,11 +382,19 @@ def completion_response(rid: str, model: str, result: dict, logprobs: bool = Fal
     }
 
 
-def chat_response(rid: str, model: str, result: dict, logprobs: bool = False) -> dict:
+def chat_response(rid: str, model: str, result: dict, logprobs: bool = False, tools: bool = False) -> dict:
+    """`tools`: the request offered tools, so <tool_call> blocks of the text become `message.tool_calls`."""
+    message = {"role": "assistant", "content": result["text"]}
+    finish = result["finish_reason"]
+    if tools:
+        content, calls = parse_tool_calls(result["text"])
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            finish = "tool_calls" if finish == "stop" else finish
     return {
         "id": rid, "object": "chat.completion", "created": now(), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result["text"]},
-                     "finish_reason": result["finish_reason"],
+        "choices": [{"index": 0, "message": message,
+                     "finish_reason": finish,
                      "logprobs": chat_logprobs(result.get("logprobs") or []) if logprobs else None}],
         "usage": result["usage"], "speculative": result["speculative"],
     }

@@ -66,11 +66,13 @@ def fit_prompt(n_prompt: int, max_tokens: int, n_ctx_seq: int, draft_room: int, 
 class Admission:
     """Builds ServeRequests for one replica: its vocabulary, its context size and its current chain."""
 
-    def __init__(self, model, n_ctx_seq: int, chain_config: Callable[[], ChainConfig], truncate: bool) -> None:
+    def __init__(self, model, n_ctx_seq: int, chain_config: Callable[[], ChainConfig], truncate: bool,
+                 slots: int | None = None) -> None:
         self.model = model  # tokenizes (vocabulary only when the target is an actor)
         self.n_ctx_seq = n_ctx_seq
         self.chain_config = chain_config  # the running chain's config (it changes with a live update)
         self.truncate = truncate  # ServeConfig.prompt_overflow == "truncate"
+        self.slots = slots  # n > 1 asks for this many sequences at once at most
         self._grammars = None  # compiles requests' grammars (native.grammar.GrammarCompiler), made at first use
 
     def make_request(self, request: dict) -> ServeRequest:
@@ -87,13 +89,15 @@ class Admission:
     def grammar(self, constraint: dict) -> str:
         """The GBNF of a request's constraint ({'kind', 'value', 'param'}, openai_schema), compiled once against
         this vocabulary: a 400 naming the field if it does not."""
-        from specray.native.grammar import JSON_OBJECT_GBNF, GrammarCompiler, GrammarError, schema_to_gbnf
+        from specray.native.grammar import (JSON_OBJECT_GBNF, GrammarCompiler, GrammarError, schema_to_gbnf,
+                                            tool_call_gbnf)
 
         param = constraint.get("param") or "grammar"
         kind, value = constraint.get("kind"), constraint.get("value")
         try:
             gbnf = (value if kind == "gbnf" else JSON_OBJECT_GBNF if kind == "json_object"
-                    else schema_to_gbnf(value) if kind == "json_schema" else None)
+                    else schema_to_gbnf(value) if kind == "json_schema"
+                    else tool_call_gbnf(value) if kind == "tool_call" else None)
             if gbnf is None:
                 raise GrammarError(f"unknown constraint kind {kind!r}")
             if self._grammars is None:
@@ -108,7 +112,7 @@ class Admission:
             msgs = request["messages"]
             if not msgs:
                 raise RequestError("messages must not be empty", param="messages")
-            return self.model.chat_tokens(msgs)
+            return self.model.chat_tokens(msgs, tools=request.get("tools"))
         if request.get("prompt_tokens") is not None:
             return self._token_ids(request["prompt_tokens"])
         prompt = request.get("prompt")
@@ -154,7 +158,12 @@ class Admission:
             raise RequestError(f"logit_bias token {max(sampling.logit_bias)} is outside the vocabulary "
                                f"[0, {self.model.n_vocab})", param="logit_bias")
         dropped = fit_prompt(len(prompt), max_tokens, self.n_ctx_seq, draft_room, self.truncate)
+        if request.get("share_prompt") is not None and self.slots is not None:
+            n = int(request["share_prompt_n"]) if request.get("share_prompt_n") else 1
+            if n > self.slots:
+                raise RequestError(f"n ({n}) is more than this server's {self.slots} slots", param="n")
         return ServeRequest(
+            share_prompt=request.get("share_prompt"),
             prompt_tokens=prompt[dropped:].copy() if dropped else prompt,
             max_tokens=max_tokens,
             sampling=sampling,

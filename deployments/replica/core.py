@@ -67,7 +67,7 @@ class RouterCore:
         self.slots = Slots(self.parts.scheduler, self.rel)
         self.faults = Faults(self.parts, self.slots, self.rel, cfg.mode)
         self.admission = Admission(self.parts.model, self.parts.n_ctx_seq, lambda: self.scheduler.config.chain,
-                                   truncate=cfg.prompt_overflow == "truncate")
+                                   truncate=cfg.prompt_overflow == "truncate", slots=cfg.engine.slots)
         self.lock = threading.Lock()  # guards every scheduler call (held by the round thread)
         self._inbox: list[Op] = []
         self._stopping = False

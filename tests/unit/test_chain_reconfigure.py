@@ -171,7 +171,7 @@ def nxt(t: int) -> int:
 class CycleTarget:
     """Verifies drafts against the cycle: accepts the draft prefix that continues it, then emits one token."""
 
-    def start(self, seq_id, params, prompt, n_keep=0):
+    def start(self, seq_id, params, prompt, n_keep=0, copy_from=None):
         pass
 
     def release(self, seq_id, keep=False):
