@@ -77,7 +77,7 @@ def test_cli_flags_override_the_config_file(tmp_path):
     assert cfg.port == 8100 and cfg.mode == "distributed" and cfg.engine.exact
     d = config_from_args(p.parse_args(["serve"]))
     assert (d.host, d.port, d.engine.model, d.engine.chain.label) == ("127.0.0.1", 8000, "smollm2-135m",
-                                                                      "ngram_mod,suffix,ngram_cache")
+                                                                      "ngram_mod,suffix,ngram_cache,grammar")
     assert url_of(d) == "http://127.0.0.1:8000"
 
 

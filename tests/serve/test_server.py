@@ -211,7 +211,7 @@ BAD = [
      "unknown speculator"),
     ("/v1/completions", json.dumps({"prompt": "hello " * 2100, "max_tokens": 8}), 400, "context"),
     ("/v1/completions", json.dumps({"prompt": "hello " * 1000, "max_tokens": 1500}), 400, "context"),
-    ("/v1/completions", json.dumps({"prompt": "hi", "n": 2}), 400, "n=1"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "n": 99}), 400, "n must be in"),
     ("/v1/completions", json.dumps({"prompt": "hi", "temperature": "hot"}), 400, "temperature"),
     ("/v1/completions", json.dumps({"prompt": ["a", "b"]}), 400, "one prompt"),
     ("/v1/completions", json.dumps({"prompt": ""}), 400, "empty"),
