@@ -56,11 +56,14 @@ def replica_options(cfg: ServeConfig) -> dict[str, Any]:
         opts["placement_group_bundles"] = replica_bundles(
             cfg.replica_cpus, cfg.target_cpus, cfg.companion_cpus, cfg.target_gpus, cfg.companion_gpus
         )
+        opts["placement_group_bundles"][0].update(cfg.replica_resources)  # one replica per node (if asked)
         opts["placement_group_strategy"] = STRATEGY
     else:
         actor: dict[str, Any] = {"num_cpus": cfg.replica_cpus} | env
         if cfg.colocated_gpus:
             actor["num_gpus"] = cfg.colocated_gpus
+        if cfg.replica_resources:
+            actor["resources"] = dict(cfg.replica_resources)
         opts["ray_actor_options"] = actor
     return opts
 

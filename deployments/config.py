@@ -92,6 +92,11 @@ class ServeConfig(BaseModel):
     companion_cpus: float = Field(0.1, ge=0, description="Ray CPUs of the companion actor (distributed)")
     companion_gpus: float = Field(0, ge=0)
     colocated_gpus: float = Field(0, ge=0, description="Ray GPUs of the engine replica in colocated mode")
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each engine replica asks for (its own bundle, or its actor in colocated "
+        "mode). Give every node {'specray_replica': 1} (ray start --resources) and set this to the same: no two "
+        "replicas share a node, so losing a node loses one replica (cluster/serve-cluster.yaml)")
     worker_env: dict[str, str] = Field(
         default_factory=lambda: dict(DEFAULT_WORKER_ENV),
         description="environment of the engine replica and actor processes (set before llama.cpp loads), e.g. "
