@@ -120,7 +120,8 @@ def build_app_from_config(cfg: ServeConfig) -> Application:
         # the HTTP proxy's queue in front of the ingress: bounded too (Serve answers 503 + Retry-After itself)
         max_queued_requests=cfg.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.retry_after_s or None),
-        ray_actor_options={"num_cpus": cfg.ingress_cpus},
+        ray_actor_options={"num_cpus": cfg.ingress_cpus} | (
+            {"resources": dict(cfg.ingress_resources)} if cfg.ingress_resources else {}),
     ).bind(engines, conf)
 
 

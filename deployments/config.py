@@ -97,6 +97,11 @@ class ServeConfig(BaseModel):
         description="custom Ray resources each engine replica asks for (its own bundle, or its actor in colocated "
         "mode). Give every node {'specray_replica': 1} (ray start --resources) and set this to the same: no two "
         "replicas share a node, so losing a node loses one replica (cluster/serve-cluster.yaml)")
+    ingress_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each ingress replica (split layout) asks for. On a cluster, "
+        "{'node:__internal_head__': 0.001} keeps the ingress on the head node, which no engine replica shares: a lost "
+        "worker node then takes engine replicas only, and the ingress answers their streams with a clean 503")
     worker_env: dict[str, str] = Field(
         default_factory=lambda: dict(DEFAULT_WORKER_ENV),
         description="environment of the engine replica and actor processes (set before llama.cpp loads), e.g. "

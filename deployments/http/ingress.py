@@ -235,13 +235,16 @@ class IngressRoutes:
             for (name, w), eng in zip(zip(self.arms.names, self.arms.weights), engines)
         }
         top["ingress"] = {"replicas": len(records), "pids": [r["pid"] for r in records],
-                          "weights": [r["weights"] for r in records], "layout": self.layout}
+                          "weights": [r["weights"] for r in records], "layout": self.layout,
+                          # requests whose engine replica was lost before they produced anything, asked again
+                          "retried_after_engine_loss": sum(r.get("retried", 0) for r in records)}
         return top
 
     def arm_records(self) -> dict:
         """This ingress replica's per-arm request records (merged over ingress replicas by /v1/stats)."""
         return {"pid": os.getpid(), "weights": dict(zip(self.arms.names, self.arms.weights)),
-                "arms": {name: r.snapshot() for name, r in self.records.items()}}
+                "arms": {name: r.snapshot() for name, r in self.records.items()},
+                "retried": sum(getattr(e, "retried", 0) for e in self.engines.values())}
 
     async def _all_records(self) -> list[dict]:
         if self.solo:

@@ -17,16 +17,13 @@ from specray.deployments.http.openai_schema import (
     error_body,
     now,
 )
+from specray.deployments.http.engine_link import engine_lost
 from specray.deployments.http.timing import StreamClock
 from specray.deployments.http.tool_calls import ToolCallStream
 
 log = logging.getLogger("specray.ingress")
 
 
-#: handle errors that mean "try again later", not a bug: Serve's back-pressure, a replica that died or is
-#: being replaced
-_UNAVAILABLE = ("BackPressureError", "DeploymentUnavailableError", "RayActorError", "ActorDiedError",
-                "ActorUnavailableError")
 
 
 def handle_error(e: Exception) -> OpenAIError:
@@ -34,7 +31,7 @@ def handle_error(e: Exception) -> OpenAIError:
     name = type(e).__name__
     if name == "BackPressureError":
         return OpenAIError(f"server overloaded: {e}", 503, code="overloaded")
-    if name in _UNAVAILABLE:
+    if engine_lost(e):
         return OpenAIError(f"engine unavailable: {name}: {e}", 503, code="engine_unavailable")
     log.exception("engine call failed")
     return OpenAIError(f"internal error: {name}: {e}", 500)
@@ -116,7 +113,7 @@ async def sse_body(gen, rid: str, model: str, records, chat: bool, include_usage
     except Exception as e:
         err = handle_error(e)
         records.add_error(err.status)
-        yield sse(error_body(str(err), err.status))
+        yield sse(error_body(str(err), err.status, err.param, err.code))
         finished = True
     finally:
         if not finished:

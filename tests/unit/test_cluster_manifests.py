@@ -54,8 +54,15 @@ def test_rayservices_validate_and_carry_a_valid_serve_config(path):
     assert json.loads(json.loads(workers["rayStartParams"]["resources"])) == {"specray_replica": 1}
     assert cfg.replica_resources == {"specray_replica": 1.0}
     assert cfg.autoscaling["max_replicas"] <= workers["maxReplicas"]
+    # the ingress on the head (a resource only the head has), which has the CPU it asks for
+    head = cluster["headGroupSpec"]["rayStartParams"]
+    assert HEAD_ONLY in cfg.ingress_resources and float(head["num-cpus"]) >= cfg.ingress_cpus
     if gpus > 1:
         assert cfg.engine.tensor_split is not None and len(cfg.engine.tensor_split) == gpus
+
+
+#: the resource Ray gives the head node only (ray._common.constants.HEAD_NODE_RESOURCE_NAME)
+HEAD_ONLY = "node:__internal_head__"
 
 
 def test_a_misspelled_field_fails_the_checks():
@@ -90,3 +97,18 @@ def test_replica_resources_go_into_the_replicas_own_bundle():
     assert opts["placement_group_strategy"] == "STRICT_PACK" and opts["num_replicas"] == 2
     colo = replica_options(cfg.model_copy(update={"mode": "colocated"}))
     assert colo["ray_actor_options"]["resources"] == {"specray_replica": 1.0}
+
+
+def test_the_cluster_configs_ingress_stays_on_the_head():
+    """serve-cluster.yaml: split layout, its Ingress deployment asks for the head's own resource, so a lost
+    worker takes engine replicas only (tests/cluster/test_multinode.py removes one under load)."""
+    from specray.deployments.app import build_app_from_config, uses_fused
+
+    cfg = ServeConfig.model_validate(yaml.safe_load((CLUSTER / "serve-cluster.yaml").read_text())
+                                     ["applications"][0]["args"])
+    assert not uses_fused(cfg)
+    ingress = build_app_from_config(cfg)._bound_deployment
+    assert ingress.name == "Ingress"
+    assert ingress.ray_actor_options["resources"] == {HEAD_ONLY: 0.001}
+    plain = build_app_from_config(cfg.model_copy(update={"ingress_resources": {}}))._bound_deployment
+    assert "resources" not in plain.ray_actor_options
