@@ -38,6 +38,7 @@ from .prompts import BenchPrompt, default_prompts_path, load_prompts, prompt_gra
 from .report import BenchReport, ConfigResult, write_json
 from .round_profile import RoundProfiler
 from .shapes import chain_of, expand_configs, split_config
+from .variants import chain_config, parse_params, sweep_configs
 
 __all__ = ["BenchPrompt", "BenchReport", "ConfigResult", "classify_divergence", "cpu_steal_seconds",
            "default_prompts_path", "divergence_margin", "load_prompts", "main_bench", "measure_batch_variance",
@@ -75,6 +76,7 @@ def run_bench(
     profiler: RoundProfiler | None = None,
     rollback: str = "auto",
     rollback_snapshots: int | None = None,
+    spec_params: dict[str, dict] | None = None,
 ) -> BenchReport:
     """Run every configuration on `prompts`, `repeats` times. Each pass has its own chains (fresh
     speculators: a second pass must not draft from what the first one generated) and runs the
@@ -87,7 +89,8 @@ def run_bench(
     (shapes.expand_configs: a `CHAIN@bucketed` configuration runs on an engine with shape-stable verifies).
     Prompts too long for a sequence's share of the context are skipped, before anything runs, with a line
     saying which (fit.check_prompts); ValueError if none is left. `profiler`: cProfile each configuration's
-    measured rounds (RoundProfiler)."""
+    measured rounds (RoundProfiler). `spec_params`: every configuration's speculator parameters, under its own
+    (bench/variants.py: `CHAIN/NAME.KEY=VALUE`, `CHAIN+tune`)."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     if repeats < 1:
@@ -141,7 +144,8 @@ def run_bench(
         for k in set(map(kind, configs)) - {("exact", False)}:
             by_kind[k] = new_engine(*k)
         engines = {c: by_kind[kind(c)] for c in configs}
-    chains = [{c: Chain(ChainConfig(speculators=chain_of(c), policy=policy, n_max=n_max),
+    # each configuration's own chain: its parameters (--spec-param, then its own: variants.py), tuning or not
+    chains = [{c: Chain(chain_config(split_config(c)[0], spec_params or {}, policy, n_max),
                         engines[c].speculator_factory) for c in configs} for _ in range(repeats)]
     categories = list(dict.fromkeys(p.category for p in prompts))
     report = BenchReport(model=model, configs=list(configs), categories=categories)
@@ -253,11 +257,18 @@ def main_bench(args) -> int:
     prompts_path = args.prompts or default_prompts_path()
     categories = [c for c in (args.categories or "").split(",") if c] or None
     prompts = load_prompts(prompts_path, categories, args.per_category)
+    spec_params = parse_params(getattr(args, "spec_param", None) or [])
     configs = []
     for c in args.configs:
         chain_of(c)  # syntax check
         if c not in configs:
             configs.append(c)
+    if getattr(args, "tune_sweep", False):
+        from specray.engine.speculators.registry import make_params
+
+        configs = sweep_configs(configs, spec_params, lambda name: make_params(name).model_dump())
+    for c in configs:  # bad parameters fail now, not after the model has loaded
+        chain_config(split_config(c)[0], spec_params, args.policy, args.n_max)
     plot = getattr(args, "plot", None)
     _check_writable(plot, "--plot")
     _check_writable(args.json, "--json")
@@ -275,7 +286,7 @@ def main_bench(args) -> int:
                                   "tensor_split": args.tensor_split},
                        verify_shape=getattr(args, "verify_shape", "exact"),
                        verify_buckets=getattr(args, "verify_buckets", None), profiler=profiler,
-                       rollback=args.rollback, rollback_snapshots=args.rollback_snapshots)
+                       rollback=args.rollback, rollback_snapshots=args.rollback_snapshots, spec_params=spec_params)
     print(report.table())
     if args.json:
         write_json(report, args.json)

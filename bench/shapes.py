@@ -28,10 +28,12 @@ def split_config(name: str) -> tuple[str, str]:
 def chain_of(name: str) -> list[str]:
     """The speculator names of a bench configuration.
 
-    >>> chain_of("ngram_mod,suffix@bucketed")
-    ['ngram_mod', 'suffix']
+    >>> chain_of("ngram_mod,suffix@bucketed"), chain_of("suffix/suffix.p_min=0.2"), chain_of("suffix+tune")
+    (['ngram_mod', 'suffix'], ['suffix'], ['suffix'])
     """
-    return parse_chain(split_config(name)[0])
+    from .variants import variant
+
+    return parse_chain(variant(split_config(name)[0])[0])
 
 
 def expand_configs(configs: list[str], verify_shape: str) -> list[str]:

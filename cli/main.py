@@ -186,6 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="in-process: chains to compare, e.g. none ngram_mod ngram_mod,suffix ('none' is always "
                             f"included; default: {' '.join(DEFAULT_BENCH_CONFIGS)}); not with --url/--http "
                             "(use --spec)")
+    bench.add_argument("--spec-param", action="append", default=None, metavar="SPECULATOR.KEY=VALUE",
+                       help="in-process: a speculator parameter every configuration starts from, repeatable (e.g. "
+                            "--spec-param suffix.p_min=0.2). A configuration can carry its own: "
+                            "CHAIN/SPECULATOR.KEY=VALUE; CHAIN+tune tunes them online (ChainConfig.tune)")
+    bench.add_argument("--tune-sweep", action="store_true",
+                       help="in-process: run each chain of --configs as configured, tuned online (CHAIN+tune), and at "
+                            "every point of its speculators' tuning grids (one speculator at a time), so the tuned "
+                            "run is measured against the best fixed setting in the same run")
     bench.add_argument("--max-tokens", type=int, default=192, help="tokens per prompt (default: %(default)s)")
     bench.add_argument("--slots", type=int, default=None,
                        help="concurrent sequences (default: 1 in-process; with --http the largest --streams; with "
@@ -367,6 +375,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"how a chain picks one draft per sequence {d(ChainConfig, 'policy')}")
     g.add_argument("--n-max", type=int, default=S,
                    help=f"max draft tokens per sequence per round {d(ChainConfig, 'n_max')}")
+    g.add_argument("--spec-tune", action=argparse.BooleanOptionalAction, default=S,
+                   help="tune each n-gram speculator's look-up parameters online (a bandit per speculator and "
+                        "request class, `speculative.tune_class`; /v1/stats `tuning` shows the choice) "
+                        f"{d(ChainConfig, 'tune')}")
     g.add_argument("--rollback", choices=["auto", "snapshots", "checkpoint", "off"], default=S,
                    help=f"{ROLLBACK_HELP} {d(EngineConfig, 'rollback')}")
     g.add_argument("--rollback-snapshots", type=int, default=S, metavar="N",

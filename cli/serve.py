@@ -37,6 +37,7 @@ _FLAG_FIELDS = {
     "verify_buckets": ("engine", "verify_buckets"),
     "policy": ("engine", "chain", "policy"),
     "n_max": ("engine", "chain", "n_max"),
+    "spec_tune": ("engine", "chain", "tune"),
     "rollback": ("engine", "rollback"),
     "rollback_snapshots": ("engine", "rollback_snapshots"),
     "draft_model": ("engine", "draft", "model"),

@@ -43,6 +43,7 @@ from .calibration import PrefixCalibration
 from .config import ChainConfig
 from .lookup_gate import LookupGate
 from .planner import plan_draft_lengths
+from .tuning import draft_tuned, make_tuner, reward_round
 from .speculator import EMPTY_DRAFT, DraftRequest, Speculator, SpeculatorStats
 from .speculators.draft_base import ModelSpeculator
 
@@ -63,6 +64,10 @@ class Proposal:
     # is judged against the tokens the target emitted, so every speculator learns, sent or not
     drafts: dict[str, np.ndarray] = field(default_factory=dict)
     contexts: dict[str, int] = field(default_factory=dict)
+    # tuning (engine/tuning.py): the setting each tuned speculator drafted with, and its look-up seconds
+    settings: dict[str, int] = field(default_factory=dict)
+    lookup_s: dict[str, float] = field(default_factory=dict)
+    tune_class: str | None = None
 
     def cut(self, n: int) -> None:
         self.tokens = self.tokens[:n]
@@ -79,6 +84,8 @@ class SeqDraftRequest:
     history: np.ndarray
     n_max: int
     tokens_left: int | None = None  # tokens the sequence may still generate (prices a model's catch-up)
+    tune_class: str | None = "default"  # its class for tuning (None: configured parameters, not tuned)
+    params: dict[str, dict] | None = None  # its own look-up parameters per speculator (not tuned)
 
 
 @dataclass
@@ -160,6 +167,29 @@ def draft_value(prefix_probs: np.ndarray, pricing: Pricing | None) -> float:
     return float(max(0.0, np.max(gains - time)))
 
 
+def score_drafts(chain: "Chain", props: list[Proposal], unscored: list[tuple[int, str]], best_score: list[float],
+                 policy: str, pricing: Pricing | None) -> None:
+    """Score the drafts in `unscored` (then empty it), keeping each sequence's best. A draft's context
+    for the acceptance estimate is its speculator's own bucket and whether another speculator's draft
+    for the sequence starts with the same token (agree), another token (disagree) or there is none:
+    two speculators that agree are right more often than either alone, and when they disagree at
+    most one of them is."""
+    for i, name in unscored:
+        p = props[i]
+        d = p.drafts[name]
+        others = [o for n, o in p.drafts.items() if n != name]
+        agree = 0 if not others else (1 if any(o[0] == d[0] for o in others) else 2)
+        p.contexts[name] = min(p.contexts[name], CONTEXT_OWN_BUCKETS - 1) * 3 + agree
+        with _blame(name):  # called from a model speculator's turn too: blame the draft's own speculator
+            raw, pp = chain.estimate(name, p.seq_id, len(d), p.contexts[name])
+            score = (chain.trackers[name].rate(p.seq_id) * len(d) if policy == "expected"
+                     else draft_value(pp, pricing))
+        if score > best_score[i]:
+            best_score[i] = score
+            p.speculator, p.tokens, p.prefix_probs, p.raw_probs = name, d, pp, raw
+    unscored.clear()
+
+
 class Chain:
     def __init__(self, config: ChainConfig, factory: Callable[[str, dict | None], Speculator]) -> None:
         self.config = config
@@ -173,6 +203,8 @@ class Chain:
         self.gate = LookupGate()
         for name in config.speculators:
             self.speculator(name)  # fail fast on unknown names / bad params
+        self.tuner = make_tuner(config, self.instances, lambda s: isinstance(s, ModelSpeculator))
+        self._pricing: Pricing | None = None  # the last round's (tuning rewards are priced with it)
 
     def speculator(self, name: str) -> Speculator:
         spec = self.instances.get(name)
@@ -228,6 +260,7 @@ class Chain:
                 spec.stats = old.stats
             self._install(name, spec, tracker, calibration)
         self.config = new
+        self.tuner = make_tuner(new, self.instances, lambda s: isinstance(s, ModelSpeculator))
         return ChainChange(rebuilt=changed, built=added, resumed=len({seq_id for _, seq_id in begun}))
 
     def validate(self, names: tuple[str, ...]) -> None:
@@ -269,7 +302,8 @@ class Chain:
         self, requests: list[SeqDraftRequest], policy: str | None = None, pricing: Pricing | None = None
     ) -> list[Proposal]:
         policy = policy or self.config.policy
-        props = [Proposal(r.seq_id, None) for r in requests]
+        self._pricing = pricing
+        props = [Proposal(r.seq_id, None, tune_class=r.tune_class) for r in requests]
         pending = [i for i, r in enumerate(requests) if r.chain and r.n_max > 0]
         if not pending:
             return props
@@ -293,7 +327,7 @@ class Chain:
                     continue
                 n_max = {i: requests[i].n_max for i in idx}
                 if policy == "cost" and pricing is not None and isinstance(spec, ModelSpeculator):
-                    self._score(props, unscored, best_score, policy, pricing)
+                    score_drafts(self, props, unscored, best_score, policy, pricing)
                     n_max = self._price(name, spec, idx, requests, best_score, pricing)
                     idx = [i for i in idx if i in n_max]
                     if not idx:
@@ -301,9 +335,13 @@ class Chain:
                 exploring = name in self._exploring
                 self._exploring.discard(name)
                 t0 = time.perf_counter()
-                drafts = spec.draft([DraftRequest(requests[i].seq_id, requests[i].history, n_max[i]) for i in idx])
+                drafts, settings = draft_tuned(spec, name, [requests[i] for i in idx],
+                                               [n_max[i] for i in idx], self.tuner)
                 dt = time.perf_counter() - t0
                 self.gate.asked(name, len(idx), dt)
+                for i, k in zip(idx, settings):
+                    if k >= 0:  # tuned: what it drafted with, and its share of the look-up time
+                        props[i].settings[name], props[i].lookup_s[name] = k, dt / len(idx)
                 if exploring:  # an exploring draft is charged what it took, not what it was priced at
                     self.explore_budget[name] -= dt
                 for i, d in zip(idx, drafts):
@@ -319,30 +357,8 @@ class Chain:
                                 name, props[i].seq_id, len(d), props[i].contexts[name])
                         continue
                     unscored.append((i, name))
-        self._score(props, unscored, best_score, policy, pricing)
+        score_drafts(self, props, unscored, best_score, policy, pricing)
         return props
-
-    def _score(self, props: list[Proposal], unscored: list[tuple[int, str]], best_score: list[float],
-               policy: str, pricing: Pricing | None) -> None:
-        """Score the drafts in `unscored` (then empty it), keeping each sequence's best. A draft's context
-        for the acceptance estimate is its speculator's own bucket and whether another speculator's draft
-        for the sequence starts with the same token (agree), another token (disagree) or there is none:
-        two speculators that agree are right more often than either alone, and when they disagree at
-        most one of them is."""
-        for i, name in unscored:
-            p = props[i]
-            d = p.drafts[name]
-            others = [o for n, o in p.drafts.items() if n != name]
-            agree = 0 if not others else (1 if any(o[0] == d[0] for o in others) else 2)
-            p.contexts[name] = min(p.contexts[name], CONTEXT_OWN_BUCKETS - 1) * 3 + agree
-            with _blame(name):  # called from a model speculator's turn too: blame the draft's own speculator
-                raw, pp = self.estimate(name, p.seq_id, len(d), p.contexts[name])
-                score = (self.trackers[name].rate(p.seq_id) * len(d) if policy == "expected"
-                         else draft_value(pp, pricing))
-            if score > best_score[i]:
-                best_score[i] = score
-                p.speculator, p.tokens, p.prefix_probs, p.raw_probs = name, d, pp, raw
-        unscored.clear()
 
     def _price(
         self, name: str, spec: ModelSpeculator, idx: list[int], requests: list[SeqDraftRequest],
@@ -416,6 +432,9 @@ class Chain:
             elif winner:
                 tracker.update(prop.seq_id, n_drafted, n_accepted)
             self.gate.won(name, m)  # what its draft was worth, sent or not: the gate must not follow the planner
+            if name in prop.settings and self.tuner is not None:
+                reward_round(self.tuner, self._pricing, prop, name, n_drafted if winner else 0,
+                             n_accepted if winner else 0)
 
     def stats(self) -> dict[str, SpeculatorStats]:
         return {name: spec.stats for name, spec in self.instances.items()}

@@ -51,6 +51,24 @@ class ChainConfig(BaseModel):
         "being measured; the time is saved up round by round, then spent",
     )
 
+    tune: bool = Field(
+        False,
+        description="tune each model-free speculator's look-up parameters online (engine/tuning.py): a bandit per "
+        "speculator and sequence class over a small grid (suffix min_match/p_min, ngram_mod n_min, ngram_cache "
+        "n_draft, ngram_simple size_n/size_m), rewarded by the tokens its drafts gain per round net of their verify "
+        "and look-up time; starts from `params`. /v1/stats `tuning` shows the current choice",
+    )
+    tune_explore: float = Field(
+        0.05, ge=0.0, le=1.0,
+        description="tuning: share of sequence-rounds a speculator may spend on settings other than its best, "
+        "after a start-up allowance of 24 rounds per setting",
+    )
+    tune_grids: dict[str, list[dict[str, Any]]] = Field(
+        default_factory=dict,
+        description="tuning: the grid per speculator (each point: parameters set over `params`); speculators not "
+        "named use the built-in grid (engine/tuning.py DEFAULT_GRIDS); an empty list turns tuning off for one",
+    )
+
     @field_validator("speculators", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:

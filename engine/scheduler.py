@@ -176,7 +176,8 @@ def draft_requests(decoding: list[Sequence], disabled: set[str], n_ctx: int,
             n_max = min(n_max, cap)
         if s.replay_rows > MAX_REPLAY_TO_DRAFT:
             n_max = 0
-        reqs.append(SeqDraftRequest(s.slot, chain, s.history_view(), n_max, s.tokens_left))
+        reqs.append(SeqDraftRequest(s.slot, chain, s.history_view(), n_max, s.tokens_left, s.req.tune_class,
+                                    s.req.spec_params))
     return reqs
 
 

@@ -172,6 +172,7 @@ class Admission:
             n_max=n_max,
             ignore_eos=bool(request.get("ignore_eos", False)),
             cache_prompt=bool(request.get("cache_prompt", True)),
+            tune_class=request.get("tune_class") or "default",
             truncated_prompt_tokens=dropped,
             **kw,
         )

@@ -4,7 +4,7 @@ Request dicts come from the ingress (already validated, OpenAI fields mapped):
 
     {"prompt": str} | {"prompt_tokens": [int]} | {"messages": [{"role", "content"}]},
     "max_tokens": int, "sampling": {SamplingParams fields}, "stop": [str],
-    "chain": [str] | None, "n_max": int | None, "ignore_eos": bool, "request_id": str
+    "chain": [str] | None, "n_max": int | None, "tune_class": str | None, "ignore_eos": bool, "request_id": str
 
 `generate_stream` yields dict chunks:
 

@@ -56,6 +56,8 @@ def round_snapshot(core) -> dict:
         "target_memory": s.memory.to_dict() | {"rollback_price": s.rollback_price.to_dict()},
         "chain": s.config.chain.label,
         "disabled_speculators": sorted(s.disabled_speculators),
+        # the look-up parameters tuning chose, per speculator and sequence class (ChainConfig.tune)
+        "tuning": s.chain.tuner.to_dict() if s.chain.tuner is not None else None,
         "speculators": {k: asdict(v) for k, v in parts.chain.stats().items()},
         "cost_table": s.cost.table(),
         "attention_ns_per_token_cell": s.cost.attn_seconds * 1e9,

@@ -141,3 +141,20 @@ def test_gemma_fast_mode_divergences_only_at_near_ties(gemma3, prompts):
     print(f"\ngemma fast mode: batch/layout variance {variance:.3f}, tie bound {tie_bound:.3f}, outcomes {kinds}")
     assert "mismatch" not in kinds
     eng.close()
+
+
+def test_online_tuning_is_token_identical_while_it_switches_settings(smollm2, prompts, exact_baseline):
+    # ChainConfig.tune: every round a sequence's look-ups may run with another setting of the grid; drafts are
+    # verified as always, so output cannot change
+    chain = ChainConfig(tune=True, params={"suffix": {"p_min": 0.9, "min_match": 16}})
+    cfg = EngineConfig(model="smollm2-135m", slots=4, n_ctx=1024 * 4, exact=True, calibrate=False, chain=chain)
+    eng = LocalEngine(cfg, model=smollm2)
+    seqs = _run(eng, prompts, tuple(chain.speculators))
+    assert eng.runner.max_seqs_in_decode >= 4
+    for i, s in enumerate(seqs):
+        assert s.generated == exact_baseline[i], f"prompt {i} diverged with tuning on"
+    tuning = eng.chain.tuner.to_dict()
+    assert set(tuning) == {"suffix", "ngram_mod", "ngram_cache"}  # grammar has no grid: not tuned
+    tried = [st for st in tuning["suffix"]["default"]["settings"] if st["rounds"]]
+    assert len(tried) > 1, tuning["suffix"]  # the settings really changed under the sequences
+    eng.close()
