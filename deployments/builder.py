@@ -98,7 +98,8 @@ def target_memory(config: EngineConfig, model, ctx) -> TargetMemory:
     # are rolled back by checkpoint whatever was asked
     requested = "checkpoint" if config.rollback == "snapshots" and not config.chain.enabled else config.rollback
     mode = rollback_mode(model.memory_kind, requested, ctx.n_rs_seq, config.slots)
-    return TargetMemory(model.memory_kind, mode, ctx.n_rs_seq if mode == "snapshots" else 0)
+    return TargetMemory(model.memory_kind, mode, ctx.n_rs_seq if mode == "snapshots" else 0,
+                        can_shift=model.memory_kind == "attention" and ctx.can_shift)
 
 
 def target_runner(config: EngineConfig, model, ctx):

@@ -79,6 +79,12 @@ class SeqDraftRequest:
     history: np.ndarray
     n_max: int
     tokens_left: int | None = None  # tokens the sequence may still generate (prices a model's catch-up)
+    kv_history: np.ndarray | None = None  # after a context shift: the tokens by KV position (+ the last one)
+
+    def history_for(self, spec: Speculator) -> np.ndarray:
+        """What `spec` drafts from: model speculators mirror the target's KV by position, so after a context
+        shift they get the shifted tokens (context_shift.py); model-free ones the whole history."""
+        return self.kv_history if self.kv_history is not None and isinstance(spec, ModelSpeculator) else self.history
 
 
 @dataclass
@@ -301,7 +307,7 @@ class Chain:
                 exploring = name in self._exploring
                 self._exploring.discard(name)
                 t0 = time.perf_counter()
-                drafts = spec.draft([DraftRequest(requests[i].seq_id, requests[i].history, n_max[i]) for i in idx])
+                drafts = spec.draft([DraftRequest(requests[i].seq_id, requests[i].history_for(spec), n_max[i]) for i in idx])
                 dt = time.perf_counter() - t0
                 self.gate.asked(name, len(idx), dt)
                 if exploring:  # an exploring draft is charged what it took, not what it was priced at
@@ -363,7 +369,7 @@ class Chain:
         if not cands:
             return {}
         share = spec.draft_seconds(len(cands), max(len(p) for p in probs)) / len(cands)
-        catchup = [spec.catchup_seconds(requests[i].seq_id, requests[i].history) for i in cands]
+        catchup = [spec.catchup_seconds(requests[i].seq_id, requests[i].history_for(spec)) for i in cands]
         extra = []
         for i, pp, c in zip(cands, probs, catchup):
             rounds_left = (requests[i].tokens_left or 64) / (1.0 + float(pp.sum()))
