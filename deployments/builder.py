@@ -202,12 +202,17 @@ def _build_local(config: EngineConfig, model) -> EngineParts:
         raise
     factory = local_speculator_factory(draft_model, hidden_heads, model)
     chain = Chain(config.chain, factory)
-    # a sequence may use n_ctx_seq cells; with a unified KV cache all slots share n_ctx
-    scheduler = Scheduler(config, runner, model, chain, ctx.n_ctx_seq, cost,
-                          shared_cells=ctx.n_ctx if ctx.kv_unified else None, memory=memory,
-                          constraints=runner.constraints)
-    return EngineParts(config, model, chain, scheduler, ctx.n_ctx, ctx.n_ctx_seq, factory, ctx=ctx, runner=runner,
-                       draft_model=draft_model, hidden_heads=hidden_heads)
+    parts = EngineParts(config, model, chain, None, ctx.n_ctx, ctx.n_ctx_seq, factory, ctx=ctx, runner=runner,
+                        draft_model=draft_model, hidden_heads=hidden_heads)
+    try:
+        # a sequence may use n_ctx_seq cells; with a unified KV cache all slots share n_ctx
+        parts.scheduler = Scheduler(config, runner, model, chain, ctx.n_ctx_seq, cost,
+                                    shared_cells=ctx.n_ctx if ctx.kv_unified else None, memory=memory,
+                                    constraints=runner.constraints)
+    except BaseException:  # a setting this target refuses (context_shift on a recurrent model): nothing leaks
+        parts.close()
+        raise
+    return parts
 
 
 def _build_remote(config: EngineConfig, actors, step_timeout_s: float | None) -> EngineParts:

@@ -182,3 +182,38 @@ def test_target_applies_shifts_before_decoding_or_fails_the_sequence():
     assert [it.seq_id for it in kept] == [1] and results[0].error and "context_shift" in results[0].error
     ctx.can = True
     assert runner._shift(items, {}) == items and ctx.shifts[-1] == (0, 1, 31)
+
+
+class RecordingClient:
+    """CompanionClient stand-in: records each call (method, payload), answers with no drafts."""
+
+    epoch = 1
+
+    def __init__(self):
+        self.calls = []
+
+    def call(self, method, payload, default=None):
+        self.calls.append((method, payload))
+        return {"drafts": [np.zeros(0, np.int32) for _ in payload["requests"]], "unsynced": [], "inside_s": 0.0,
+                "step_costs": {1: 0.001}, "acks": []}
+
+
+def test_companion_proxies_send_the_shift_in_order():
+    from specray.deployments.actors.companion import CompanionDraftProxy
+    from specray.deployments.actors.companion_hidden import CompanionHiddenProxy
+    from specray.engine.speculators.mtp import MtpParams
+
+    client = RecordingClient()
+    draft = CompanionDraftProxy(None, client)
+    draft.begin(0, np.array([1, 2], np.int32))
+    draft.process(0, np.array([1, 2, 3], np.int32), 0)
+    draft.shift(0, 1, 1)  # the commits at the old positions go first, in a call of their own
+    assert len(client.calls) == 1 and client.calls[0][1]["commits"][0][1] == 0 and client.calls[0][1]["shifts"] == []
+    draft.process(0, np.array([4], np.int32), 2)
+    draft.draft([DraftRequest(0, np.array([1, 3, 4, 5], np.int32), 3)])
+    sent = client.calls[1][1]
+    assert sent["shifts"] == [(0, 1, 1)] and sent["commits"][0][1] == 2  # the companion shifts, then commits
+    hidden = CompanionHiddenProxy("mtp", MtpParams(), RecordingClient())
+    hidden.begin(0, np.array([1], np.int32))
+    hidden.shift(0, 1, 4)
+    assert [e[0] for e in hidden._events] == ["begin", "shift"]
