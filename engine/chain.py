@@ -307,7 +307,8 @@ class Chain:
                 exploring = name in self._exploring
                 self._exploring.discard(name)
                 t0 = time.perf_counter()
-                drafts = spec.draft([DraftRequest(requests[i].seq_id, requests[i].history_for(spec), n_max[i]) for i in idx])
+                drafts = spec.draft([DraftRequest(requests[i].seq_id, requests[i].history_for(spec), n_max[i])
+                                     for i in idx])
                 dt = time.perf_counter() - t0
                 self.gate.asked(name, len(idx), dt)
                 if exploring:  # an exploring draft is charged what it took, not what it was priced at
