@@ -367,6 +367,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "prompts (the next turn of a chat prefills only the new message); requests opt out with "
                         f"`cache_prompt: false`. Usage reports prompt_tokens_details.cached_tokens "
                         f"{d(EngineConfig, 'prompt_cache')}")
+    g.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=S,
+                   help="a generation that reaches its context discards old tokens and goes on (llama-server's "
+                        "--context-shift; requests may set context_shift, n_keep, n_discard themselves) "
+                        f"{d(EngineConfig, 'context_shift')}")
     g = p.add_argument_group("speculation")
     g.add_argument("--spec", default=S,
                    help=f"default speculator chain, names joined by commas, or 'none' "

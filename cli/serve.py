@@ -33,6 +33,7 @@ _FLAG_FIELDS = {
     "exact": ("engine", "exact"),
     "flash_attn": ("engine", "flash_attn"),
     "prompt_cache": ("engine", "prompt_cache"),
+    "context_shift": ("engine", "context_shift"),
     "verify_shape": ("engine", "verify_shape"),
     "verify_buckets": ("engine", "verify_buckets"),
     "policy": ("engine", "chain", "policy"),

@@ -98,7 +98,8 @@ def target_memory(config: EngineConfig, model, ctx) -> TargetMemory:
     # are rolled back by checkpoint whatever was asked
     requested = "checkpoint" if config.rollback == "snapshots" and not config.chain.enabled else config.rollback
     mode = rollback_mode(model.memory_kind, requested, ctx.n_rs_seq, config.slots)
-    return TargetMemory(model.memory_kind, mode, ctx.n_rs_seq if mode == "snapshots" else 0)
+    return TargetMemory(model.memory_kind, mode, ctx.n_rs_seq if mode == "snapshots" else 0,
+                        can_shift=model.memory_kind == "attention" and ctx.can_shift)
 
 
 def target_runner(config: EngineConfig, model, ctx):
@@ -201,12 +202,17 @@ def _build_local(config: EngineConfig, model) -> EngineParts:
         raise
     factory = local_speculator_factory(draft_model, hidden_heads, model)
     chain = Chain(config.chain, factory)
-    # a sequence may use n_ctx_seq cells; with a unified KV cache all slots share n_ctx
-    scheduler = Scheduler(config, runner, model, chain, ctx.n_ctx_seq, cost,
-                          shared_cells=ctx.n_ctx if ctx.kv_unified else None, memory=memory,
-                          constraints=runner.constraints)
-    return EngineParts(config, model, chain, scheduler, ctx.n_ctx, ctx.n_ctx_seq, factory, ctx=ctx, runner=runner,
-                       draft_model=draft_model, hidden_heads=hidden_heads)
+    parts = EngineParts(config, model, chain, None, ctx.n_ctx, ctx.n_ctx_seq, factory, ctx=ctx, runner=runner,
+                        draft_model=draft_model, hidden_heads=hidden_heads)
+    try:
+        # a sequence may use n_ctx_seq cells; with a unified KV cache all slots share n_ctx
+        parts.scheduler = Scheduler(config, runner, model, chain, ctx.n_ctx_seq, cost,
+                                    shared_cells=ctx.n_ctx if ctx.kv_unified else None, memory=memory,
+                                    constraints=runner.constraints)
+    except BaseException:  # a setting this target refuses (context_shift on a recurrent model): nothing leaks
+        parts.close()
+        raise
+    return parts
 
 
 def _build_remote(config: EngineConfig, actors, step_timeout_s: float | None) -> EngineParts:

@@ -86,6 +86,12 @@ class SeqDraftRequest:
     tokens_left: int | None = None  # tokens the sequence may still generate (prices a model's catch-up)
     tune_class: str | None = "default"  # its class for tuning (None: configured parameters, not tuned)
     params: dict[str, dict] | None = None  # its own look-up parameters per speculator (not tuned)
+    kv_history: np.ndarray | None = None  # after a context shift: the tokens by KV position (+ the last one)
+
+    def history_for(self, spec: Speculator) -> np.ndarray:
+        """What `spec` drafts from: model speculators mirror the target's KV by position, so after a context
+        shift they get the shifted tokens (context_shift.py); model-free ones the whole history."""
+        return self.kv_history if self.kv_history is not None and isinstance(spec, ModelSpeculator) else self.history
 
 
 @dataclass
@@ -379,7 +385,7 @@ class Chain:
         if not cands:
             return {}
         share = spec.draft_seconds(len(cands), max(len(p) for p in probs)) / len(cands)
-        catchup = [spec.catchup_seconds(requests[i].seq_id, requests[i].history) for i in cands]
+        catchup = [spec.catchup_seconds(requests[i].seq_id, requests[i].history_for(spec)) for i in cands]
         extra = []
         for i, pp, c in zip(cands, probs, catchup):
             rounds_left = (requests[i].tokens_left or 64) / (1.0 + float(pp.sum()))

@@ -214,6 +214,17 @@ class EngineConfig(BaseModel):
         "every cell in use for each token, so idle slots' cached cells slow the running sequences down: the idle "
         "cells kept cost at most this share of a one-row decode (priced by the calibrated attention cost per "
         "cell); the least recently used are evicted beyond it. No limit with flash attention or exact mode")
+    context_shift: bool = Field(
+        False, description="when a generating sequence reaches its context, discard old cells and go on (llama-server's "
+        "--context-shift): the first n_keep tokens stay, n_discard after them go, the later cells move back. Off: a "
+        "request must fit its context (prompt + max_tokens), as before. Requests may set it themselves "
+        "(`context_shift`). Refused on targets whose memory cannot shift positions (recurrent, hybrid)")
+    n_keep: int = Field(
+        0, ge=-1, description="context shift: tokens kept at the front of the context (+ BOS where the prompt starts "
+        "with it), as llama-server's n_keep; -1: the whole prompt. Requests may set `n_keep`")
+    n_discard: int | None = Field(
+        None, ge=1, description="context shift: tokens discarded after the kept ones at each shift; None: half of "
+        "what lies past them (llama-server's default). Requests may set `n_discard`")
     prefill_chunk: int = Field(256, ge=16, description="prompt tokens prefilled per round per sequence")
     max_queue: int = Field(256, ge=0, description="requests waiting for a slot before new ones are refused")
     chain: ChainConfig = Field(default_factory=ChainConfig, description="the speculator chain")

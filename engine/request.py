@@ -37,13 +37,18 @@ class GenerationRequest:
     # requests with the same key and prompt share the prompt's KV cells (OpenAI's n > 1): the first one
     # prefills, the others copy its cells (Scheduler._admit_fork)
     share_prompt: str | None = None
+    # context shift (context_shift.py): None takes the engine's setting (EngineConfig.context_shift/n_keep/n_discard)
+    context_shift: bool | None = None
+    n_keep: int | None = None
+    n_discard: int | None = None
 
 
-def admission_plan(req: GenerationRequest, chain: "ChainConfig",
-                   n_ctx: int | None) -> tuple[tuple[str, ...], int, int]:
+def admission_plan(req: GenerationRequest, chain: "ChainConfig", n_ctx: int | None,
+                   shift: bool = False) -> tuple[tuple[str, ...], int, int]:
     """(speculator names, draft cap, KV cells to reserve) of a request under the engine's chain config; a
     sequence may use n_ctx cells (None: no context check, e.g. to learn what a prompt would need).
-    ValueError for a request that cannot run.
+    shift: the sequence shifts its context when full (context_shift.py): only its prompt must fit, and it
+    reserves at most the context. ValueError for a request that cannot run.
 
     >>> from specray.engine.config import ChainConfig
     >>> req = GenerationRequest(np.arange(10, dtype=np.int32), max_tokens=20, n_max=4)
@@ -55,6 +60,8 @@ def admission_plan(req: GenerationRequest, chain: "ChainConfig",
     ValueError: prompt (10 tokens) + max_tokens (20) exceeds the context of 32 tokens
     >>> admission_plan(req, ChainConfig(speculators=["suffix"], n_max=8), None)[2]
     35
+    >>> admission_plan(req, ChainConfig(speculators=["suffix"], n_max=8), 32, shift=True)
+    (('suffix',), 4, 32)
     """
     n_prompt = len(req.prompt_tokens)
     if n_prompt == 0:
@@ -69,6 +76,8 @@ def admission_plan(req: GenerationRequest, chain: "ChainConfig",
     need = n_prompt + req.max_tokens + n_max + 1
     if n_ctx is not None and n_prompt >= n_ctx:
         raise ValueError(f"prompt of {n_prompt} tokens does not fit the context of {n_ctx} tokens")
+    if n_ctx is not None and shift:
+        return names, n_max, min(need, n_ctx)
     if n_ctx is not None and need > n_ctx:
         raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({req.max_tokens}) exceeds the context of "
                          f"{n_ctx} tokens")
@@ -136,6 +145,12 @@ class Sequence:
         self.t_finish: float | None = None
         self.cancelled = False
         self.fork_of: Sequence | None = None  # copies this sequence's prompt cells when admitted (share_prompt)
+        # context shift (context_shift.py): cells kept at the front (None: never shifted), tokens discarded
+        # after them in all, and the shift the target applies with this sequence's next rows
+        self.shift_keep: int | None = None
+        self.shifted = 0
+        self.shifts = 0
+        self.pending_shift: tuple[int, int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -151,6 +166,35 @@ class Sequence:
 
     def history_view(self) -> np.ndarray:
         return self.history[: self._hist_len]
+
+    def shift(self, keep: int, discard: int) -> None:
+        """The sequence's cells [keep, keep + discard) go (context shift): the history stays whole (the n-gram
+        speculators and the output read it), the KV positions move back by `discard`."""
+        self.shift_keep = keep
+        self.shifted += discard
+        self.shifts += 1
+        self.n_past -= discard
+        self.pending_shift = (keep, discard)
+
+    def take_shift(self) -> tuple[int, int] | None:
+        """The shift the target still has to apply (once: with the sequence's next rows)."""
+        shift, self.pending_shift = self.pending_shift, None
+        return shift
+
+    def kv_history(self) -> np.ndarray:
+        """The tokens of the sequence's KV cells by position, then the last sampled token: the history less
+        what context shifts discarded (the history itself where none did)."""
+        h = self.history_view()
+        if self.shift_keep is None:
+            return h
+        return np.concatenate([h[: self.shift_keep], h[self.shift_keep + self.shifted :]])
+
+    def kv_prefix(self) -> np.ndarray:
+        """The tokens whose cells a later prompt may reuse (the prompt cache): those up to n_past, or after a
+        context shift only the kept front, whose cells never saw the shift; later cells attended to discarded
+        tokens and were moved, so a fresh prefill of their tokens would not give them."""
+        h = self.history_view()
+        return h[: self.n_past] if self.shift_keep is None else h[: min(self.shift_keep, self.n_past)]
 
     def append_tokens(self, toks: np.ndarray) -> None:
         n = len(toks)

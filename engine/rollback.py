@@ -97,6 +97,8 @@ class TargetMemory:
     kind: str = "attention"  # attention | recurrent | hybrid (native.model.memory_kind)
     rollback: str = "trim"  # trim | snapshots | checkpoint | off
     n_rs_seq: int = 0  # recurrent-state snapshots per sequence (snapshots mode)
+    # positions can be shifted (llama_memory_can_shift: context shift); False for recurrent and hybrid memory
+    can_shift: bool = True
 
     @property
     def draft_cap(self) -> int | None:

@@ -25,6 +25,7 @@ import numpy as np
 from .chain import Chain, Proposal, SeqDraftRequest
 from .config import ChainConfig, EngineConfig
 from .constraint import ConstraintFactory
+from .context_shift import ContextShifter
 from .cost import DecodeCostModel
 from .drafting import draft_round
 from .logprobs import TokenLogprobs
@@ -92,6 +93,7 @@ class RoundStats:
     rollback: RollbackStats = field(default_factory=RollbackStats)
     failed_sequences: int = 0  # sequences ended with an error by the target (a state it could not roll back)
     shared_prompts: int = 0  # sequences that copied a sibling's prompt cells instead of prefilling (n > 1)
+    context_shifts: int = 0  # sequences that reached their context and discarded old cells (context_shift.py)
 
     def add_round(self, clock: RoundClock, prefill_share: float, loaded_tokens: int | None, n_decoding: int) -> None:
         """One round's stamps, `prefill_share` of its time on prompt rows; loaded_tokens: what it emitted if every
@@ -148,7 +150,7 @@ def step_items(decoding: list[Sequence], proposals: list[Proposal], chunks: list
         toks = np.empty(1 + len(prop.tokens), dtype=np.int32)
         toks[0] = s.last_token
         toks[1:] = prop.tokens
-        items.append(StepItem(s.slot, toks, s.n_past, len(prop.tokens), True, needs_hidden(s)))
+        items.append(StepItem(s.slot, toks, s.n_past, len(prop.tokens), True, needs_hidden(s), shift=s.take_shift()))
     for s, n in chunks:
         end = s.n_prefilled + n
         items.append(StepItem(s.slot, s.req.prompt_tokens[s.n_prefilled : end], s.n_prefilled, 0,
@@ -176,8 +178,9 @@ def draft_requests(decoding: list[Sequence], disabled: set[str], n_ctx: int,
             n_max = min(n_max, cap)
         if s.replay_rows > MAX_REPLAY_TO_DRAFT:
             n_max = 0
+        # model speculators' caches are by KV position: after a context shift they draft from the shifted tokens
         reqs.append(SeqDraftRequest(s.slot, chain, s.history_view(), n_max, s.tokens_left, s.req.tune_class,
-                                    s.req.spec_params))
+                                    s.req.spec_params, s.kv_history() if s.shift_keep is not None else None))
     return reqs
 
 
@@ -238,10 +241,9 @@ class Scheduler:
         self.config, self.constraints = config, constraints
         self.memory = memory or TargetMemory()
         self.rollback_price = RollbackPrice(self.memory.rollback)  # a draft's cost beyond its rows (checkpoints)
-        self.target = target
-        self.tok = tokenizer
-        self.chain = chain
-        self.n_ctx = n_ctx
+        self.target, self.tok, self.chain, self.n_ctx = target, tokenizer, chain, n_ctx
+        # context shift (opt-in): refused here for a target that cannot shift (ValueError)
+        self.shifter = ContextShifter(config, self.memory, n_ctx, getattr(tokenizer, "bos", None))
         self.shared_cells = shared_cells
         # the round's price for the draft planner: the decode and the host's work, learnt from live rounds
         self.pricer = RoundPricer(cost or DecodeCostModel())
@@ -264,7 +266,7 @@ class Scheduler:
     # ---- admission ---------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> tuple[tuple[str, ...], int, int]:
         """Check a request; return (chain, n_max, KV cells it needs). Raises ValueError."""
-        chain, n_max, need = admission_plan(req, self.config.chain, self.n_ctx)
+        chain, n_max, need = admission_plan(req, self.config.chain, self.n_ctx, self.shifter.enabled(req))
         try:
             self.chain.validate(chain)
         except (ValueError, TypeError) as e:
@@ -347,8 +349,8 @@ class Scheduler:
             self.reserved -= seq.reserve
             self.free_slots.append(slot)
             # the KV cells hold the history up to n_past (a draft accepted past the end of generation is in the
-            # cells but not in the history: cut); they stay for a later prompt with the same prefix
-            tokens = seq.history_view()[: seq.n_past]
+            # cells but not in the history: cut; after a context shift, only the kept front): kept for a later prompt
+            tokens = seq.kv_prefix()
             keep = seq.error is None and self.prompt_cache.keep(slot, tokens)  # a failed state is never reused
             self.target.release(slot, keep=len(tokens) if keep else 0)
             try:
@@ -386,6 +388,7 @@ class Scheduler:
         by_slot = [self.active[k] for k in sorted(self.active)]
         decoding = [s for s in by_slot if s.state == SeqState.DECODING]
         prefilling = [s for s in by_slot if s.state == SeqState.PREFILL]
+        self.stats.context_shifts += self.shifter.apply(decoding, self.chain)  # before any draft: none is pending
         # rows the target replays in front of decoding sequences' own (a restored recurrent state: rollback.py)
         replay = sum(s.replay_rows for s in decoding)
         # prompt chunks: what the batch has room for after one row per decoding sequence

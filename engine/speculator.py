@@ -165,6 +165,11 @@ class Speculator(ABC):
         self._last_draft_len.pop(seq_id, None)
         self._end(seq_id)
 
+    def shift(self, seq_id: int, n_keep: int, n_discard: int) -> None:
+        """Context shift (engine/context_shift.py): the target dropped seq_id's cells [n_keep, n_keep + n_discard)
+        and moved the later ones back. Model-free speculators read the whole history, which stays: nothing to
+        do. Whatever holds positions must follow (ModelSpeculator)."""
+
     def draft_context(self, seq_id: int) -> int:
         """A small bucket (0..7) describing seq_id's last draft, for the chain's acceptance estimate
         (e.g. how long a match it copies); 0 when the speculator has nothing to say."""

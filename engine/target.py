@@ -34,6 +34,7 @@ class TargetContext(Protocol):  # what specray.native.Context provides
     def decode(self, batch: Any = None) -> np.ndarray: ...
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool: ...
     def clear_seq(self, seq_id: int) -> None: ...
+    def shift_seq(self, seq_id: int, n_keep: int, n_discard: int) -> bool: ...
 
 
 @dataclass
@@ -49,6 +50,9 @@ class StepItem:
     # leading rows that replay what a restored recurrent state took back (rollback.py): already emitted and
     # mirrored, so neither the penalty window nor the hidden rows see them again
     n_replay: int = 0
+    # context shift (engine/context_shift.py) applied before these rows are decoded: (cells kept, cells discarded
+    # after them); pos0 is already the shifted position
+    shift: tuple[int, int] | None = None
 
     @property
     def n_commit(self) -> int:
@@ -206,6 +210,7 @@ class TargetRunner:
         results: dict[int, StepResult] = {}
         before = RollbackStats(**self.rollback.stats.to_dict()) if self.rollback.mode != "trim" else None
         order = [it.seq_id for it in items]
+        items = self._shift(items, results)
         items, failed = self.rollback.prepare(items, _with_replay)
         for seq_id, why in failed.items():
             results[seq_id] = StepResult(seq_id, np.zeros(0, dtype=np.int32), error=why)
@@ -320,6 +325,18 @@ class TargetRunner:
             out.hidden = pack_rows(self.rounds, h.taps, h.tap_widths, hidden_entries)
             self.hidden_rows += out.hidden.n_rows
         return out
+
+    def _shift(self, items: list[StepItem], results: dict[int, StepResult]) -> list[StepItem]:
+        """Apply the items' context shifts to the KV cache (seq_rm + seq_add); an item whose sequence cannot
+        shift fails with an error result (its rows would land on cells still in use)."""
+        kept = []
+        for it in items:
+            if it.shift is not None and not self.ctx.shift_seq(it.seq_id, *it.shift):
+                results[it.seq_id] = StepResult(it.seq_id, np.zeros(0, dtype=np.int32), error=(
+                    "context_shift: the target's memory cannot shift positions (a recurrent or hybrid model)"))
+                continue
+            kept.append(it)
+        return kept
 
     def calibrate_cost(self) -> dict:
         """What the cost model starts from (target_calibration.calibrate_cost). Slot 0 must be idle."""

@@ -185,7 +185,7 @@ def draft_tuned(spec, name: str, reqs: list, n_max: list[int], tuner: ParamTuner
     afterwards. Returns (drafts in request order, setting index per request: -1 where not tuned)."""
     from .speculator import DraftRequest
 
-    drafts_for = [DraftRequest(r.seq_id, r.history, n) for r, n in zip(reqs, n_max)]
+    drafts_for = [DraftRequest(r.seq_id, r.history_for(spec), n) for r, n in zip(reqs, n_max)]
     groups: dict[tuple, list[int]] = {}
     setting = [-1] * len(reqs)
     over: list[dict] = []

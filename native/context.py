@@ -97,6 +97,8 @@ class Context:
         self.n_threads = n_threads
         self.flash_attn = flash_attn
         self.mem = llama_cpp.llama_get_memory(self.ptr)
+        # whether positions can be shifted (context shift): not for recurrent or hybrid memory, nor M-RoPE models
+        self.can_shift = bool(llama_cpp.llama_memory_can_shift(self.mem))
         self.batch = Batch(n_batch)
         self.lock = threading.RLock()
         self.n_decodes = 0
@@ -159,6 +161,19 @@ class Context:
 
     def seq_keep(self, seq_id: int) -> None:
         llama_cpp.llama_memory_seq_keep(self.mem, seq_id)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """Add `delta` to the positions of seq_id's cells in [p0, p1) (-1 = open end); llama.cpp re-rotates
+        their keys (RoPE) at the next decode."""
+        llama_cpp.llama_memory_seq_add(self.mem, seq_id, p0, p1, delta)
+
+    def shift_seq(self, seq_id: int, n_keep: int, n_discard: int) -> bool:
+        """Context shift (llama-server's): drop seq_id's cells [n_keep, n_keep + n_discard) and move the later
+        ones back by n_discard. False, changing nothing, where the memory cannot shift positions."""
+        if not self.can_shift or not self.seq_rm(seq_id, n_keep, n_keep + n_discard):
+            return False
+        self.seq_add(seq_id, n_keep + n_discard, -1, -n_discard)
+        return True
 
     def seq_pos_max(self, seq_id: int) -> int:
         """Largest position of seq_id in the cache, -1 if empty."""

@@ -48,6 +48,11 @@ class SlotBackend:
         self.restores = 0  # seq_rm calls that came back to a checkpoint
         self.clears = 0  # seq_rm calls that had to clear the whole sequence (no checkpoint to come back to)
 
+    def shift(self, seq_id: int, n_keep: int, n_discard: int) -> bool:
+        """Context shift of seq_id's cells (Context.shift_seq); False where this model cannot (recurrent: the
+        speculator resets the sequence and catches up instead)."""
+        return self.checkpoints is None and self.ctx.shift_seq(seq_id, n_keep, n_discard)
+
     def seq_rm(self, seq_id: int, p0: int) -> int:
         """Drop seq_id's cells from p0 on. Returns the cells kept: p0, or where a recurrent state cannot be cut
         there, the position of its checkpoint at or before p0 (restored), else 0 (cleared). The caller decodes

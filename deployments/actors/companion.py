@@ -119,7 +119,8 @@ class CompanionService:
     def round(self, payload: dict) -> dict:
         """One router round: sequences ended and begun, tokens committed since the last call, then drafts.
 
-        payload: params (DraftParams dict), ends [seq], begins [seq], commits [(seq, pos, tokens)],
+        payload: params (DraftParams dict), ends [seq], begins [seq], shifts [(seq, n_keep, n_discard)] (context
+        shifts, applied before the commits: those follow them), commits [(seq, pos, tokens)],
         requests [(seq, last_token, history_len, n_max)]. A request whose history length does not match
         what this companion mirrored gets no draft (listed in `unsynced`).
         """
@@ -131,6 +132,8 @@ class CompanionService:
                 spec.end(seq)
             for seq in payload.get("begins", ()):
                 spec.begin(seq, EMPTY)
+            for seq, keep, discard in payload.get("shifts", ()):
+                spec.shift(seq, keep, discard)
             for seq, pos, toks in payload.get("commits", ()):
                 spec.process(seq, np.asarray(toks, dtype=TOKEN_DTYPE), pos)
             drafts, unsynced, drafted = answer_draft_requests(spec, payload.get("requests", ()))
@@ -191,6 +194,7 @@ class CompanionDraftProxy(CompanionProxy):
         self._ends: list[int] = []
         self._begins: list[int] = []
         self._commits: list[tuple[int, int, np.ndarray]] = []
+        self._shifts: list[tuple[int, int, int]] = []  # context shifts, sent before any commit buffered after them
 
     def _begin(self, seq_id: int, prompt: np.ndarray) -> None:
         self._drop(seq_id)
@@ -200,6 +204,13 @@ class CompanionDraftProxy(CompanionProxy):
     def process(self, seq_id: int, tokens: np.ndarray, pos: int) -> None:
         if self._current(seq_id):
             self._commits.append((seq_id, int(pos), np.asarray(tokens, dtype=TOKEN_DTYPE).copy()))
+
+    def shift(self, seq_id: int, n_keep: int, n_discard: int) -> None:
+        """Context shift: the companion's draft cache shifts as the target's did (DraftSpeculator.shift). The
+        commits buffered so far are at the old positions: they go first (a shift is rare, the call cheap)."""
+        if self._current(seq_id):
+            self.flush()
+            self._shifts.append((seq_id, int(n_keep), int(n_discard)))
 
     def _end(self, seq_id: int) -> None:
         self._drop(seq_id)
@@ -211,17 +222,18 @@ class CompanionDraftProxy(CompanionProxy):
         """Forget what is buffered for a slot's previous sequence."""
         self._commits = [c for c in self._commits if c[0] != seq_id]
         self._begins = [s for s in self._begins if s != seq_id]
+        self._shifts = [s for s in self._shifts if s[0] != seq_id]
 
     def _send(self, requests: list) -> dict | None:
         payload = {"params": self.params.model_dump(), "ends": self._ends, "begins": self._begins,
-                   "commits": self._commits, "requests": requests}
-        self._ends, self._begins, self._commits = [], [], []
+                   "shifts": self._shifts, "commits": self._commits, "requests": requests}
+        self._ends, self._begins, self._commits, self._shifts = [], [], [], []
         return self._call("round", payload)
 
     def flush(self) -> bool:
         """Send what is buffered (begun/ended sequences, commits) without asking for drafts, e.g. before
         inspecting the companion's mirror. False if the companion could not take it."""
-        if not (self._ends or self._begins or self._commits):
+        if not (self._ends or self._begins or self._commits or self._shifts):
             return True
         return self._send([]) is not None
 

@@ -68,7 +68,8 @@ class HiddenCompanion:
         return spec
 
     def round(self, payload: dict) -> dict:
-        """events: ordered ("end", seq) | ("begin", seq) | ("rows", handle) | ("commit", seq, pos, tokens);
+        """events: ordered ("end", seq) | ("begin", seq) | ("rows", handle) | ("commit", seq, pos, tokens) |
+        ("shift", seq, n_keep, n_discard) (a context shift);
         requests: [(seq, last_token, history_len, n_max)]. Returns drafts, unsynced sequences, time inside,
         step costs and acks (CUDA buffers done with)."""
         t0 = time.perf_counter()
@@ -93,6 +94,8 @@ class HiddenCompanion:
                     spec.begin(ev[1], EMPTY_DRAFT)
                 elif kind == "end":
                     spec.end(ev[1])
+                elif kind == "shift":
+                    spec.shift(ev[1], ev[2], ev[3])
             drafts, unsynced, _ = answer_draft_requests(spec, payload.get("requests", ()))
             self.unsynced += len(unsynced)
             costs = spec.step_cost.table()
@@ -157,6 +160,11 @@ class CompanionHiddenProxy(CompanionProxy):
     def _end(self, seq_id: int) -> None:
         super()._end(seq_id)
         self._events.append(("end", seq_id))
+
+    def shift(self, seq_id: int, n_keep: int, n_discard: int) -> None:
+        """Context shift: in order with the other events (the head in the companion stops drafting for it)."""
+        if self._current(seq_id):
+            self._events.append(("shift", seq_id, int(n_keep), int(n_discard)))
 
     def take_hidden(self, handle) -> None:
         self._events.append(("rows", handle))

@@ -14,7 +14,8 @@ prompt's too; `presence_penalty`,
 do (engine/sampling.py), with speculation on. Extensions:
 `speculative` ({"chain", "n_max", "enabled", "tune_class"}), `top_k`, `min_p`,
 `repeat_penalty` (alias `repetition_penalty`), `ignore_eos`, `cache_prompt` (the prompt cache;
-reported as `usage.prompt_tokens_details.cached_tokens`).
+reported as `usage.prompt_tokens_details.cached_tokens`), `context_shift` / `n_keep` / `n_discard`
+(llama-server's context shift: a generation that reaches the context discards old tokens and goes on).
 """
 
 from __future__ import annotations
@@ -115,6 +116,14 @@ class _Common(BaseModel):
     cache_prompt: bool = Field(
         True, description="reuse the KV of a prefix this server still holds from an earlier request (llama-server's "
         "name for it); false prefills the whole prompt. The output is the same either way")
+    context_shift: bool | None = Field(
+        None, description="when the generation reaches the context, discard old tokens and go on (llama-server's "
+        "context shift); null: the server's setting (EngineConfig.context_shift). Without it a request must fit "
+        "the context")
+    n_keep: int | None = Field(None, ge=-1, description="context shift: tokens kept at the front (+ BOS); -1: the "
+                               "whole prompt; null: the server's setting")
+    n_discard: int | None = Field(None, ge=1, description="context shift: tokens discarded per shift; null: the "
+                                  "server's setting (default: half of what lies past the kept ones)")
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = Field(
@@ -222,6 +231,9 @@ class _Common(BaseModel):
             "tune_class": spec.tune_class if spec else None,
             "ignore_eos": self.ignore_eos,
             "cache_prompt": self.cache_prompt,
+            "context_shift": self.context_shift,
+            "n_keep": self.n_keep,
+            "n_discard": self.n_discard,
             "constraint": self.constraint(),
             "n": self.n or 1,
         }

@@ -67,12 +67,14 @@ class Admission:
     """Builds ServeRequests for one replica: its vocabulary, its context size and its current chain."""
 
     def __init__(self, model, n_ctx_seq: int, chain_config: Callable[[], ChainConfig], truncate: bool,
-                 slots: int | None = None) -> None:
+                 slots: int | None = None, context_shift: bool = False, can_shift: bool = True) -> None:
         self.model = model  # tokenizes (vocabulary only when the target is an actor)
         self.n_ctx_seq = n_ctx_seq
         self.chain_config = chain_config  # the running chain's config (it changes with a live update)
         self.truncate = truncate  # ServeConfig.prompt_overflow == "truncate"
         self.slots = slots  # n > 1 asks for this many sequences at once at most
+        self.context_shift = context_shift  # EngineConfig.context_shift: requests that do not say take it
+        self.can_shift = can_shift  # the target's memory can shift positions (not recurrent or hybrid)
         self._grammars = None  # compiles requests' grammars (native.grammar.GrammarCompiler), made at first use
 
     def make_request(self, request: dict) -> ServeRequest:
@@ -157,7 +159,13 @@ class Admission:
         if sampling.logit_bias and max(sampling.logit_bias) >= self.model.n_vocab:
             raise RequestError(f"logit_bias token {max(sampling.logit_bias)} is outside the vocabulary "
                                f"[0, {self.model.n_vocab})", param="logit_bias")
-        dropped = fit_prompt(len(prompt), max_tokens, self.n_ctx_seq, draft_room, self.truncate)
+        shift = request.get("context_shift")
+        shift = self.context_shift if shift is None else bool(shift)
+        if shift and not self.can_shift:
+            raise RequestError("context_shift is not possible on this model: its memory (recurrent or hybrid) "
+                               "cannot shift positions", param="context_shift")
+        # a shifting sequence goes past its context: only its prompt (and one token) must fit
+        dropped = fit_prompt(len(prompt), 1 if shift else max_tokens, self.n_ctx_seq, draft_room, self.truncate)
         if request.get("share_prompt") is not None and self.slots is not None:
             n = int(request["share_prompt_n"]) if request.get("share_prompt_n") else 1
             if n > self.slots:
@@ -173,6 +181,9 @@ class Admission:
             ignore_eos=bool(request.get("ignore_eos", False)),
             cache_prompt=bool(request.get("cache_prompt", True)),
             tune_class=request.get("tune_class") or "default",
+            context_shift=request.get("context_shift"),
+            n_keep=request.get("n_keep"),
+            n_discard=request.get("n_discard"),
             truncated_prompt_tokens=dropped,
             **kw,
         )

@@ -67,7 +67,9 @@ class RouterCore:
         self.slots = Slots(self.parts.scheduler, self.rel)
         self.faults = Faults(self.parts, self.slots, self.rel, cfg.mode)
         self.admission = Admission(self.parts.model, self.parts.n_ctx_seq, lambda: self.scheduler.config.chain,
-                                   truncate=cfg.prompt_overflow == "truncate", slots=cfg.engine.slots)
+                                   truncate=cfg.prompt_overflow == "truncate", slots=cfg.engine.slots,
+                                   context_shift=cfg.engine.context_shift,
+                                   can_shift=self.parts.scheduler.memory.can_shift)
         self.lock = threading.Lock()  # guards every scheduler call (held by the round thread)
         self._inbox: list[Op] = []
         self._stopping = False

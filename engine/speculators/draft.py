@@ -66,6 +66,11 @@ class DraftBackend(Protocol):
         recurrent state could only come back to an earlier checkpoint (the rest is decoded again)."""
         ...
 
+    def shift(self, seq_id: int, n_keep: int, n_discard: int) -> bool:
+        """Context shift of seq_id's cells (drop [n_keep, n_keep + n_discard), move the later ones back); False
+        where the model cannot (optional: a backend without it is reset instead)."""
+        ...
+
     def checkpoint(self, seq_id: int, pos: int) -> None:
         """Save seq_id's state at `pos` cells for seq_rm to come back to (recurrent models; else nothing)."""
         ...
@@ -108,6 +113,13 @@ class _Tokens:
 
     def truncate(self, n: int) -> None:
         self.n = min(self.n, max(0, n))
+
+    def delete(self, p0: int, p1: int) -> None:
+        """Drop tokens [p0, p1), the later ones move down (a context shift)."""
+        p1 = min(p1, self.n)
+        if p0 < p1:
+            self.buf[p0 : self.n - (p1 - p0)] = self.buf[p1 : self.n].copy()
+            self.n -= p1 - p0
 
 
 @dataclass
@@ -207,6 +219,24 @@ class DraftSpeculator(SlotMirror, ModelSpeculator):
             end = pos + len(tokens)
             keep = min(st.kv.n, pos + common_prefix(kv[pos:end], tokens)) if st.kv.n > pos else st.kv.n
             self._truncate_kv(seq_id, st, keep)
+
+    def shift(self, seq_id: int, n_keep: int, n_discard: int) -> None:
+        """Context shift: the draft cache shifts as the target's did, is cut back to the kept cells (it did not
+        reach past the discarded ones) or, where it cannot shift (recurrent, cross-vocab), starts afresh."""
+        st = self.seqs.get(seq_id)
+        if st is None:
+            return
+        end = n_keep + n_discard
+        # (a committed list short of the discarded cells: process() was not wired; draft() resyncs from history)
+        st.committed.delete(n_keep, end) if st.committed.n >= end else st.committed.truncate(n_keep)
+        st.drafted_at = -1
+        shift = getattr(self.backend, "shift", None)
+        if self.translator is not None or (st.kv.n > end and not (shift and shift(seq_id, n_keep, n_discard))):
+            self._forget(seq_id)
+        elif st.kv.n > end:
+            st.kv.delete(n_keep, end)
+        else:
+            self._truncate_kv(seq_id, st, min(st.kv.n, n_keep))
 
     def _truncate_kv(self, seq_id: int, st: _SeqState, keep: int) -> None:
         if keep < st.kv.n:

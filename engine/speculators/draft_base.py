@@ -56,6 +56,12 @@ class ModelSpeculator(Speculator):
         """Expected wall time of drafting n_steps tokens for n_seqs sequences at once, in the steady state
         (each sequence's draft cache one or two tokens behind its history)."""
 
+    def shift(self, seq_id: int, n_keep: int, n_discard: int) -> None:
+        """Context shift: a model speculator's cache holds positions. This default starts the sequence afresh;
+        its next draft catches up on the shifted tokens (subclasses shift their own cache where they can)."""
+        self.end(seq_id)
+        self.begin(seq_id, np.zeros(0, dtype=TOKEN_DTYPE))
+
     def catchup_seconds(self, seq_id: int, history) -> float:
         """Extra time before seq_id can draft: its draft cache lags its history by more than the steady
         state (a model drafts lazily: a sequence not drafted for a while, or never, must be caught up,

@@ -150,6 +150,13 @@ class HiddenStateSpeculator(SlotMirror, ModelSpeculator):
         self.stash.drop(seq_id)
         self.audit.pop(seq_id, None)
 
+    def shift(self, seq_id: int, n_keep: int, n_discard: int) -> None:
+        """Context shift: the head's pairs need the target's hidden rows of the tokens before them, and the rows
+        of the shifted cells are not made again: the sequence stops drafting with this head (still lossless)."""
+        st = self.seqs.get(seq_id)
+        if st is not None:
+            self._lose(seq_id, st, "its context shifted")
+
     def _reset(self, seq_id: int) -> _HSeq:
         st = self.seqs[seq_id] = _HSeq()
         self.backend.seq_rm(seq_id, 0)  # the slot may hold another sequence's cells

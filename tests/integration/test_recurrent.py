@@ -120,6 +120,18 @@ def test_snapshots_refused_where_the_architecture_has_none_or_with_many_slots(mo
         _engine(models["lfm2"], "snapshots", 4)
 
 
+@pytest.mark.parametrize("name", ["mamba2", "lfm2"])
+def test_context_shift_is_refused_where_positions_cannot_shift(models, name):
+    with pytest.raises(ValueError, match="context_shift"):
+        _engine(models[name], "checkpoint", 1, context_shift=True)
+    eng = _engine(models[name], "checkpoint", 1)  # off by default: fine, and a request cannot ask for it
+    req = eng.request(PROMPTS[0], max_tokens=4)
+    req.context_shift = True
+    with pytest.raises(ValueError, match="context_shift"):
+        eng.submit(req)
+    eng.close()
+
+
 def test_rollback_off_decodes_without_drafts(models):
     eng = _engine(models["lfm2"], "off", 2)
     try:
