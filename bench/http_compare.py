@@ -269,10 +269,10 @@ def engine_config(args, slots: int, chain_label: str | None) -> EngineConfig:
     if chain_label is not None:
         chain = chain.model_copy(update={"speculators": parse_chain(chain_label)})
     extra = {}
-    if getattr(args, "draft_model", None):  # the `draft` speculator's model (--draft-model / --cross-vocab)
+    if getattr(args, "draft_model", None):  # the `draft` speculator's model and its --draft-<option> flags
         from specray.engine.config import DraftModelConfig
 
-        extra["draft"] = DraftModelConfig(model=args.draft_model, cross_vocab=bool(getattr(args, "cross_vocab", False)))
+        extra["draft"] = DraftModelConfig.from_flags(args)
     return EngineConfig(model=args.model, chat_template=args.chat_template, n_ctx=args.n_ctx, slots=slots,
                         threads=args.threads, exact=args.exact, flash_attn=bool(getattr(args, "flash_attn", False)),
                         chain=chain, prompt_cache=False, **extra)

@@ -65,6 +65,7 @@ def run_bench(
     progress=print,
     draft_model: str | None = None,
     cross_vocab: bool = False,
+    draft: DraftModelConfig | None = None,
     repeats: int = 1,
     order: str = "lockstep",
     flash_attn: bool = False,
@@ -106,7 +107,8 @@ def run_bench(
                        # each configuration runs the same prompts: none may find them in the prompt cache
                        prompt_cache=False,
                        chain=ChainConfig(speculators=[], policy=policy, n_max=n_max),
-                       draft=DraftModelConfig(model=draft_model, cross_vocab=cross_vocab))
+                       # `draft`: the whole draft config (its load options too); else the model and cross_vocab
+                       draft=draft or DraftModelConfig(model=draft_model, cross_vocab=cross_vocab))
     engine = LocalEngine(cfg)
     # in exact mode each slot has its own share of the context: a prompt that cannot fit would stop the run
     # midway, so such prompts are left out now (tokenized by the chat template, as the run will)
@@ -171,6 +173,8 @@ def run_bench(
                    "verify_shape": verify_shape, "verify_buckets": list(cfg.verify_buckets),
                    "flash_attn": flash_attn, "policy": policy,
                    "n_max": n_max, "threads": threads, "n_gpu_layers": engine.model.n_gpu_layers,
+                   # the draft model's settings as llama.cpp took them (its load options: README, 'Draft models')
+                   "draft": engine.draft_model.effective_settings() if engine.draft_model is not None else None,
                    "verify_cols_kernel": verify_cols_enabled(),
                    "decode_cost_ms": {k: v * 1000 for k, v in engine.scheduler.cost.table().items()},
                    "attention_us_per_1k_token_cells": engine.scheduler.cost.attn_seconds * 1e9,
@@ -280,7 +284,7 @@ def main_bench(args) -> int:
                        threads=args.threads, n_ctx=args.n_ctx, chat_template=args.chat_template,
                        llama_baseline=not args.no_llama_baseline,
                        progress=lambda s: print(s, file=sys.stderr, flush=True),
-                       draft_model=args.draft_model, cross_vocab=args.cross_vocab, repeats=args.repeats,
+                       draft=DraftModelConfig.from_flags(args), repeats=args.repeats,
                        order=args.order, flash_attn=args.flash_attn, n_gpu_layers=args.n_gpu_layers,
                        gpu_split={"main_gpu": args.main_gpu, "split_mode": args.split_mode,
                                   "tensor_split": args.tensor_split},

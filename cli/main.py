@@ -8,7 +8,7 @@ import re
 import sys
 
 from specray.bench.order import ORDERS
-from specray.engine.config import ChainConfig, EngineConfig
+from specray.engine.config import CacheType, ChainConfig, EngineConfig
 
 # the default chain last: the bench answers "is the default worth it here" without flags
 DEFAULT_BENCH_CONFIGS = ["none", "ngram_simple", "ngram_mod", "ngram_cache", "suffix", "ngram_mod,suffix",
@@ -52,6 +52,25 @@ GPU_LAYERS_HELP = ("target layers offloaded to a GPU (companion models follow: a
                    "them where llama.cpp offloads to a GPU it sees (a CUDA build with a device), 0 elsewhere")
 
 
+#: the draft's load options: flag, type, metavar, help (dest: the DraftModelConfig field with a draft_ prefix)
+DRAFT_OPTION_FLAGS = [
+    ("--draft-n-ctx", int, "N", "draft context cells shared by all slots (llama.cpp's -cd; default: the target's "
+                                "--n-ctx, x1.5 with --cross-vocab, + 16 per slot)"),
+    ("--draft-threads", int, "N", "CPU threads of the draft context (-td; default: the target's --threads)"),
+    ("--draft-threads-batch", int, "N", "CPU threads of the draft context for multi-token batches (-tbd; default: "
+                                        "--draft-threads)"),
+    ("--draft-n-batch", int, "N", "most tokens in one draft decode (default: the target's n_batch)"),
+    ("--draft-n-ubatch", int, "N", "physical batch of the draft context, at most --draft-n-batch (default: it)"),
+    ("--draft-n-gpu-layers", int, "N", "draft layers offloaded to a GPU (-ngld; default: all where llama.cpp "
+                                       "offloads to a GPU it sees, 0 elsewhere)"),
+    ("--draft-main-gpu", int, "I", "the one GPU holding the whole draft model (-devd with one device; default: "
+                                   "the target's --main-gpu and split)"),
+    ("--draft-cache-type-k", CacheType, "TYPE", "K cache data type of the draft context (-ctkd; default: f16)"),
+    ("--draft-cache-type-v", CacheType, "TYPE", "V cache data type of the draft context (-ctvd; default: f16); a "
+                                                  "quantised one turns flash attention on for the draft context"),
+]
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and context")
     g.add_argument("--model", default="smollm2-135m",
@@ -86,7 +105,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_draft_args(p: argparse.ArgumentParser, default=None) -> None:
-    """--draft-model / --cross-vocab (`default=argparse.SUPPRESS` for serve: absent unless given)."""
+    """--draft-model / --cross-vocab and the draft's load options (`default=argparse.SUPPRESS` for serve: absent
+    unless given). The options are named as llama.cpp's draft flags with the --draft- prefix of --draft-model;
+    each one unset follows the target (EngineConfig.draft_settings)."""
     g = p.add_argument_group("draft model (the `draft` speculator)")
     g.add_argument("--draft-model", default=default, metavar="PATH_OR_ALIAS",
                    help="draft model for the `draft` speculator: packaged alias (smollm2-135m, gemma3-270m) or a "
@@ -95,6 +116,13 @@ def _add_draft_args(p: argparse.ArgumentParser, default=None) -> None:
                    action="store_true",
                    help="allow a draft model whose vocabulary differs from the target's (drafts go through "
                         "text); without it such a pair is refused, naming the mismatch")
+    cache_types = list(CacheType.__args__)
+    for flag, kind, metavar, what in DRAFT_OPTION_FLAGS:
+        extra = {"choices": cache_types} if kind is CacheType else {"type": kind, "metavar": metavar}
+        g.add_argument(flag, default=default, help=what, **extra)
+    g.add_argument("--draft-flash-attn", action=argparse.BooleanOptionalAction, default=default,
+                   help="flash attention in the draft context (default: the target's --flash-attn; on with a "
+                        "quantised --draft-cache-type-v, which --no-draft-flash-attn refuses)")
 
 
 def _add_hidden_args(p: argparse.ArgumentParser, default=None, transport: bool = False) -> None:
@@ -423,7 +451,7 @@ def _cmd_generate(args) -> int:
                        n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu, split_mode=args.split_mode,
                        tensor_split=args.tensor_split, n_ctx=args.n_ctx, exact=args.exact, flash_attn=args.flash_attn,
                        chain=chain, rollback=args.rollback, rollback_snapshots=args.rollback_snapshots,
-                       draft=DraftModelConfig(model=args.draft_model, cross_vocab=args.cross_vocab),
+                       draft=DraftModelConfig.from_flags(args),
                        hidden=HiddenStateConfig(mtp=args.mtp, eagle3_model=args.eagle3_model))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
@@ -514,8 +542,10 @@ def _cmd_serve(args) -> int:
     return main_serve(args)
 
 
-def flag_message(error, dests: set[str]) -> str:
-    """A config ValidationError in the words of the command line: field names that are flags become flags.
+def flag_message(error, dests: set[str], prefix: str = "") -> str:
+    """A config ValidationError in the words of the command line: field names that are flags become flags
+    (`prefix`: the flags' own, e.g. "draft_" for DraftModelConfig's fields), and an error of one field starts
+    with its flag and the value given.
 
     >>> from specray.engine.config import EngineConfig
     >>> try:
@@ -524,9 +554,17 @@ def flag_message(error, dests: set[str]) -> str:
     ...     print(flag_message(e, {"exact", "flash_attn"}))
     --flash-attn conflicts with --exact (batch-invariant kernels need flash attention off)
     """
-    msgs = [err["msg"].removeprefix("Value error, ") for err in error.errors()]
     pattern = r"\b(" + "|".join(sorted(map(re.escape, dests), key=len, reverse=True)) + r")\b"
-    return "; ".join(re.sub(pattern, lambda m: "--" + m.group(1).replace("_", "-"), m) for m in msgs)
+
+    def flag(name: str) -> str:
+        return "--" + (prefix + name).replace("_", "-")
+
+    msgs = []
+    for err in error.errors():
+        msg = re.sub(pattern, lambda m: flag(m.group(1)), err["msg"].removeprefix("Value error, "))
+        field = ".".join(map(str, err["loc"]))
+        msgs.append(f"{flag(field)} {err['input']!r}: {msg}" if field in dests else msg)
+    return "; ".join(msgs)
 
 
 def _check_engine_rules(parser: argparse.ArgumentParser, args) -> None:
@@ -542,6 +580,19 @@ def _check_engine_rules(parser: argparse.ArgumentParser, args) -> None:
     except ValidationError as e:
         dests = {a.dest for a in parser._actions} | {a.dest for sp in _subparsers(parser) for a in sp._actions}
         parser.error(flag_message(e, dests))
+
+
+def _check_draft_flags(parser: argparse.ArgumentParser, args) -> None:
+    """The draft's --draft-<option> flags against DraftModelConfig (ranges, llama.cpp's rules) before anything
+    loads; an error names the flags."""
+    from pydantic import ValidationError
+
+    from specray.engine.config import DRAFT_LOAD_FIELDS, DraftModelConfig
+
+    try:
+        DraftModelConfig.from_flags(args)
+    except ValidationError as e:
+        parser.error(flag_message(e, set(DRAFT_LOAD_FIELDS), prefix="draft_"))
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
@@ -574,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         if v is not None and v < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0, got {v}")
     _check_engine_rules(parser, args)
+    _check_draft_flags(parser, args)
     if getattr(args, "temperature", None) is not None and args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
     try:

@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 
-from specray.engine.config import parse_chain
+from specray.engine.config import DRAFT_LOAD_FIELDS, parse_chain
 
 from specray.deployments.ab.arms import parse_arm_flag, resolve_arms
 from specray.deployments.config import ServeConfig, deep_merge, load_serve_config, read_yaml
@@ -43,6 +43,7 @@ _FLAG_FIELDS = {
     "rollback_snapshots": ("engine", "rollback_snapshots"),
     "draft_model": ("engine", "draft", "model"),
     "cross_vocab": ("engine", "draft", "cross_vocab"),
+    **{f"draft_{f}": ("engine", "draft", f) for f in DRAFT_LOAD_FIELDS},
     "mtp": ("engine", "hidden", "mtp"),
     "eagle3_model": ("engine", "hidden", "eagle3_model"),
     "hidden_transport": ("engine", "hidden", "transport"),

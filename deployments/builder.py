@@ -132,7 +132,7 @@ def open_draft(config: EngineConfig, target, target_ctx):
     from specray.native.draft_backend import DraftModel
 
     return DraftModel(config.draft, target, slots=config.slots, target_n_ctx=target_ctx.n_ctx,
-                      n_batch=config.n_batch, threads=config.threads, calibrate=config.calibrate)
+                      settings=config.draft_settings(), calibrate=config.calibrate)
 
 
 def open_hidden(config: EngineConfig, target, target_ctx, runner):

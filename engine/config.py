@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -95,8 +96,19 @@ def parse_chain(text: str) -> list[str]:
     return names
 
 
+#: KV cache types llama.cpp takes for -ctk/-ctv (common/arg.cpp's kv_cache_types); the q* and iq* ones are quantised
+CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+QUANTISED_CACHE_TYPES = frozenset({"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
+
+
+#: DraftModelConfig's load options, each a `--draft-<option>` flag (dest draft_<field>) of generate, bench, serve
+DRAFT_LOAD_FIELDS = ("n_ctx", "threads", "threads_batch", "n_batch", "n_ubatch", "n_gpu_layers", "main_gpu",
+                     "cache_type_k", "cache_type_v", "flash_attn")
+
+
 class DraftModelConfig(BaseModel):
-    """The draft model of the `draft` speculator (loaded only when `model` is set)."""
+    """The draft model of the `draft` speculator (loaded only when `model` is set). The load options follow
+    llama.cpp's draft flags (-cd, -td, -tbd, -ngld, -devd, -ctkd, -ctvd); each left unset follows the target."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -111,6 +123,59 @@ class DraftModelConfig(BaseModel):
         "cross-vocab mode, + 16 per slot)"
     )
     threads: int | None = Field(None, ge=1, description="CPU threads of the draft context (None: the engine's)")
+    threads_batch: int | None = Field(
+        None, ge=1, description="CPU threads of the draft context for batches of several tokens (the mirrored "
+        "prompt chunks and catch-ups; llama.cpp's -tbd); None: `threads`")
+    n_batch: int | None = Field(
+        None, ge=16, description="most tokens in one draft decode; longer mirrored batches are split (None: the "
+        "engine's n_batch)")
+    n_ubatch: int | None = Field(
+        None, ge=16, description="physical batch of the draft context, at most n_batch (None: its n_batch)")
+    n_gpu_layers: int | None = Field(
+        None, ge=0, description="draft layers offloaded to a GPU (llama.cpp's -ngld); None: all of them where "
+        "this llama.cpp build offloads to a GPU it sees, none elsewhere (the target's default rule)")
+    main_gpu: int | None = Field(
+        None, ge=0, description="the one GPU that holds the whole draft model (index among the GPUs its process "
+        "sees: in distributed mode the companion actor's; llama.cpp's -devd with one device); None: the target's "
+        "main_gpu and split_mode (row and tensor splits become layer splits: a draft is small)")
+    cache_type_k: CacheType = Field(
+        "f16", description="data type of the draft context's K cache (llama.cpp's -ctkd); quantised types "
+        "(q8_0, q4_0, ...) take less memory, and the draft only proposes: output stays lossless")
+    cache_type_v: CacheType = Field(
+        "f16", description="data type of the draft context's V cache (llama.cpp's -ctvd); a quantised one needs "
+        "flash attention, which it turns on for the draft context unless flash_attn is false (refused)")
+    flash_attn: bool | None = Field(
+        None, description="flash attention in the draft context; None: the engine's flash_attn, on with a "
+        "quantised cache_type_v (as llama.cpp's auto does)")
+
+    @classmethod
+    def from_flags(cls, args: Any) -> "DraftModelConfig":
+        """The draft config of a command line (an argparse namespace): --draft-model, --cross-vocab and the
+        --draft-<option> flags of DRAFT_LOAD_FIELDS; a flag absent or None leaves its default."""
+        dests = {"model": "draft_model", "cross_vocab": "cross_vocab"} | {f: f"draft_{f}" for f in DRAFT_LOAD_FIELDS}
+        given = {f: getattr(args, d, None) for f, d in dests.items()}
+        return cls.model_validate({f: v for f, v in given.items() if v is not None})
+
+    @model_validator(mode="after")
+    def _llama_rules(self) -> "DraftModelConfig":
+        # llama.cpp refuses these when the context is made; saying so here names the options before anything loads
+        if self.cache_type_v in QUANTISED_CACHE_TYPES and self.flash_attn is False:
+            raise ValueError(f"cache_type_v {self.cache_type_v} (a quantised V cache) needs flash attention in "
+                             "llama.cpp: leave flash_attn unset or set it true, or use an f16/bf16/f32 cache_type_v")
+        if self.n_ubatch is not None and self.n_batch is not None and self.n_ubatch > self.n_batch:
+            raise ValueError(f"n_ubatch ({self.n_ubatch}) exceeds n_batch ({self.n_batch})")
+        return self
+
+    def context_flash_attn(self, engine_flash_attn: bool) -> bool:
+        """Flash attention of the draft context: as set; else on for a quantised V cache, else the engine's.
+
+        >>> plain, q8_v = DraftModelConfig(), DraftModelConfig(cache_type_v="q8_0")
+        >>> plain.context_flash_attn(False), q8_v.context_flash_attn(False), plain.context_flash_attn(True)
+        (False, True, True)
+        """
+        if self.flash_attn is not None:
+            return self.flash_attn
+        return engine_flash_attn or self.cache_type_v in QUANTISED_CACHE_TYPES
 
 
 HiddenTransportName = Literal["object_store", "inline", "cuda_ipc"]
@@ -145,6 +210,24 @@ class HiddenStateConfig(BaseModel):
     @property
     def enabled(self) -> bool:
         return self.mtp or bool(self.eagle3_model)
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """How the draft model and its context are loaded: DraftModelConfig with every unset option decided from the
+    engine's config (EngineConfig.draft_settings). n_gpu_layers None: llama.cpp's all-or-none rule
+    (native/lib.resolve_gpu_layers)."""
+
+    threads: int
+    threads_batch: int
+    n_batch: int
+    n_ubatch: int
+    n_gpu_layers: int | None
+    main_gpu: int
+    split_mode: str
+    cache_type_k: str
+    cache_type_v: str
+    flash_attn: bool
 
 
 #: target threads of an in-process engine (generate, bench) unless set
@@ -266,6 +349,21 @@ class EngineConfig(BaseModel):
             return self
         return self.model_copy(update={"threads": served_threads(n_cpus) if served else IN_PROCESS_THREADS})
 
+    def draft_settings(self) -> DraftSettings:
+        """The draft model's load and context settings: its own where set, else the target's (llama.cpp's draft
+        copies the target's parameters the same way). A draft pinned to one GPU (draft.main_gpu) loads whole
+        onto it; otherwise it takes the target's main_gpu and, for a small model, whole layers per GPU."""
+        d = self.draft
+        threads = d.threads or self.threads or IN_PROCESS_THREADS
+        n_batch = d.n_batch or self.n_batch
+        pinned = d.main_gpu is not None
+        return DraftSettings(
+            threads=threads, threads_batch=d.threads_batch or threads, n_batch=n_batch,
+            n_ubatch=d.n_ubatch or n_batch, n_gpu_layers=d.n_gpu_layers,
+            main_gpu=d.main_gpu if pinned else self.main_gpu,
+            split_mode="none" if pinned or self.split_mode == "none" else "layer",
+            cache_type_k=d.cache_type_k, cache_type_v=d.cache_type_v, flash_attn=d.context_flash_attn(self.flash_attn))
+
     @field_validator("tensor_split", mode="after")
     @classmethod
     def _tensor_split(cls, v: tuple[float, ...] | None) -> tuple[float, ...] | None:
@@ -292,6 +390,9 @@ class EngineConfig(BaseModel):
             raise ValueError("flash_attn conflicts with exact (batch-invariant kernels need flash attention off)")
         if self.exact and self.use_extra_bufts:
             raise ValueError("use_extra_bufts conflicts with exact (repacked kernels are not batch-invariant)")
+        if self.draft.n_batch is None and (self.draft.n_ubatch or 0) > self.n_batch:
+            raise ValueError(f"draft.n_ubatch ({self.draft.n_ubatch}) exceeds the draft's n_batch, the engine's "
+                             f"n_batch ({self.n_batch}) when draft.n_batch is unset")
         if self.verify_shape == "bucketed" and max(self.verify_buckets) > self.n_batch:
             raise ValueError(f"verify_buckets' largest bucket ({max(self.verify_buckets)} rows) exceeds n_batch "
                              f"({self.n_batch})")

@@ -13,6 +13,21 @@ from .batch import Batch
 from .model import Model
 
 
+#: GGML_TYPE_BF16 of ggml.h: llama-cpp-python's bindings lack the constant
+GGML_TYPE_BF16 = 30
+#: KV cache data types by llama.cpp's names (-ctk / -ctv), as ggml_type values for llama_context_params
+CACHE_TYPES = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16, "bf16": GGML_TYPE_BF16,
+               "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0, "q4_1": llama_cpp.GGML_TYPE_Q4_1,
+               "iq4_nl": llama_cpp.GGML_TYPE_IQ4_NL, "q5_0": llama_cpp.GGML_TYPE_Q5_0, "q5_1": llama_cpp.GGML_TYPE_Q5_1}
+
+
+def cache_type(name: str) -> int:
+    """The ggml_type of a KV cache type name ('q8_0' -> GGML_TYPE_Q8_0); ValueError naming the choices."""
+    if name not in CACHE_TYPES:
+        raise ValueError(f"KV cache type must be one of {', '.join(CACHE_TYPES)}, got {name!r}")
+    return CACHE_TYPES[name]
+
+
 #: llama.cpp rounds a context, and each KV stream's share of it, up to a multiple of this (llama-context.cpp)
 CTX_PAD = 256
 
@@ -53,7 +68,10 @@ class Context:
         n_batch: int = 512,
         n_ubatch: int | None = None,
         n_threads: int = 2,
+        n_threads_batch: int | None = None,
         flash_attn: bool = False,
+        type_k: str = "f16",
+        type_v: str = "f16",
         kv_unified: bool | None = None,
         swa_full: bool = True,
         exact: bool = False,
@@ -68,7 +86,8 @@ class Context:
         params.n_ubatch = n_ubatch or n_batch
         params.n_seq_max = n_seq_max
         params.n_threads = n_threads
-        params.n_threads_batch = n_threads
+        params.n_threads_batch = n_threads_batch or n_threads
+        params.type_k, params.type_v = cache_type(type_k), cache_type(type_v)
         params.flash_attn_type = (
             llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
@@ -86,7 +105,8 @@ class Context:
         params.ctx_type = ctx_type  # 1 = LLAMA_CONTEXT_TYPE_MTP: runs the model's NextN head (native/mtp_backend.py)
         self.ptr = llama_cpp.llama_init_from_model(model.ptr, params)
         if not self.ptr:
-            raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max})")
+            raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max}, cache "
+                               f"types K {type_k} V {type_v}, flash_attn {flash_attn}; llama.cpp's error log says why)")
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ptr))
         self.kv_unified = kv_unified
         # cells one sequence can use: all of them (unified) or its own stream's share
@@ -95,6 +115,10 @@ class Context:
         self.n_rs_seq = int(llama_cpp.llama_n_rs_seq(self.ptr))
         self.n_batch = n_batch
         self.n_threads = n_threads
+        # as llama.cpp took them (it clamps n_ubatch to n_batch)
+        self.n_threads_batch = int(llama_cpp.llama_n_threads_batch(self.ptr))
+        self.n_ubatch = int(llama_cpp.llama_n_ubatch(self.ptr))
+        self.type_k, self.type_v = type_k, type_v
         self.flash_attn = flash_attn
         self.mem = llama_cpp.llama_get_memory(self.ptr)
         # whether positions can be shifted (context shift): not for recurrent or hybrid memory, nor M-RoPE models

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
-from specray.engine.config import DraftModelConfig
+from specray.engine.config import DraftModelConfig, DraftSettings, EngineConfig
 from specray.engine.speculators.draft import DraftSpeculator
 from specray.engine.speculators.draft_base import DraftParams
 from specray.engine.vocab import VocabMismatch, VocabMismatchError, vocab_mismatch
@@ -120,12 +120,15 @@ def draft_n_ctx(cfg: DraftModelConfig, target_n_ctx: int, slots: int, cross_voca
 class DraftModel:
     """A loaded draft model + context, paired with a target vocabulary."""
 
-    def __init__(self, cfg: DraftModelConfig, target: Model, *, slots: int, target_n_ctx: int, n_batch: int = 512,
-                 threads: int = 2, calibrate: bool = True) -> None:
+    def __init__(self, cfg: DraftModelConfig, target: Model, *, slots: int, target_n_ctx: int,
+                 settings: DraftSettings | None = None, calibrate: bool = True) -> None:
+        """`settings`: how to load it (EngineConfig.draft_settings: the draft's own options, else the target's);
+        None: cfg's options over the engine defaults."""
         if not cfg.model:
             raise ValueError("no draft model configured")
         self.config = cfg
-        self.model = Model(cfg.model)
+        self.settings = s = settings or EngineConfig(draft=cfg).draft_settings()
+        self.model = Model(cfg.model, n_gpu_layers=s.n_gpu_layers, main_gpu=s.main_gpu, split_mode=s.split_mode)
         self.mismatch: VocabMismatch | None = vocab_mismatch(target, self.model)
         if self.mismatch is not None and not cfg.cross_vocab:
             self.model.close()
@@ -134,8 +137,14 @@ class DraftModel:
         if self.mismatch is not None:
             skip = frozenset({target.bos}) if target.bos >= 0 else frozenset()
             self.translator = TargetText(ModelTextVocab(target), skip)
-        self.ctx = Context(self.model, n_ctx=draft_n_ctx(cfg, target_n_ctx, slots, self.translator is not None),
-                           n_seq_max=slots, n_batch=n_batch, n_threads=cfg.threads or threads, kv_unified=True)
+        try:
+            self.ctx = Context(self.model, n_ctx=draft_n_ctx(cfg, target_n_ctx, slots, self.translator is not None),
+                               n_seq_max=slots, n_batch=s.n_batch, n_ubatch=s.n_ubatch, n_threads=s.threads,
+                               n_threads_batch=s.threads_batch, flash_attn=s.flash_attn, type_k=s.cache_type_k,
+                               type_v=s.cache_type_v, kv_unified=True)
+        except BaseException:
+            self.model.close()
+            raise
         self.backend = LlamaDraftBackend(self.model, self.ctx)
         if calibrate:
             self.backend.measure_decode_costs()
@@ -155,8 +164,19 @@ class DraftModel:
             "mode": self.mode,
             "mismatch": None if self.mismatch is None else f"{self.mismatch.rule}: {self.mismatch.detail}",
             "n_ctx": self.ctx.n_ctx,
+            "settings": self.effective_settings(),
             "decode_cost_ms": {k: v * 1000 for k, v in self.backend.decode_costs().items()},
         }
+
+    def effective_settings(self) -> dict:
+        """The draft model's load and context settings (/v1/stats): threads and batch sizes read back from the
+        llama context (llama.cpp may clamp them), cache types and flash attention as the context was made with
+        them (llama.cpp has no getter; it refuses a context it cannot make so), layers and GPU as loaded."""
+        c, m = self.ctx, self.model
+        return {"n_ctx": c.n_ctx, "threads": int(llama_cpp.llama_n_threads(c.ptr)), "threads_batch": c.n_threads_batch,
+                "n_batch": int(llama_cpp.llama_n_batch(c.ptr)), "n_ubatch": c.n_ubatch, "n_gpu_layers": m.n_gpu_layers,
+                "main_gpu": m.gpu_split["main_gpu"], "split_mode": m.gpu_split["split_mode"],
+                "cache_type_k": c.type_k, "cache_type_v": c.type_v, "flash_attn": c.flash_attn}
 
     def close(self) -> None:
         self.ctx.close()

@@ -60,8 +60,7 @@ class CompanionService:
             # the target's vocabulary only: the compatibility check, and text for cross-vocab drafting
             self.target_vocab = Model(cfg.model, chat_template=cfg.chat_template, vocab_only=True)
             self.draft_model = DraftModel(cfg.draft, self.target_vocab, slots=cfg.slots, target_n_ctx=cfg.n_ctx,
-                                          n_batch=cfg.n_batch, threads=cfg.draft.threads or cfg.threads,
-                                          calibrate=cfg.calibrate)
+                                          settings=cfg.draft_settings(), calibrate=cfg.calibrate)
         self.hidden = None  # mtp / eagle3 heads (deployments/actors/companion_hidden.py)
         if cfg.hidden.enabled:
             from specray.native.model import Model

@@ -40,7 +40,9 @@ class Actors:
             "replica": {"placement_group_id": rc.get_placement_group_id(), "node_id": rc.get_node_id()},
             "target": {k: t.get(k) for k in ("placement_group_id", "node_id", "pid", "env", "gpu_ids", "n_gpu_layers",
                                           "gpu_split")},
-            "companion": {k: c.get(k) for k in ("placement_group_id", "node_id", "pid", "gpu_ids")},
+            # the draft model's load and context settings as llama.cpp took them (None: no draft model)
+            "companion": {k: c.get(k) for k in ("placement_group_id", "node_id", "pid", "gpu_ids")}
+            | {"draft": (c.get("draft") or {}).get("settings")},
         }
 
     def close(self) -> None:

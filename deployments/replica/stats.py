@@ -80,6 +80,8 @@ def round_snapshot(core) -> dict:
             # cache keeps (prompt_cache.cached_cells)
             "kv_cells": [parts.ctx.seq_pos_max(i) + 1 for i in range(parts.config.slots)],
         }
+    if parts.draft_model is not None:  # distributed: placement.companion.draft (actors/launch.py)
+        d["draft"] = {"where": "in-process"} | parts.draft_model.effective_settings()
     if parts.remote is not None:
         d["hop"] = parts.remote.hop.to_dict()
         d["placement"] = core.placement

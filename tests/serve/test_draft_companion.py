@@ -208,7 +208,8 @@ def test_distributed_app_drafts_in_the_companion_over_http(ray_serve, reference)
 
     from specray.deployments.app import build_app
 
-    engine = ENGINE | {"draft": {"model": "smollm2-135m"},
+    # a quantised K cache in the companion's draft context: still lossless (the draft only proposes)
+    engine = ENGINE | {"draft": {"model": "smollm2-135m", "cache_type_k": "q8_0", "threads_batch": 1},
                        "chain": {"speculators": ["draft"], "policy": "first", "n_max": 8}}
     args = {"mode": "distributed", "engine": engine, "replica_cpus": 0.2, "target_cpus": 0.4,
             "companion_cpus": 0.1, "ingress_cpus": 0.1, "app_name": "specray-draft", "route_prefix": "/draft"}
@@ -240,6 +241,9 @@ def test_distributed_app_drafts_in_the_companion_over_http(ray_serve, reference)
             st = c.get("/v1/stats").json()
         comp = st["companion"]
         assert comp["calls"] > 0 and comp["draft_steps"] > 0 and comp["unsynced"] == 0
+        # the draft's settings as the companion loaded them, beside the target's placement
+        draft = st["placement"]["companion"]["draft"]
+        assert (draft["cache_type_k"], draft["cache_type_v"], draft["threads_batch"]) == ("q8_0", "f16", 1)
     finally:
         serve.delete("specray-draft")
 
@@ -253,7 +257,8 @@ def test_colocated_router_drafts_in_process(smollm2):
     from specray.deployments.config import ServeConfig
 
     engine = {"model": "smollm2-135m", "n_ctx": 1024, "slots": 2, "exact": True, "calibrate": False,
-              "draft": {"model": "smollm2-135m"}, "chain": {"speculators": ["draft"], "policy": "first"}}
+              "draft": {"model": "smollm2-135m", "cache_type_v": "q8_0"},
+              "chain": {"speculators": ["draft"], "policy": "first"}}
     prompt = spec_bench_prompts(1)[0]
     ref = LocalEngine(EngineConfig.model_validate(engine | {"draft": {}, "chain": {"speculators": []}}),
                       model=smollm2)
@@ -277,5 +282,8 @@ def test_colocated_router_drafts_in_process(smollm2):
         assert term["type"] == "end" and text == want
         spec = term["speculative"]
         assert spec["by_speculator"]["draft"]["accepted_tokens"] > 0
+        # /v1/stats: the in-process draft's settings (a quantised V cache turned its flash attention on)
+        draft = core.stats()["draft"]
+        assert (draft["where"], draft["cache_type_v"], draft["flash_attn"]) == ("in-process", "q8_0", True)
     finally:
         core.close()
