@@ -217,6 +217,8 @@ class DFlashSpeculator(SlotMirror, ModelSpeculator):
             self.counters.trimmed += 1
             self._apply(seq_id, st.window.trim(pos))
             st.committed.truncate(pos)
+            if seq_id in self.audit:
+                self.audit[seq_id] = {q: v for q, v in self.audit[seq_id].items() if q < pos}
         if self.params.audit:
             log_ = self.audit.setdefault(seq_id, {})
             for j, t in enumerate(tokens):

@@ -140,3 +140,25 @@ def test_context_shift_of_a_real_draft_cache(smollm2):
         assert a.tolist() == b.tolist()
     finally:
         head.close()
+
+
+def test_calibrated_costs_and_the_cost_policy(smollm2):
+    """Measured block and injection costs (the calibration leaves no cell behind), and a run under the cost
+    policy, which prices a dflash draft as one injection + one block decode: output unchanged."""
+    base = baseline(smollm2, 1)
+    cfg = EngineConfig(model="smollm2-135m", slots=1, n_ctx=512, exact=True, calibrate=True,
+                       chain=ChainConfig(speculators=[], policy="cost", n_max=8),
+                       hidden=HiddenStateConfig(dflash_model=dflash_draft()))
+    eng = LocalEngine(cfg, model=smollm2)
+    try:
+        head = eng.hidden_heads.dflash
+        block, inject = head.decode_costs(), head.inject_costs()
+        assert {1, 2, 8} <= set(block) and {1, 8, 64} <= set(inject)
+        assert all(v > 0 for v in (*block.values(), *inject.values()))
+        assert head.pos_max(0) == -1
+        spec = eng.chain.speculator("dflash")
+        assert spec.step_cost.table() and spec.draft_seconds(1, 7) >= spec.draft_seconds(1, 1) > 0
+        seqs = eng.run(requests(eng, spec_bench_prompts(N_PROMPTS), ("dflash",)))
+        assert [s.generated for s in seqs] == base
+    finally:
+        eng.close()

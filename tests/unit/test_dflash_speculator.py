@@ -170,6 +170,7 @@ def test_commit_restarting_earlier_trims_the_window():
     commit(spec, 2, [(0, 5, other)])  # positions 5.. are now other tokens
     assert spec.counters.trimmed == 1 and list(head.rows_held(0)) == [0, 1, 2, 3, 4]
     assert spec.committed(0).tolist() == script[:5] + other
+    assert [spec.audit[0][q][0] for q in sorted(spec.audit[0])] == script[:5] + other
     spec.draft([req(0, script[:5] + other + [73])])
     assert head.rows_held(0) == {**dict(enumerate(script[:5])), 5: 70, 6: 71, 7: 72}
 
@@ -285,3 +286,37 @@ def test_doctests_of_the_dflash_pieces():
     for module in (dflash, hidden_rows, dflash_backend, hidden_heads):
         failed, attempted = doctest.testmod(module)
         assert attempted > 0 and failed == 0, module.__name__
+
+
+class _Client:
+    """CompanionClient stand-in for the router's dflash proxy: records payloads, answers like the companion."""
+
+    epoch = 1
+
+    def __init__(self):
+        self.payloads = []
+
+    def call(self, method, payload, default=None):
+        assert method == "hidden_round"
+        self.payloads.append(payload)
+        return {"drafts": [np.array([7, 8, 9], np.int32) for _ in payload["requests"]], "unsynced": [],
+                "inside_s": 0.0, "step_costs": {1: 0.002, 32: 0.006}, "inject_costs": {1: 0.0001, 8: 0.0002},
+                "acks": []}
+
+
+def test_router_proxy_prices_one_block_and_forwards_shifts():
+    from specray.deployments.actors.companion_hidden import CompanionDFlashProxy
+
+    client = _Client()
+    proxy = CompanionDFlashProxy(DFlashParams(), client, {1: 0.002, 32: 0.006}, inject_table={1: 0.001, 8: 0.002},
+                                 block_size=8)
+    assert proxy.max_steps == 7  # n_max 15 capped by the block
+    assert proxy.draft_seconds(4, 7) == pytest.approx(0.006 + 0.002)  # ONE block of 4 x 8 + 8 injected rows
+    assert proxy.draft_seconds(4, 50) == proxy.draft_seconds(4, 7)
+    proxy.begin(0, np.array([1, 2, 3], np.int32))
+    proxy.shift(0, 1, 1)
+    proxy.shift(5, 1, 1)  # a sequence this companion never began: nothing to follow
+    (d,) = proxy.draft([DraftRequest(0, np.array([1, 3, 4], np.int32), 2)])
+    assert d.tolist() == [7, 8]
+    assert [e for e in client.payloads[0]["events"] if e[0] == "shift"] == [("shift", 0, 1, 1)]
+    assert proxy.inject_cost.table() == {1: 0.0001, 8: 0.0002}  # the companion's measured injection costs
