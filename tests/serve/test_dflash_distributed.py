@@ -28,26 +28,28 @@ pytestmark = [pytest.mark.serve, pytest.mark.model]
 LAYERS = (1, 15, 27)
 
 
-def engine_config(slots: int, transport: str) -> EngineConfig:
+def engine_config(slots: int, transport: str, kind: str = "dflash") -> EngineConfig:
     return EngineConfig(model="smollm2-135m", slots=slots, n_ctx=512 * slots, exact=True, calibrate=False,
                         chain=ChainConfig(speculators=[], policy="first", n_max=8,
                                           params={"dflash": {"n_max": 6, "audit": True}}),
-                        hidden=HiddenStateConfig(dflash_model=dflash_draft(), transport=transport))
+                        hidden=HiddenStateConfig(dflash_model=dflash_draft(kind), transport=transport))
 
 
-@pytest.mark.parametrize("transport,slots", [("object_store", 4), ("inline", 1)])
-def test_dflash_distributed_lossless_rows_and_window(ray_serve, smollm2, transport, slots):
+@pytest.mark.parametrize("transport,slots,kind", [("object_store", 4, "dflash"), ("inline", 1, "dflash"),
+                                                  ("inline", 4, "dflash2")])
+def test_dflash_distributed_lossless_rows_and_window(ray_serve, smollm2, transport, slots, kind):
     import ray
 
     from specray.deployments.actors.companion_hidden import CompanionDFlashProxy
     from specray.deployments.actors.row_transport import ObjectStoreHandle
     from specray.engine.hidden_rows import HiddenRows
 
-    cfg = engine_config(slots, transport)
+    cfg = engine_config(slots, transport, kind)
     d = Distributed(cfg)
     try:
         assert d.client.sup.info["speculators"] == ["dflash"]
-        assert d.client.sup.info["hidden"]["dflash"]["block_size"] == 8
+        info = d.client.sup.info["hidden"]["dflash"]
+        assert info["block_size"] == 8 and info["selector_top_k"] == (4 if kind == "dflash2" else 0)
         assert d.target_info["hidden_transport"]["transport"] == transport
         proxy = d.chain.speculator("dflash")
         assert isinstance(proxy, CompanionDFlashProxy) and proxy.max_steps == 6
@@ -57,8 +59,8 @@ def test_dflash_distributed_lossless_rows_and_window(ray_serve, smollm2, transpo
                          n_ctx=512 * slots, slots=slots)
         seqs, checked = run_routed(d, "dflash", reqs, solo, positions="some")
         assert checked > 0 and [s.generated for s in seqs] == base
-        kind = ObjectStoreHandle if transport == "object_store" else HiddenRows
-        assert d.handles and all(isinstance(h, kind) for h in d.handles)
+        handle = ObjectStoreHandle if transport == "object_store" else HiddenRows
+        assert d.handles and all(isinstance(h, handle) for h in d.handles)
         assert proxy.flush()
         c = ray.get(d.client.sup.handle.counters.remote())
         t = ray.get(d.target.counters.remote())["hidden_transport"]
@@ -75,7 +77,7 @@ def test_dflash_distributed_lossless_rows_and_window(ray_serve, smollm2, transpo
             assert st["pos_max"] == w["injected"] - 1
         acc = sum(s.spec_by_name["dflash"].accepted for s in seqs)
         drafted = sum(s.spec_by_name["dflash"].drafted for s in seqs)
-        print(f"\ndflash distributed ({transport}, {slots} slots): {acc}/{drafted} accepted (random draft), "
+        print(f"\n{kind} distributed ({transport}, {slots} slots): {acc}/{drafted} accepted (random draft), "
               f"{len(d.handles)} records, {c['hidden_transport_opened_bytes']} bytes")
     finally:
         d.close()
