@@ -7,11 +7,12 @@ the round scheduler in this process) and runs the same requests through
 `mtp` (a synthetic glm4moe target whose NextN head copies its block, so
 drafts are accepted and every round commits several rows per sequence) and
 `eagle3` (SmolLM2-135M with a synthetic EAGLE-3 draft: three 576-wide layer
-rows per token). Per configuration it prints rounds, hidden-row bytes per
-round, the target's export time (ray.put) and the companion's open time
-(ray.get) per round, and their share of the round time (the router's wall
-time per round). The `inline` transport (rows by value through the router)
-is the baseline.
+rows per token), or `dflash` (`--kinds dflash`: SmolLM2-135M with a synthetic
+DFlash draft, three 576-wide layer rows per token, one block per draft). Per
+configuration it prints rounds, hidden-row bytes per round, the target's
+export time (ray.put) and the companion's open time (ray.get) per round, and
+their share of the round time (the router's wall time per round). The
+`inline` transport (rows by value through the router) is the baseline.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _run(kind: str, transport: str, n_seqs: int, max_tokens: int, paths: dict, i
     from specray.engine.request import GenerationRequest
     from specray.engine.sampling import SamplingParams
 
-    hidden = {"mtp": True} if kind == "mtp" else {"eagle3_model": paths["eagle3"]}
+    hidden = {"mtp": True} if kind == "mtp" else {f"{kind}_model": paths[kind]}
     cfg = EngineConfig(model=paths["mtp"] if kind == "mtp" else "smollm2-135m", slots=n_seqs, n_ctx=1024 * n_seqs,
                        calibrate=False, threads=1,
                        chain=ChainConfig(speculators=[kind], policy="first", n_max=4, params={kind: {"n_max": 4}}),
@@ -86,7 +87,7 @@ def _run(kind: str, transport: str, n_seqs: int, max_tokens: int, paths: dict, i
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specray.bench.hidden", description=__doc__.split("\n\n")[0])
-    p.add_argument("--kinds", nargs="+", default=["mtp", "eagle3"], choices=["mtp", "eagle3"])
+    p.add_argument("--kinds", nargs="+", default=["mtp", "eagle3"], choices=["mtp", "eagle3", "dflash"])
     p.add_argument("--seqs", type=int, nargs="+", default=[1, 8], help="concurrent sequences (slots) per run")
     p.add_argument("--transports", nargs="+", default=["object_store", "inline"],
                    choices=["object_store", "inline", "cuda_ipc"])
@@ -97,11 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import ray
 
-    from specray.native.synthetic_gguf import MtpTargetSpec, write_eagle3_draft, write_mtp_target
+    from specray.native.synthetic_gguf import MtpTargetSpec, write_dflash_draft, write_eagle3_draft, write_mtp_target
 
     tmp = tempfile.mkdtemp(prefix="specray-hidden-bench-")
     paths = {"mtp": write_mtp_target(os.path.join(tmp, "mtp.gguf"), MtpTargetSpec(mtp_head="copy_last")),
-             "eagle3": write_eagle3_draft(os.path.join(tmp, "eagle3.gguf"))}
+             "eagle3": write_eagle3_draft(os.path.join(tmp, "eagle3.gguf")),
+             "dflash": write_dflash_draft(os.path.join(tmp, "dflash.gguf"))}
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     rows = []
     print(f"{'kind':7} {'transport':12} {'seqs':>4} {'rounds':>6} {'round ms':>9} {'KiB/round':>9} "

@@ -126,8 +126,8 @@ def _add_draft_args(p: argparse.ArgumentParser, default=None) -> None:
 
 
 def _add_hidden_args(p: argparse.ArgumentParser, default=None, transport: bool = False) -> None:
-    """--mtp / --eagle3-model (/ --hidden-transport) (`default=argparse.SUPPRESS` for serve)."""
-    g = p.add_argument_group("hidden-state speculators (`mtp`, `eagle3`)")
+    """--mtp / --eagle3-model / --dflash-model (/ --hidden-transport) (`default=argparse.SUPPRESS` for serve)."""
+    g = p.add_argument_group("hidden-state speculators (`mtp`, `eagle3`, `dflash`)")
     g.add_argument("--mtp", default=default if default is not None else False, action="store_true",
                    help="load the target's own NextN (multi-token prediction) head for the `mtp` speculator; the "
                         "target GGUF must carry NextN layers (e.g. GLM-4.5, DeepSeek-V3, Qwen3.5, MiMo); name `mtp` "
@@ -135,6 +135,10 @@ def _add_hidden_args(p: argparse.ArgumentParser, default=None, transport: bool =
     g.add_argument("--eagle3-model", default=default, metavar="PATH",
                    help="EAGLE-3 draft GGUF trained for this target (architecture eagle3, with its own token "
                         "embeddings and LM head) for the `eagle3` speculator; name `eagle3` in the chain to use it")
+    g.add_argument("--dflash-model", default=default, metavar="PATH",
+                   help="DFlash (or DFlash2) block-diffusion draft GGUF trained for this target (architecture "
+                        "dflash, with its own token embeddings and LM head) for the `dflash` speculator: one draft "
+                        "decode proposes a whole block per sequence; name `dflash` in the chain to use it")
     if transport:
         g.add_argument("--hidden-transport", choices=["object_store", "inline", "cuda_ipc"], default=default,
                        help="--mode distributed: how hidden rows go from the target actor to the companion "
@@ -452,11 +456,12 @@ def _cmd_generate(args) -> int:
                        tensor_split=args.tensor_split, n_ctx=args.n_ctx, exact=args.exact, flash_attn=args.flash_attn,
                        chain=chain, rollback=args.rollback, rollback_snapshots=args.rollback_snapshots,
                        draft=DraftModelConfig.from_flags(args),
-                       hidden=HiddenStateConfig(mtp=args.mtp, eagle3_model=args.eagle3_model))
+                       hidden=HiddenStateConfig(mtp=args.mtp, eagle3_model=args.eagle3_model,
+                                                dflash_model=args.dflash_model))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
                               frequency_penalty=args.frequency_penalty, seed=args.seed, grammar=_grammar_arg(args))
-    if cfg.hidden.enabled:  # a bad --eagle3-model fails before the target loads
+    if cfg.hidden.enabled:  # a bad --eagle3-model / --dflash-model fails before the target loads
         from specray.native.hidden_heads import target_taps
 
         target_taps(cfg)

@@ -46,6 +46,7 @@ _FLAG_FIELDS = {
     **{f"draft_{f}": ("engine", "draft", f) for f in DRAFT_LOAD_FIELDS},
     "mtp": ("engine", "hidden", "mtp"),
     "eagle3_model": ("engine", "hidden", "eagle3_model"),
+    "dflash_model": ("engine", "hidden", "dflash_model"),
     "hidden_transport": ("engine", "hidden", "transport"),
 }
 
@@ -200,6 +201,8 @@ def main_serve(args) -> int:
         resolve_model(cfg.engine.draft.model)
     if cfg.engine.hidden.eagle3_model:
         resolve_model(cfg.engine.hidden.eagle3_model)
+    if cfg.engine.hidden.dflash_model:
+        resolve_model(cfg.engine.hidden.dflash_model)
 
     proxy_port = cfg.port
     if cfg.direct_ingress:

@@ -136,7 +136,7 @@ def open_draft(config: EngineConfig, target, target_ctx):
 
 
 def open_hidden(config: EngineConfig, target, target_ctx, runner):
-    """The heads of the hidden-state speculators (mtp, eagle3; None if none is configured), in-process; the
+    """The heads of the hidden-state speculators (mtp, eagle3, dflash; None if none is configured), in-process; the
     runner's target context is given the hidden-row taps they read (switched on only when needed)."""
     if not config.hidden.enabled:
         return None

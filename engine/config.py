@@ -47,7 +47,7 @@ class ChainConfig(BaseModel):
     )
     model_explore: float = Field(
         0.01, ge=0.0, le=1.0,
-        description="cost policy: share of round time a model speculator (draft, mtp, eagle3) may spend on "
+        description="cost policy: share of round time a model speculator (draft, mtp, eagle3, dflash) may spend on "
         "1-token drafts its price rules out, catch-up of its draft cache included, so its acceptance keeps "
         "being measured; the time is saved up round by round, then spent",
     )
@@ -182,7 +182,8 @@ HiddenTransportName = Literal["object_store", "inline", "cuda_ipc"]
 
 
 class HiddenStateConfig(BaseModel):
-    """Hidden-state speculators (`mtp`, `eagle3`): their heads and how the target's hidden rows reach them."""
+    """Hidden-state speculators (`mtp`, `eagle3`, `dflash`): their heads and how the target's hidden rows reach
+    them."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -192,6 +193,9 @@ class HiddenStateConfig(BaseModel):
     eagle3_model: str | None = Field(
         None, description=".gguf path of an EAGLE-3 draft for this target (architecture eagle3) for the `eagle3` "
         "speculator; None: no `eagle3`")
+    dflash_model: str | None = Field(
+        None, description=".gguf path of a DFlash (or DFlash2) block-diffusion draft for this target (architecture "
+        "dflash, with its own token embeddings and LM head) for the `dflash` speculator; None: no `dflash`")
     transport: HiddenTransportName = Field(
         "object_store",
         description="distributed mode: how hidden rows go from the target actor to the companion: object_store "
@@ -209,7 +213,7 @@ class HiddenStateConfig(BaseModel):
 
     @property
     def enabled(self) -> bool:
-        return self.mtp or bool(self.eagle3_model)
+        return self.mtp or bool(self.eagle3_model) or bool(self.dflash_model)
 
 
 @dataclass(frozen=True)
@@ -316,7 +320,7 @@ class EngineConfig(BaseModel):
         "co-located, in the companion actor when distributed)"
     )
     hidden: HiddenStateConfig = Field(
-        default_factory=HiddenStateConfig, description="hidden-state speculators mtp / eagle3 (in-process when "
+        default_factory=HiddenStateConfig, description="hidden-state speculators mtp / eagle3 / dflash (in-process when "
         "co-located, in the companion actor when distributed)")
     verify_shape: Literal["exact", "bucketed"] = Field(
         "exact", description="the target batch's shape in decode-only rounds. exact: each sequence's verify is "

@@ -94,12 +94,30 @@ class HiddenRows:
             raise RowMismatch(f"taps {taps} are not consecutive in the record's taps {self.taps}")
         return slice(int(starts[i]), int(starts[i + len(taps)]))
 
-    def entry(self, i: int, cols: slice | None = None) -> SeqRows:
+    def select(self, taps: tuple[Tap, ...]) -> slice | np.ndarray:
+        """The columns of `taps`, in that order: a slice where they are consecutive in the record (no copy),
+        else column indices (a speculator whose taps another one's overlap: the target sends each tap once).
+
+        >>> rec = HiddenRows(0, (2, 15, 27, 1), (2, 2, 2, 2), *[np.zeros(0)] * 5)
+        >>> rec.select((15, 27)), rec.select((1, 15, 27)).tolist()
+        (slice(2, 6, None), [6, 7, 2, 3, 4, 5])
+        """
+        try:
+            return self.columns(taps)
+        except RowMismatch:
+            pass
+        starts = np.concatenate([[0], np.cumsum(self.tap_widths)]).astype(int)
+        missing = [t for t in taps if t not in self.taps]
+        if missing:
+            raise RowMismatch(f"the target sends taps {self.taps}, not {missing}")
+        return np.concatenate([np.arange(starts[i], starts[i + 1]) for i in (self.taps.index(t) for t in taps)])
+
+    def entry(self, i: int, cols: slice | np.ndarray | None = None) -> SeqRows:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         rows = self.rows[a:b] if cols is None else self.rows[a:b, cols]
         return SeqRows(int(self.seq_ids[i]), int(self.pos0[i]), self.tokens[a:b], rows)
 
-    def entries(self, cols: slice | None = None):
+    def entries(self, cols: slice | np.ndarray | None = None):
         for i in range(len(self.seq_ids)):
             yield self.entry(i, cols)
 
@@ -152,7 +170,7 @@ class RowStash:
     taken: int = 0  # entries taken
     stale: int = 0  # entries dropped unused (their sequence ended, or a later position was committed)
 
-    def take(self, record: HiddenRows, cols: slice | None = None) -> None:
+    def take(self, record: HiddenRows, cols: slice | np.ndarray | None = None) -> None:
         for e in record.entries(cols):
             self.pending.setdefault(e.seq_id, []).append(e)
             self.taken += 1

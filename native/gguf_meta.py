@@ -1,7 +1,7 @@
 """A GGUF file's metadata, read directly (no llama.cpp model load, no gguf.GGUFReader).
 
 Used where a process needs a few keys of a GGUF it does not load: the target
-reads which layers an EAGLE-3 draft wants (`eagle3.target_layers`; a
+reads which layers an EAGLE-3 or DFlash draft wants (`<arch>.target_layers`; a
 vocab-only llama.cpp load does not fill them), and the synthetic-model writer
 copies a real model's vocabulary. gguf.GGUFReader builds an object per array
 element and takes seconds on a 49k-token vocabulary; this takes ~0.1 s.
@@ -111,4 +111,13 @@ def eagle3_target_layers(model: str) -> tuple[int, ...]:
     layers = meta_value(model, f"{arch}.target_layers")
     if arch != "eagle3" or not layers:
         raise ValueError(f"{model} is not an EAGLE-3 draft (architecture {arch!r}, no {arch}.target_layers)")
+    return tuple(int(x) for x in layers)
+
+
+def dflash_target_layers(model: str) -> tuple[int, ...]:
+    """The target layers a DFlash draft GGUF reads (`dflash.target_layers`); ValueError if it has none."""
+    arch = meta_value(model, "general.architecture")
+    layers = meta_value(model, f"{arch}.target_layers")
+    if arch != "dflash" or not layers:
+        raise ValueError(f"{model} is not a DFlash draft (architecture {arch!r}, no {arch}.target_layers)")
     return tuple(int(x) for x in layers)

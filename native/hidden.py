@@ -154,13 +154,19 @@ class PairBatch:
             idx = _add_token(self.ptr, seq_id, int(tokens[j]))
             self._entry(idx, pos0 + j, base + j * stride, width, j >= n - n_outputs, True)
 
-    def add_rows(self, seq_id: int, rows: np.ndarray, pos0: int) -> None:
-        """Row-only entries (an encoder's input), each with an output."""
+    def add_rows(self, seq_id: int, rows: np.ndarray, pos0: int, output: bool = True) -> None:
+        """Row-only entries (an encoder's input, a DFlash draft's features), each with an output unless not
+        `output`."""
         rows = np.ascontiguousarray(rows, dtype=ROW_DTYPE)
         base, stride, width = rows.ctypes.data, rows.strides[0], rows.shape[1]
         for j in range(len(rows)):
             e = llama_cpp.llama_embd(ctypes.cast(base + j * stride, _float_p), 1, width)
-            self._entry(_add_embd(self.ptr, seq_id, e), pos0 + j, 0, width, True, False)
+            self._entry(_add_embd(self.ptr, seq_id, e), pos0 + j, 0, width, output, False)
+
+    def add_tokens(self, seq_id: int, tokens: np.ndarray, pos0: int, first_output: int) -> None:
+        """Token-only entries at pos0...; those from index first_output on output logits."""
+        for j in range(len(tokens)):
+            self._entry(_add_token(self.ptr, seq_id, int(tokens[j])), pos0 + j, 0, 0, j >= first_output, False)
 
     def process(self, encode: bool = False) -> None:
         lib.set_llamafile(not self.ctx.exact)

@@ -17,6 +17,15 @@ seeded random numbers (same seed, same file):
 - `write_eagle3_draft`: an EAGLE-3 draft (`eagle3` architecture: fc fusion of
   three target layers, one decoder layer, its own token embeddings and LM
   head) for a target such as SmolLM2-135M, reading three of its layer inputs.
+- `write_dflash_draft`: a DFlash block-diffusion draft (`dflash` architecture:
+  fc fusion of the target layers it reads, injected into its own KV cache;
+  `n_layer` non-causal decoder blocks over [last token, <mask> x (block-1)];
+  its own token embeddings and a reduced-vocabulary LM head over the
+  target's first `draft_vocab` token ids, mapped back by `d2t`) for a target such as
+  SmolLM2-135M. Its width is the target's (llama.cpp sizes the fc input as
+  n_target_layers x the draft's n_embd). `selector_top_k > 0` writes a
+  DFlash2 draft instead: per-block-position convolutions and the selector
+  whose top-k lattice llama.cpp returns in place of the block's logits.
 - `write_recurrent_target`: a pure Mamba-2 (`mamba2`) target, recurrent only.
   The vendored llama.cpp keeps no n_rs_seq snapshots for this architecture
   (it clamps the request to 0), so a partial seq_rm is refused: the model for
@@ -40,7 +49,7 @@ command line writes one: `python -m specray.native.synthetic_gguf --help`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -50,6 +59,7 @@ from .models import resolve_model
 
 GLM4MOE = "glm4moe"
 EAGLE3 = "eagle3"
+DFLASH = "dflash"
 MAMBA2 = "mamba2"
 LFM2 = "lfm2"
 
@@ -80,6 +90,30 @@ class Eagle3DraftSpec:
     n_head_kv: int = 2
     n_ff: int = 128
     target_layers: tuple[int, int, int] | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DFlashDraftSpec:
+    """Shape of a synthetic DFlash draft; `target_layers` None = (1, n/2, n-3) of the target's n layers.
+
+    n_embd is the target's (not a field). `selector_top_k` > 0: DFlash2 (llama.cpp needs n_embd >= k (k + 1)
+    and n_embd divisible by `conv_group_size`)."""
+
+    n_layer: int = 1
+    n_head: int = 9
+    n_head_kv: int = 3
+    n_ff: int = 128
+    block_size: int = 8  # dflash.block_size: the anchor + up to block_size - 1 drafted tokens per decode
+    target_layers: tuple[int, ...] | None = None
+    mask_token: int = 16  # tokenizer.ggml.mask_token_id; SmolLM2's id 16 is the unused control <empty_output>
+    # LM head rows (target ids 0..draft_vocab-1 through d2t): a head tied to the embeddings would predict each
+    # input token again, so every draft would be the mask token; a full-vocabulary head costs 56 MB more
+    draft_vocab: int = 4096
+    selector_top_k: int = 0  # DFlash2 selector candidates per block position; 0: a plain DFlash draft
+    selector_rank: int = 16
+    conv_kernel_size: int = 3
+    conv_group_size: int = 64
     seed: int = 0
 
 
@@ -344,6 +378,86 @@ def write_eagle3_draft(path: str, spec: Eagle3DraftSpec = Eagle3DraftSpec(), tar
     return _write(path, a, keys, _vocab_fields(target), tensors)
 
 
+def write_dflash_draft(path: str, spec: DFlashDraftSpec = DFlashDraftSpec(), target: str = "smollm2-135m") -> str:
+    """Write a DFlash (or, with selector_top_k > 0, DFlash2) draft for `target` (alias or path; its vocabulary
+    is copied, with `spec.mask_token` as the mask token) to `path`."""
+    s = spec
+    arch = _meta(target, "general.architecture")
+    n_layer_tgt = int(_meta(target, f"{arch}.block_count"))
+    n_embd = int(_meta(target, f"{arch}.embedding_length"))
+    n_vocab = len(_meta(target, "tokenizer.ggml.tokens"))
+    layers = s.target_layers or (1, n_layer_tgt // 2, n_layer_tgt - 3)
+    if not layers or any(not 0 <= x < n_layer_tgt for x in layers):
+        raise ValueError(f"target_layers must be layer ids in [0, {n_layer_tgt}), got {layers}")
+    if (n_embd % s.n_head or s.n_head % s.n_head_kv or s.block_size < 2 or not 0 <= s.mask_token < n_vocab
+            or not 0 < s.draft_vocab <= n_vocab):
+        raise ValueError("n_embd must divide by n_head, n_head by n_head_kv; block_size >= 2; mask_token a token "
+                         "id; draft_vocab in [1, n_vocab]")
+    k = s.selector_top_k
+    if k and (n_embd % s.conv_group_size or n_embd < k * (k + 1)):
+        raise ValueError(f"DFlash2: n_embd {n_embd} must divide by conv_group_size and be >= k (k + 1)")
+    head_dim = n_embd // s.n_head
+    init = _Init(s.seed)
+    q, kv = s.n_head * head_dim, s.n_head_kv * head_dim
+    tensors: dict[str, np.ndarray] = {
+        "token_embd.weight": init.embd(n_vocab, n_embd).astype(np.float16),
+        "output.weight": (init.mat(s.draft_vocab, n_embd) * np.float32(np.sqrt(n_embd))).astype(np.float16),
+        "d2t": np.arange(s.draft_vocab, dtype=np.int64),  # draft row i -> target token i (llama.cpp: absolute ids)
+        "output_norm.weight": init.ones(n_embd),
+        "fc.weight": init.mat(n_embd, len(layers) * n_embd),
+        "enc.output_norm.weight": init.ones(n_embd),
+    }
+    groups = n_embd // s.conv_group_size if k else 0
+    for i in range(s.n_layer):
+        blk = {
+            "attn_norm.weight": init.ones(n_embd),
+            "attn_q.weight": init.mat(q, n_embd),
+            "attn_k.weight": init.mat(kv, n_embd),
+            "attn_v.weight": init.mat(kv, n_embd),
+            "attn_output.weight": init.mat(n_embd, q),
+            "attn_q_norm.weight": init.ones(head_dim),
+            "attn_k_norm.weight": init.ones(head_dim),
+            "ffn_norm.weight": init.ones(n_embd),
+            "ffn_gate.weight": init.mat(s.n_ff, n_embd),
+            "ffn_up.weight": init.mat(s.n_ff, n_embd),
+            "ffn_down.weight": init.mat(n_embd, s.n_ff),
+        }
+        if k:  # ggml {n_embd, kernel, 2} = numpy [2, kernel, n_embd]; projections to 2 x kernel x groups
+            for side in ("attn", "ffn"):
+                blk[f"{side}_conv_base"] = (0.1 * init.rng.standard_normal((2, s.conv_kernel_size, n_embd))
+                                            ).astype(np.float32)
+                blk[f"{side}_conv_proj.weight"] = init.mat(2 * s.conv_kernel_size * groups, n_embd) * np.float32(0.1)
+        for name, v in blk.items():
+            tensors[f"blk.{i}.{name}"] = v
+    if k:
+        tensors |= {"selector_predecessor.weight": init.mat(n_vocab, s.selector_rank),
+                    "selector_successor.weight": init.mat(n_vocab, s.selector_rank),
+                    "selector_hidden.weight": init.mat(s.selector_rank, n_embd)}
+    a = DFLASH
+    keys = {
+        "general.name": f"specray synthetic {'dflash2' if k else 'dflash'} draft for "
+                        f"{os.path.basename(resolve_model(target))}",
+        f"{a}.context_length": int(_meta(target, f"{arch}.context_length")),
+        f"{a}.embedding_length": n_embd,
+        f"{a}.block_count": s.n_layer,
+        f"{a}.feed_forward_length": s.n_ff,
+        f"{a}.attention.head_count": s.n_head,
+        f"{a}.attention.head_count_kv": s.n_head_kv,
+        f"{a}.attention.layer_norm_rms_epsilon": 1e-6,
+        f"{a}.rope.dimension_count": head_dim,
+        f"{a}.rope.freq_base": 10000.0,
+        f"{a}.target_layers": [int(x) for x in layers],
+        f"{a}.block_size": s.block_size,
+        f"{a}.vocab_size": n_vocab,
+    }
+    if k:
+        keys |= {f"{a}.selector_top_k": k, f"{a}.selector_rank": s.selector_rank,
+                 f"{a}.conv_kernel_size": s.conv_kernel_size, f"{a}.conv_group_size": s.conv_group_size}
+    vocab = [f for f in _vocab_fields(target) if f[0] != "tokenizer.ggml.mask_token_id"]
+    vocab.append(("tokenizer.ggml.mask_token_id", 4, int(s.mask_token), None))  # 4: uint32
+    return _write(path, a, keys, vocab, tensors)
+
+
 def write_recurrent_target(path: str, spec: RecurrentTargetSpec = RecurrentTargetSpec(),
                            vocab_from: str = "smollm2-135m") -> str:
     """Write a pure Mamba-2 target (`mamba2`) with `vocab_from`'s vocabulary to `path`; returns path."""
@@ -486,6 +600,9 @@ def cache_path(name: str) -> str:
 _KINDS = {
     "mtp": (write_mtp_target, MtpTargetSpec),
     "eagle3": (write_eagle3_draft, Eagle3DraftSpec),
+    "dflash": (write_dflash_draft, DFlashDraftSpec),
+    "dflash2": (lambda path, spec, target: write_dflash_draft(path, replace(spec, selector_top_k=4), target),
+                DFlashDraftSpec),
     "recurrent": (write_recurrent_target, RecurrentTargetSpec),
     "hybrid": (write_hybrid_target, HybridTargetSpec),
 }
@@ -499,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m specray.native.synthetic_gguf",
         description="Write a tiny random-weight GGUF with a real model's vocabulary, for tests: "
                     "mtp (glm4moe target + NextN head), eagle3 (EAGLE-3 draft for the --vocab-from model), "
+                    "dflash / dflash2 (a DFlash block-diffusion draft for it; dflash2 with the top-4 selector), "
                     "recurrent (pure Mamba-2: no partial rollback in llama.cpp), "
                     "hybrid (LFM2: short convolutions + attention, n_rs_seq rollback). "
                     "Same kind and seed, same bytes.",
@@ -508,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="weights' random seed (default 0)")
     ap.add_argument("--vocab-from", default="smollm2-135m", metavar="MODEL",
                     help="alias or GGUF path whose vocabulary, tokenizer and chat template are copied; for "
-                         "eagle3, the target it drafts for (default smollm2-135m)")
+                         "eagle3 and dflash, the target it drafts for (default smollm2-135m)")
     args = ap.parse_args(argv)
     writer, spec = _KINDS[args.kind]
     print(writer(args.out, spec(seed=args.seed), args.vocab_from))

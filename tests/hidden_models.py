@@ -2,8 +2,8 @@
 
 No MTP or EAGLE-3 weights exist offline, so native/synthetic_gguf.py writes
 them: a glm4moe target with a NextN head (random, copied from the target's
-block, or a noisy copy that is accepted part of the time) and an EAGLE-3
-draft for SmolLM2-135M. Files go to one temp dir per process; Ray actors on
+block, or a noisy copy that is accepted part of the time), an EAGLE-3
+draft and DFlash / DFlash2 drafts for SmolLM2-135M. Files go to one temp dir per process; Ray actors on
 this machine load them from there.
 """
 
@@ -43,6 +43,16 @@ def eagle3_draft() -> str:
     from specray.native.synthetic_gguf import write_eagle3_draft
 
     return write_eagle3_draft(os.path.join(_dir(), "eagle3-smollm2.gguf"))
+
+
+@functools.cache
+def dflash_draft(kind: str = "dflash") -> str:
+    """A DFlash draft for SmolLM2-135M (layers 1, 15, 27; block 8; mask token 16); 'dflash2': with the top-4
+    selector."""
+    from specray.native.synthetic_gguf import DFlashDraftSpec, write_dflash_draft
+
+    spec = DFlashDraftSpec(selector_top_k=4 if kind == "dflash2" else 0)
+    return write_dflash_draft(os.path.join(_dir(), f"{kind}-smollm2.gguf"), spec)
 
 
 def solo_rows(model, taps, sequences, *, n_ctx: int, slots: int) -> list:

@@ -1,4 +1,4 @@
-"""The companion actor: home of the model-based speculators (the draft model; the MTP / EAGLE-3 heads).
+"""The companion actor: home of the model-based speculators (the draft model; the MTP / EAGLE-3 / DFlash heads).
 
 Distributed mode. The companion owns the draft model and its context (one
 sequence per slot, mirroring the target's KV cache, engine/speculators/draft.py).
@@ -15,7 +15,7 @@ Calls go through the router's `CompanionClient` (deployments/actors/companion_cl
 a companion that is down or fails a call gives no drafts that round and is
 recreated; its `epoch` changes, and a sequence begun on an older companion
 drafts nothing from then on (the new companion has no mirror of it), new
-sequences draft again. The hidden-state speculators (mtp, eagle3) work the
+sequences draft again. The hidden-state speculators (mtp, eagle3, dflash) work the
 same way with their own call, `hidden_round` (deployments/actors/companion_hidden.py).
 """
 
@@ -38,7 +38,7 @@ from specray.engine.speculators.registry import Factory, speculator_factory
 #: speculator names that run in the companion
 MODEL_SPECULATORS = frozenset({"draft", "mtp", "eagle3", "dflash"})
 #: ... of which these exist
-IMPLEMENTED = frozenset({"draft", "mtp", "eagle3"})
+IMPLEMENTED = frozenset({"draft", "mtp", "eagle3", "dflash"})
 
 EMPTY = EMPTY_DRAFT
 
@@ -61,7 +61,7 @@ class CompanionService:
             self.target_vocab = Model(cfg.model, chat_template=cfg.chat_template, vocab_only=True)
             self.draft_model = DraftModel(cfg.draft, self.target_vocab, slots=cfg.slots, target_n_ctx=cfg.n_ctx,
                                           settings=cfg.draft_settings(), calibrate=cfg.calibrate)
-        self.hidden = None  # mtp / eagle3 heads (deployments/actors/companion_hidden.py)
+        self.hidden = None  # mtp / eagle3 / dflash heads (deployments/actors/companion_hidden.py)
         if cfg.hidden.enabled:
             from specray.native.model import Model
 
@@ -94,10 +94,12 @@ class CompanionService:
         if self.hidden is not None:
             d["hidden"] = self.hidden.heads.info()
             d["hidden_decode_costs"] = self.hidden.decode_costs()
+            d["hidden_inject_costs"] = self.hidden.inject_costs()
         return d
 
     def hidden_round(self, payload: dict) -> dict:
-        """One router round for a hidden-state speculator (mtp, eagle3): see companion_hidden.HiddenCompanion."""
+        """One router round for a hidden-state speculator (mtp, eagle3, dflash): see
+        companion_hidden.HiddenCompanion."""
         if self.hidden is None:
             raise ValueError("the companion has no hidden-state heads (engine.hidden)")
         return self.hidden.round(payload)
@@ -241,7 +243,7 @@ class CompanionDraftProxy(CompanionProxy):
 
 
 def companion_speculator_factory(client, config: EngineConfig, ack_sink=None, extra=None) -> Factory:
-    """Chain factory of the router in distributed mode: `draft`, `mtp` and `eagle3` run in the companion (if
+    """Chain factory of the router in distributed mode: `draft`, `mtp`, `eagle3`, `dflash` run in the companion (if
     configured), model-free speculators in the router, and the router's own `extra` builders (`grammar`).
     `ack_sink` takes CUDA-IPC hidden-row buffer acks back to the target (RemoteTarget.ack_hidden)."""
     from specray.deployments.actors.companion_hidden import hidden_proxy_builders

@@ -1,4 +1,4 @@
-"""Hidden-state speculators (mtp, eagle3) across actors: the companion's side and the router's proxy.
+"""Hidden-state speculators (mtp, eagle3, dflash) across actors: the companion's side and the router's proxy.
 
 Distributed mode. The target actor returns each round's hidden rows as a
 transport handle (deployments/actors/row_transport.py) inside its step result; the
@@ -9,9 +9,12 @@ records, committed tokens), and sends it with the round's draft requests in ONE
 companion call (`CompanionService.hidden_round`). The companion opens each
 record (object store: a shared-memory get; the router never copied the rows)
 and replays the events into the real speculator (engine/speculators/mtp.py,
-eagle3.py), whose RowStash checks every commit against its rows' sequence,
-positions and token ids, then drafts all slots in one batched head decode per
-step. If no draft is asked for a while, the buffer is flushed every
+eagle3.py, dflash.py), whose RowStash checks every commit against its rows'
+sequence, positions and token ids, then drafts all slots in one batched head
+decode per step (dflash: one block decode for all of them). A context shift
+of a sequence travels as a "shift" event: `dflash` moves its feature window,
+mtp and eagle3 stop drafting for that sequence (their rows of the moved cells
+cannot be made again). If no draft is asked for a while, the buffer is flushed every
 `FLUSH_RECORDS` records so the object store does not hold many rounds' rows.
 """
 
@@ -25,7 +28,9 @@ from collections.abc import Callable
 import numpy as np
 
 from specray.engine.config import EngineConfig
+from specray.engine.cost import DecodeCostModel
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE
+from specray.engine.speculators.dflash import block_draft_seconds
 from specray.engine.speculators.registry import make_params
 
 from specray.deployments.actors.companion_proxy import CompanionProxy, answer_draft_requests
@@ -35,7 +40,7 @@ log = logging.getLogger("specray.companion.hidden")
 
 #: records buffered by the proxy before it sends them without a draft request
 FLUSH_RECORDS = 16
-HIDDEN_SPECULATORS = ("mtp", "eagle3")
+HIDDEN_SPECULATORS = ("mtp", "eagle3", "dflash")
 
 
 class HiddenCompanion:
@@ -69,9 +74,9 @@ class HiddenCompanion:
 
     def round(self, payload: dict) -> dict:
         """events: ordered ("end", seq) | ("begin", seq) | ("rows", handle) | ("commit", seq, pos, tokens) |
-        ("shift", seq, n_keep, n_discard) (a context shift);
-        requests: [(seq, last_token, history_len, n_max)]. Returns drafts, unsynced sequences, time inside,
-        step costs and acks (CUDA buffers done with)."""
+        ("shift", seq, n_keep, n_discard); requests: [(seq, last_token, history_len, n_max)]. Returns drafts,
+        unsynced sequences, time inside, step costs (dflash: also injection costs) and acks (CUDA buffers done
+        with)."""
         t0 = time.perf_counter()
         with self._lock:
             self.calls += 1
@@ -94,15 +99,17 @@ class HiddenCompanion:
                     spec.begin(ev[1], EMPTY_DRAFT)
                 elif kind == "end":
                     spec.end(ev[1])
-                elif kind == "shift":
+                elif kind == "shift" and hasattr(spec, "shift"):
                     spec.shift(ev[1], ev[2], ev[3])
             drafts, unsynced, _ = answer_draft_requests(spec, payload.get("requests", ()))
             self.unsynced += len(unsynced)
             costs = spec.step_cost.table()
+            inject = spec.inject_cost.table() if hasattr(spec, "inject_cost") else None
             acks = self.receiver.take_acks()
         inside = time.perf_counter() - t0
         self.inside_seconds += inside
-        return {"drafts": drafts, "unsynced": unsynced, "inside_s": inside, "step_costs": costs, "acks": acks}
+        out = {"drafts": drafts, "unsynced": unsynced, "inside_s": inside, "step_costs": costs, "acks": acks}
+        return out | ({"inject_costs": inject} if inject is not None else {})
 
     def state(self, name: str, seq_ids: list[int]) -> dict:
         """Per sequence: committed tokens, head KV tokens and pos_max, and (audit on) the rows received by
@@ -117,6 +124,9 @@ class HiddenCompanion:
                         out[s] = {"committed": spec.committed(s), "kv_tokens": spec.kv_tokens(s),
                                   "pos_max": spec.backend.pos_max(s), "lost": spec.seqs[s].lost,
                                   "audit": dict(spec.audit.get(s, {}))}
+                        if hasattr(spec.seqs[s], "window"):  # dflash: which positions its cache holds
+                            w = spec.seqs[s].window
+                            out[s]["window"] = {"lo": w.lo, "injected": w.injected, "end": w.end}
             return out
 
     def counters(self) -> dict:
@@ -129,8 +139,13 @@ class HiddenCompanion:
         return d
 
     def decode_costs(self) -> dict[str, dict[int, float]]:
-        return {name: head.decode_costs() for name, head in (("mtp", self.heads.mtp), ("eagle3", self.heads.eagle3))
-                if head is not None} if self.heads is not None else {}
+        heads = self.heads.named() if self.heads is not None else {}
+        return {name: head.decode_costs() for name, head in heads.items()}
+
+    def inject_costs(self) -> dict[str, dict[int, float]]:
+        """dflash: seconds per feature-injection decode by rows."""
+        heads = self.heads.named() if self.heads is not None else {}
+        return {name: head.inject_costs() for name, head in heads.items() if hasattr(head, "inject_costs")}
 
     def close(self) -> None:
         self.receiver.close()
@@ -139,7 +154,8 @@ class HiddenCompanion:
 
 
 class CompanionHiddenProxy(CompanionProxy):
-    """The router's `mtp` / `eagle3` speculator: buffers events in order, one companion call per drafting round.
+    """The router's `mtp` / `eagle3` / `dflash` speculator: buffers events in order, one companion call per
+    drafting round.
 
     `ack_sink(acks)` (optional) takes CUDA-IPC buffer acks back to the target."""
 
@@ -196,15 +212,47 @@ class CompanionHiddenProxy(CompanionProxy):
         return super().counters() | {"flushes": self.flushes, "buffered_events": len(self._events)}
 
 
+class CompanionDFlashProxy(CompanionHiddenProxy):
+    """The router's `dflash` speculator: priced as one injection decode and ONE block decode for all the
+    sequences drafting together (engine/speculators/dflash.block_draft_seconds), not one decode per token."""
+
+    def __init__(self, params, client, cost_table: dict[int, float] | None = None,
+                 ack_sink: Callable[[list], None] | None = None, inject_table: dict[int, float] | None = None,
+                 block_size: int = 16) -> None:
+        super().__init__("dflash", params, client, cost_table, ack_sink)
+        self.max_steps = max(1, min(params.n_max, block_size - 1))
+        self.inject_cost = DecodeCostModel(inject_table or None, ema=0.1)
+
+    def draft_seconds(self, n_seqs: int, n_steps: int) -> float:
+        return self.hop_seconds + block_draft_seconds(self.step_cost, self.inject_cost, n_seqs,
+                                                      min(n_steps, self.max_steps), 2.0)
+
+    def catchup_seconds(self, seq_id: int, history: np.ndarray) -> float:
+        rows = len(history) - self._drafted_len.get(seq_id, 0) + 1
+        return max(0.0, self.inject_cost.cost(rows) - self.inject_cost.cost(2)) if rows > 2 else 0.0
+
+    def _send(self, requests: list) -> dict | None:
+        res = super()._send(requests)
+        if res is not None and res.get("inject_costs"):
+            self.inject_cost = DecodeCostModel({int(k): v for k, v in res["inject_costs"].items()}, ema=0.1)
+        return res
+
+
 def hidden_proxy_builders(client, config: EngineConfig, ack_sink=None) -> dict[str, Callable]:
     """Router-side builders for the hidden-state speculators the companion has heads for."""
     if not config.hidden.enabled:
         return {}
-    costs = (client.sup.info or {}).get("hidden_decode_costs") or {}
-    names = [n for n, on in (("mtp", config.hidden.mtp), ("eagle3", bool(config.hidden.eagle3_model))) if on]
+    info = client.sup.info or {}
+    costs = info.get("hidden_decode_costs") or {}
+    names = [n for n, on in (("mtp", config.hidden.mtp), ("eagle3", bool(config.hidden.eagle3_model)),
+                             ("dflash", bool(config.hidden.dflash_model))) if on]
 
     def builder(name: str):
         table = {int(k): v for k, v in (costs.get(name) or {}).items()}
+        if name == "dflash":
+            inject = {int(k): v for k, v in ((info.get("hidden_inject_costs") or {}).get(name) or {}).items()}
+            block_size = int(((info.get("hidden") or {}).get("dflash") or {}).get("block_size", 16))
+            return lambda p: CompanionDFlashProxy(p, client, table, ack_sink, inject, block_size)
         return lambda p: CompanionHiddenProxy(name, p, client, table, ack_sink)
 
     return {n: builder(n) for n in names}

@@ -2,8 +2,8 @@
 
 Model-free (pure Python + numpy, drafting in-process): ngram_simple, ngram_map_k,
 ngram_map_k4v, ngram_mod, ngram_cache, suffix. Model speculators (draft, mtp,
-eagle3): the engine-side halves only, written against a backend protocol
-(draft_base.py, hidden_base.py); the model itself runs in native/ (in-process)
+eagle3, dflash): the engine-side halves only, written against a backend protocol
+(draft_base.py, hidden_base.py, dflash.py); the model itself runs in native/ (in-process)
 or in the companion actor (deployments/actors/), which the registry's caller
 supplies. Imports nothing outside specray.engine.
 """

@@ -12,7 +12,7 @@ a `Chain` takes.
 >>> make_speculator("nope")
 Traceback (most recent call last):
 ...
-ValueError: unknown speculator 'nope'; known: draft, eagle3, grammar, mtp, ngram_cache, ngram_map_k, ngram_map_k4v, ngram_mod, ngram_simple, suffix
+ValueError: unknown speculator 'nope'; known: dflash, draft, eagle3, grammar, mtp, ngram_cache, ngram_map_k, ngram_map_k4v, ngram_mod, ngram_simple, suffix
 >>> make_speculator("draft")
 Traceback (most recent call last):
 ...
@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from specray.engine.speculator import Speculator
 
+from .dflash import DFlashParams
 from .draft_base import DraftParams
 from .eagle3 import Eagle3Params
 from .grammar import GrammarParams, GrammarSpeculator
@@ -53,13 +54,14 @@ SPECULATOR_TYPES: dict[str, tuple[type[BaseModel], type[Speculator]]] = {
 
 #: speculators that need a model, by name -> their parameters (built through `speculator_factory`)
 MODEL_SPECULATOR_PARAMS: dict[str, type[BaseModel]] = {"draft": DraftParams, "mtp": MtpParams,
-                                                        "eagle3": Eagle3Params}
+                                                        "eagle3": Eagle3Params, "dflash": DFlashParams}
 
 #: what a model speculator needs that its parameters do not say
 MODEL_NEEDS = {
     "draft": "a draft model: start with --draft-model PATH_OR_ALIAS (engine.draft.model)",
     "mtp": "the target's NextN (MTP) head: start with --mtp (engine.hidden.mtp) on a target whose GGUF has NextN layers",
     "eagle3": "an EAGLE-3 draft model: start with --eagle3-model PATH (engine.hidden.eagle3_model)",
+    "dflash": "a DFlash draft model: start with --dflash-model PATH (engine.hidden.dflash_model)",
 }
 
 Builder = Callable[[BaseModel], Speculator]

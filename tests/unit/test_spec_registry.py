@@ -34,7 +34,7 @@ def test_make_speculator_defaults_and_draft(name):
     assert sp.stats.calls == 1
 
 
-@pytest.mark.parametrize("bad", ["nope", "dflash", "ngram-simple"])  # mtp, eagle3: test_hidden_speculator
+@pytest.mark.parametrize("bad", ["nope", "ngram-simple"])  # model speculators: test_*_speculator
 def test_unknown_names(bad):
     with pytest.raises(ValueError) as e:
         make_speculator(bad)
