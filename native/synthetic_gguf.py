@@ -330,6 +330,24 @@ def write_mtp_target(path: str, spec: MtpTargetSpec = MtpTargetSpec(), vocab_fro
     return _write(path, a, keys, _vocab_fields(vocab_from), tensors)
 
 
+def _head_keys(a: str, target: str, arch: str, n_embd: int, n_layer: int, s, head_dim: int, layers,
+               n_vocab: int) -> dict:
+    """The metadata an EAGLE-3 or DFlash draft shares: its shape, rope, and the target layers it reads."""
+    return {
+        f"{a}.context_length": int(_meta(target, f"{arch}.context_length")),
+        f"{a}.embedding_length": n_embd,
+        f"{a}.block_count": n_layer,
+        f"{a}.feed_forward_length": s.n_ff,
+        f"{a}.attention.head_count": s.n_head,
+        f"{a}.attention.head_count_kv": s.n_head_kv,
+        f"{a}.attention.layer_norm_rms_epsilon": 1e-6,
+        f"{a}.rope.dimension_count": head_dim,
+        f"{a}.rope.freq_base": 10000.0,
+        f"{a}.target_layers": [int(x) for x in layers],
+        f"{a}.vocab_size": n_vocab,
+    }
+
+
 def write_eagle3_draft(path: str, spec: Eagle3DraftSpec = Eagle3DraftSpec(), target: str = "smollm2-135m") -> str:
     """Write an EAGLE-3 draft for `target` (alias or path; its vocabulary is copied) to `path`."""
     s = spec
@@ -362,18 +380,8 @@ def write_eagle3_draft(path: str, spec: Eagle3DraftSpec = Eagle3DraftSpec(), tar
     a = EAGLE3
     keys = {
         "general.name": f"specray synthetic eagle3 draft for {os.path.basename(resolve_model(target))}",
-        f"{a}.context_length": int(_meta(target, f"{arch}.context_length")),
-        f"{a}.embedding_length": s.n_embd,
-        f"{a}.block_count": 1,
-        f"{a}.feed_forward_length": s.n_ff,
-        f"{a}.attention.head_count": s.n_head,
-        f"{a}.attention.head_count_kv": s.n_head_kv,
-        f"{a}.attention.layer_norm_rms_epsilon": 1e-6,
-        f"{a}.rope.dimension_count": head_dim,
-        f"{a}.rope.freq_base": 10000.0,
-        f"{a}.target_layers": [int(x) for x in layers],
+        **_head_keys(a, target, arch, s.n_embd, 1, s, head_dim, layers, n_vocab),
         f"{a}.target_hidden_size": n_embd_tgt,
-        f"{a}.vocab_size": n_vocab,
     }
     return _write(path, a, keys, _vocab_fields(target), tensors)
 
@@ -437,18 +445,8 @@ def write_dflash_draft(path: str, spec: DFlashDraftSpec = DFlashDraftSpec(), tar
     keys = {
         "general.name": f"specray synthetic {'dflash2' if k else 'dflash'} draft for "
                         f"{os.path.basename(resolve_model(target))}",
-        f"{a}.context_length": int(_meta(target, f"{arch}.context_length")),
-        f"{a}.embedding_length": n_embd,
-        f"{a}.block_count": s.n_layer,
-        f"{a}.feed_forward_length": s.n_ff,
-        f"{a}.attention.head_count": s.n_head,
-        f"{a}.attention.head_count_kv": s.n_head_kv,
-        f"{a}.attention.layer_norm_rms_epsilon": 1e-6,
-        f"{a}.rope.dimension_count": head_dim,
-        f"{a}.rope.freq_base": 10000.0,
-        f"{a}.target_layers": [int(x) for x in layers],
+        **_head_keys(a, target, arch, n_embd, s.n_layer, s, head_dim, layers, n_vocab),
         f"{a}.block_size": s.block_size,
-        f"{a}.vocab_size": n_vocab,
     }
     if k:
         keys |= {f"{a}.selector_top_k": k, f"{a}.selector_rank": s.selector_rank,

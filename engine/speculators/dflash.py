@@ -31,11 +31,12 @@ from pydantic import Field
 
 from specray.engine.cost import DecodeCostModel
 from specray.engine.feature_window import FeatureWindow, KvOp
-from specray.engine.hidden_rows import ROW_DTYPE, HiddenRows, RowMismatch, RowStash, Tap
+from specray.engine.hidden_rows import HiddenRows, RowStash, Tap
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE, DraftRequest
 
 from .draft import _Tokens
 from .draft_base import ModelDraftParams, ModelSpeculator, SlotMirror
+from .hidden_base import audit_rows, commit_rows
 
 log = logging.getLogger("specray.dflash")
 
@@ -198,17 +199,10 @@ class DFlashSpeculator(SlotMirror, ModelSpeculator):
 
     def process(self, seq_id: int, tokens: np.ndarray, pos: int) -> None:
         """The target committed `tokens` at positions pos...; their rows must be in the stash."""
-        st = self.seqs.get(seq_id) or self._reset(seq_id)
-        if st.lost:
-            self.stash.drop(seq_id)
+        got = commit_rows(self, seq_id, tokens, pos)
+        if got is None:
             return
-        tokens = np.asarray(tokens, dtype=TOKEN_DTYPE)
-        try:
-            rows = self.stash.pop(seq_id, tokens, pos)
-        except RowMismatch as e:
-            self.counters.mismatched += 1
-            self._lose(seq_id, st, str(e))
-            return
+        st, tokens, rows = got
         if pos > st.committed.n:
             self.counters.mismatched += 1
             self._lose(seq_id, st, f"tokens committed at {pos}, the window ends at {st.committed.n}")
@@ -219,10 +213,7 @@ class DFlashSpeculator(SlotMirror, ModelSpeculator):
             st.committed.truncate(pos)
             if seq_id in self.audit:
                 self.audit[seq_id] = {q: v for q, v in self.audit[seq_id].items() if q < pos}
-        if self.params.audit:
-            log_ = self.audit.setdefault(seq_id, {})
-            for j, t in enumerate(tokens):
-                log_[pos + j] = (int(t), np.array(rows[j], dtype=ROW_DTYPE))
+        audit_rows(self, seq_id, tokens, pos, rows)
         st.committed.extend(tokens)
         self._apply(seq_id, st.window.append(pos, rows))
 

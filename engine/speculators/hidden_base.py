@@ -183,25 +183,15 @@ class HiddenStateSpeculator(SlotMirror, ModelSpeculator):
 
     def process(self, seq_id: int, tokens: np.ndarray, pos: int) -> None:
         """The target committed `tokens` at positions pos...; their rows must be in the stash."""
-        st = self.seqs.get(seq_id) or self._reset(seq_id)
-        if st.lost:
-            self.stash.drop(seq_id)
+        got = commit_rows(self, seq_id, tokens, pos)
+        if got is None:
             return
-        tokens = np.asarray(tokens, dtype=TOKEN_DTYPE)
-        try:
-            rows = self.stash.pop(seq_id, tokens, pos)
-        except RowMismatch as e:
-            self.counters.mismatched += 1
-            self._lose(seq_id, st, str(e))
-            return
+        st, tokens, rows = got
         if pos != st.committed.n:
             self.counters.mismatched += 1
             self._lose(seq_id, st, f"tokens committed at {pos}, the head mirrors {st.committed.n}")
             return
-        if self.params.audit:
-            log_ = self.audit.setdefault(seq_id, {})
-            for j, t in enumerate(tokens):
-                log_[pos + j] = (int(t), np.array(rows[j], dtype=ROW_DTYPE))
+        audit_rows(self, seq_id, tokens, pos, rows)
         st.committed.extend(tokens)
         prev = st.prev_row if st.prev_row is not None else np.zeros(rows.shape[1], dtype=ROW_DTYPE)
         inp = mtp_input_rows(rows, prev)
@@ -314,3 +304,29 @@ class HiddenStateSpeculator(SlotMirror, ModelSpeculator):
         self.overhead_seconds += 0.1 * (max(0.0, wall - decode_s) - self.overhead_seconds)
         self.stats.time_draft_s += wall
         return out
+
+
+def commit_rows(spec, seq_id: int, tokens, pos: int):
+    """(state, tokens, rows) of a commit whose rows the speculator's stash holds; None where the sequence no
+    longer drafts, or its rows do not match (it then stops drafting: never a draft from a wrong row). Shared by
+    the hidden-row speculators (mtp, eagle3 here; dflash)."""
+    st = spec.seqs.get(seq_id) or spec._reset(seq_id)
+    if st.lost:
+        spec.stash.drop(seq_id)
+        return None
+    tokens = np.asarray(tokens, dtype=TOKEN_DTYPE)
+    try:
+        rows = spec.stash.pop(seq_id, tokens, pos)
+    except RowMismatch as e:
+        spec.counters.mismatched += 1
+        spec._lose(seq_id, st, str(e))
+        return None
+    return st, tokens, rows
+
+
+def audit_rows(spec, seq_id: int, tokens: np.ndarray, pos: int, rows: np.ndarray) -> None:
+    """With params.audit: keep (token, row) by position, for the tests that check rows against a solo run."""
+    if spec.params.audit:
+        log_ = spec.audit.setdefault(seq_id, {})
+        for j, t in enumerate(tokens):
+            log_[pos + j] = (int(t), np.array(rows[j], dtype=ROW_DTYPE))
