@@ -166,3 +166,28 @@ def test_prompt_cache_reuses_only_the_kept_front(smollm2, prompts):
     assert fresh.run([req2])[0].generated == s.generated
     fresh.close()
     eng.close()
+
+
+def test_dflash_window_follows_the_shifts(smollm2, prompts, baseline):
+    """The `dflash` speculator keeps target feature rows by position: a shift moves its window and cache
+    (engine/feature_window.py), so its window ends where the target's KV does after every round."""
+    from specray.engine.config import HiddenStateConfig
+
+    from ..hidden_models import dflash_draft
+
+    eng = engine(smollm2, slots=2, hidden=HiddenStateConfig(dflash_model=dflash_draft("dflash")))
+    spec = eng.chain.speculator("dflash")
+
+    def check(e: LocalEngine) -> None:
+        check_kv(e)
+        for slot, seq in e.scheduler.active.items():
+            if seq.state == SeqState.DECODING and slot in spec.seqs and not spec.seqs[slot].lost:
+                w = spec.seqs[slot].window
+                assert w.end == seq.n_past and w.injected <= seq.n_past, (slot, w.end, seq.n_past)
+
+    seqs = run(eng, prompts, ("dflash",), check)
+    for i, s in enumerate(seqs):
+        assert s.generated == baseline[i], f"prompt {i} diverged"
+        assert s.shifts >= 2
+    assert spec.counters.shifts >= 4 and spec.counters.blocks > 0 and spec.counters.lost == 0
+    eng.close()
