@@ -246,6 +246,15 @@ def run_bench(
             r = report.results[cat][c]
             progress(f"{cat:<22} {c:<34} {r.tokens_per_s:7.1f} tok/s  accept_len {r.mean_acceptance_length:.2f}"
                      f"  identical {r.identical}/{r.compared}")
+    # what online tuning ended on (CHAIN+tune configurations), per pass: speculator -> class -> choice, settings
+    tuned = {c: [ch[c].tuner.to_dict() for ch in chains] for c in configs if chains[0][c].tuner is not None}
+    if tuned:
+        report.meta["tuning"] = tuned
+        for c, passes in tuned.items():
+            for name, classes in passes[-1].items():
+                for cls, t in classes.items():
+                    progress(f"{c}: {name} [{cls}] tuned to {t['choice']} "
+                             f"({t['explored_rounds']} rounds exploring)")
     for e in {id(e): e for e in [engine, *engines.values()]}.values():
         e.close()
     return report

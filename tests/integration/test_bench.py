@@ -259,3 +259,21 @@ def test_cli_bench_profile_shows_where_a_round_goes(skip_run):
     assert "Context.decode" in text and "llama_decode" in text
     step = [ln for ln in text.splitlines() if ln.endswith(" Scheduler.step")]
     assert step and max(float(ln.split()[1]) for ln in step) > 90.0, step
+
+
+def test_parameter_variants_and_a_tuned_configuration():
+    """bench/variants.py: a configuration with its own parameters runs with them, `+tune` tunes from the
+    --spec-param start, and the report says what tuning ended on."""
+    prompts = [BenchPrompt("copy", prompt="Repeat after me: one two three four five, one two three four five, "
+                                          "one two three four five, one two")]
+    lines: list[str] = []
+    report = run_bench(model="smollm2-135m", configs=["suffix+tune", "suffix/suffix.min_match=2"], prompts=prompts,
+                       max_tokens=24, slots=1, exact=False, policy="cost", n_max=8, threads=2, n_ctx=1024,
+                       progress=lines.append, llama_baseline=False, spec_params={"suffix": {"min_match": 16}})
+    assert report.configs == ["none", "suffix+tune", "suffix/suffix.min_match=2"]
+    assert report.results["copy"]["suffix/suffix.min_match=2"].tokens > 0
+    (tuning,) = report.meta["tuning"]["suffix+tune"]  # one pass
+    settings = tuning["suffix"]["default"]["settings"]
+    assert settings[0]["params"]["min_match"] == 16  # the start: --spec-param's
+    assert sum(s["rounds"] for s in settings) > 0
+    assert any(line.startswith("suffix+tune: suffix [default] tuned to") for line in lines), lines
