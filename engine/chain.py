@@ -43,9 +43,9 @@ from .calibration import PrefixCalibration
 from .config import ChainConfig
 from .lookup_gate import LookupGate
 from .planner import plan_draft_lengths
-from .tuning import draft_tuned, make_tuner, reward_round
-from .speculator import EMPTY_DRAFT, DraftRequest, Speculator, SpeculatorStats
+from .speculator import EMPTY_DRAFT, Speculator, SpeculatorStats
 from .speculators.draft_base import ModelSpeculator
+from .tuning import draft_tuned, make_tuner, reward_round
 
 log = logging.getLogger("specray.chain")
 

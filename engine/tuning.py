@@ -186,6 +186,8 @@ def draft_tuned(spec, name: str, reqs: list, n_max: list[int], tuner: ParamTuner
     from .speculator import DraftRequest
 
     drafts_for = [DraftRequest(r.seq_id, r.history_for(spec), n) for r, n in zip(reqs, n_max)]
+    if (tuner is None or not tuner.tunes(name)) and not any(r.params for r in reqs):
+        return spec.draft(drafts_for), [-1] * len(reqs)  # the common case: no per-round work (host cost)
     groups: dict[tuple, list[int]] = {}
     setting = [-1] * len(reqs)
     over: list[dict] = []
