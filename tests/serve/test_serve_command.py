@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import socket
 import subprocess
 import sys
@@ -69,6 +70,9 @@ def _serve(env: dict, *flags: str) -> tuple[subprocess.Popen, int, list[str]]:
             break
         lines.append(line.rstrip())
         if "specray: serving" in line:
+            # keep reading: a pipe nobody drains fills up (64 KiB of Ray's logs) and the server then blocks on
+            # a write, so it could not stop on Ctrl-C (seen in CI as a kill after 60 s)
+            threading.Thread(target=lambda: [lines.append(ln.rstrip()) for ln in proc.stdout], daemon=True).start()
             return proc, port, lines
     _stop(proc)
     pytest.fail("specray serve did not come up:\n" + "\n".join(lines[-40:]))
