@@ -38,7 +38,7 @@ from .prompts import BenchPrompt, default_prompts_path, load_prompts, prompt_gra
 from .report import BenchReport, ConfigResult, write_json
 from .round_profile import RoundProfiler
 from .shapes import chain_of, expand_configs, split_config
-from .variants import chain_config, parse_params, sweep_configs
+from .variants import TUNE, chain_config, held_out_winners, parse_params, sweep_configs
 
 __all__ = ["BenchPrompt", "BenchReport", "ConfigResult", "classify_divergence", "cpu_steal_seconds",
            "default_prompts_path", "divergence_margin", "load_prompts", "main_bench", "measure_batch_variance",
@@ -255,6 +255,14 @@ def run_bench(
                 for cls, t in classes.items():
                     progress(f"{c}: {name} [{cls}] tuned to {t['choice']} "
                              f"({t['explored_rounds']} rounds exploring)")
+        held = {c: held_out_winners({k: report.repeat_speedups(k, report.categories) for k in report.configs},
+                                    c[: -len(TUNE)]) for c in tuned}
+        if any(held.values()):
+            report.meta["tuning_held_out"] = held
+            for c, rows in held.items():
+                for w in rows:
+                    progress(f"{c}: pass {w['pass']}: {w['tuned_speedup']:.3f}x against {w['winner_speedup']:.3f}x "
+                             f"for {w['winner']} (the best on the other passes): {w['ratio']:.3f}")
     for e in {id(e): e for e in [engine, *engines.values()]}.values():
         e.close()
     return report

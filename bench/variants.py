@@ -97,3 +97,27 @@ def sweep_configs(configs: list[str], base: dict[str, dict[str, Any]], defaults)
             configured = defaults(name) | base.get(name, {})
             out += [_label(chain, name, s) for s in settings_of(configured, DEFAULT_GRIDS.get(name, []))[1:]]
     return list(dict.fromkeys(out))
+
+
+def held_out_winners(speedups: dict[str, list[float]], chain: str) -> list[dict[str, Any]]:
+    """--tune-sweep with --repeats >= 2: the tuned chain against the sweep's winner chosen on the *other*
+    passes, pass by pass. The best of many fixed settings in one pass is flattered by that pass's noise (the
+    same setting, same texts, can read 1.23x in one pass and 0.99x in the next); a winner picked on other
+    passes is a fair opponent. `speedups`: label -> speedup over `none` per pass.
+
+    >>> sp = {"c+tune": [1.08, 1.00], "c/x=1": [1.23, 0.99], "c/x=2": [0.97, 1.01], "c": [0.95, 0.98]}
+    >>> [(w["pass"], w["winner"], w["ratio"]) for w in held_out_winners(sp, "c")]
+    [(1, 'c/x=2', 1.113), (2, 'c/x=1', 1.01)]
+    """
+    tuned, fixed = speedups.get(chain + TUNE), [k for k in speedups if k.startswith(chain + "/")]
+    if not tuned or not fixed or len(tuned) < 2:
+        return []
+    out = []
+    for p in range(len(tuned)):
+        def others(label: str) -> float:
+            return sum(v for q, v in enumerate(speedups[label]) if q != p)
+
+        win = max(fixed, key=others)
+        out.append({"pass": p + 1, "winner": win, "winner_speedup": round(speedups[win][p], 3),
+                    "tuned_speedup": round(tuned[p], 3), "ratio": round(tuned[p] / speedups[win][p], 3)})
+    return out

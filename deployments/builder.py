@@ -121,7 +121,7 @@ def target_runner(config: EngineConfig, model, ctx):
 
     return TargetRunner(ctx, record_margins=config.record_margins, verify_buckets=buckets,
                         rollback=StateRollback(memory.rollback, checkpoints),
-                        constraints=GrammarCompiler(model)), memory
+                        constraints=GrammarCompiler.of(model)), memory
 
 
 def open_draft(config: EngineConfig, target, target_ctx):
@@ -154,7 +154,7 @@ def grammar_builders(model) -> dict:
     from specray.engine.speculators.grammar import GrammarSpeculator
     from specray.native.grammar import GrammarCompiler
 
-    tools = GrammarCompiler(model)
+    tools = GrammarCompiler.of(model)
     return {"grammar": lambda p: GrammarSpeculator(p, tools)}
 
 
@@ -237,6 +237,6 @@ def _build_remote(config: EngineConfig, actors, step_timeout_s: float | None) ->
     chain = Chain(config.chain, factory)
     scheduler = Scheduler(config, remote, model, chain, info["n_ctx_seq"], cost,
                           shared_cells=info["n_ctx"] if info["kv_unified"] else None,
-                          memory=TargetMemory(**info["memory"]), constraints=GrammarCompiler(model))
+                          memory=TargetMemory(**info["memory"]), constraints=GrammarCompiler.of(model))
     return EngineParts(config, model, chain, scheduler, info["n_ctx"], info["n_ctx_seq"], factory, remote=remote,
                        actors=actors)

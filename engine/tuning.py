@@ -16,7 +16,13 @@ Choice, per round: the setting with the best mean gain (the configured one until
 or, while the exploration budget allows, the least-known other setting (upper confidence bound). The budget
 is a share of the sequence-rounds (`ChainConfig.tune_explore`, saved up and then spent, as `model_explore`
 is), plus a start-up allowance of a few rounds per setting: exploring costs at most that share of the time
-beyond the allowance.
+beyond the allowance. The allowance is paced (at most one choice in four) so that the settings are compared
+on alike rounds, not each on the first rounds of the first sequences.
+
+Gains drift: a speculator's tables grow, a sequence repeats itself more as it goes on, the traffic's mix
+changes. So the records are discounted (each reward multiplies a bandit's records by DISCOUNT): a setting
+judged long ago keeps its mean but loses its weight, stops being trusted, and its widening confidence bound
+has it looked at again within the share.
 """
 
 from __future__ import annotations
@@ -36,8 +42,12 @@ DEFAULT_GRIDS: dict[str, list[dict[str, Any]]] = {
 
 #: rounds of start-up allowance per setting: enough to see a few drafts of each
 ALLOWANCE_PER_SETTING = 24
-#: rounds a setting needs before its mean is trusted over the configured one
-MIN_ROUNDS = 8
+#: (discounted) rounds a setting needs before its mean is trusted over the configured one: about 8 recent ones
+MIN_ROUNDS = 7.5
+#: per reward, a bandit's records are multiplied by this: a result 500 sequence-rounds old weighs e^-1
+DISCOUNT = 0.998
+#: share of choices the start-up allowance may take (one in four: at 4 slots, one sequence a round)
+ALLOWANCE_PACE = 0.25
 #: the confidence bound's width (tokens per round): gains are ~0..n_max, mostly under 2
 UCB_WIDTH = 1.0
 
@@ -59,10 +69,10 @@ def settings_of(base: dict[str, Any], grid: list[dict[str, Any]]) -> list[dict[s
     return out
 
 
-def pick(rounds: list[int], gains: list[float], credits: float) -> tuple[int, bool]:
+def pick(rounds: list[float], gains: list[float], credits: float) -> tuple[int, bool]:
     """(setting, exploring) for one sequence-round. Exploit: the best mean among settings with MIN_ROUNDS
-    rounds (setting 0, the configured one, when none has). Explore, if `credits` >= 1: the other setting
-    with the highest upper confidence bound (an untried one first).
+    (discounted) rounds (setting 0, the configured one, when none has). Explore, if `credits` >= 1: the other
+    setting with the highest upper confidence bound (an untried one first).
 
     >>> pick([10, 10, 0], [5.0, 10.0, 0.0], credits=0)    # best mean: setting 1 (1.0 vs 0.5 a round)
     (1, False)
@@ -75,10 +85,10 @@ def pick(rounds: list[int], gains: list[float], credits: float) -> tuple[int, bo
     best = max(trusted, key=lambda i: gains[i] / rounds[i]) if trusted else 0
     if credits < 1 or len(rounds) < 2:
         return best, False
-    total = max(1, sum(rounds))
+    total = max(1.0, sum(rounds))
 
     def ucb(i: int) -> float:
-        if rounds[i] == 0:
+        if rounds[i] <= 0:
             return math.inf
         return gains[i] / rounds[i] + UCB_WIDTH * math.sqrt(2 * math.log(total) / rounds[i])
 
@@ -88,31 +98,43 @@ def pick(rounds: list[int], gains: list[float], credits: float) -> tuple[int, bo
 
 @dataclass
 class Bandit:
-    """One speculator's settings for one sequence class, and what each has gained."""
+    """One speculator's settings for one sequence class, and what each has gained (discounted records)."""
 
     settings: list[dict[str, Any]]
     explore: float
-    rounds: list[int] = field(default_factory=list)
-    gains: list[float] = field(default_factory=list)
-    credits: float = 0.0
+    rounds: list[float] = field(default_factory=list)  # discounted: the weight of each setting's record
+    gains: list[float] = field(default_factory=list)  # discounted like `rounds`: gains / rounds is the mean
+    counts: list[int] = field(default_factory=list)  # rounds each setting was used, all told (stats)
+    credits: float = 0.0  # the exploration share, saved up
+    allowance: float = 0.0  # the start-up allowance left
+    pace: float = 1.0  # the allowance may be spent when this reaches 1 (at once, at the start)
     explored: int = 0
 
     def __post_init__(self) -> None:
-        self.rounds = [0] * len(self.settings)
-        self.gains = [0.0] * len(self.settings)
-        self.credits = ALLOWANCE_PER_SETTING * (len(self.settings) - 1)
+        n = len(self.settings)
+        self.rounds, self.gains, self.counts = [0.0] * n, [0.0] * n, [0] * n
+        self.allowance = float(ALLOWANCE_PER_SETTING * (n - 1))
 
     def choose(self) -> int:
         self.credits += self.explore
-        i, exploring = pick(self.rounds, self.gains, self.credits)
+        self.pace = min(1.0, self.pace + ALLOWANCE_PACE)
+        paced = self.allowance if self.pace >= 1.0 else 0.0
+        i, exploring = pick(self.rounds, self.gains, self.credits + paced)
         if exploring:
-            self.credits -= 1
             self.explored += 1
+            if paced >= 1.0:
+                self.allowance -= 1
+                self.pace = 0.0
+            else:
+                self.credits -= 1
         return i
 
     def reward(self, i: int, gain: float) -> None:
-        self.rounds[i] += 1
+        self.rounds = [n * DISCOUNT for n in self.rounds]
+        self.gains = [g * DISCOUNT for g in self.gains]
+        self.rounds[i] += 1.0
         self.gains[i] += gain
+        self.counts[i] += 1
 
     def best(self) -> int:
         return pick(self.rounds, self.gains, 0.0)[0]
@@ -120,9 +142,9 @@ class Bandit:
     def to_dict(self, base: dict[str, Any]) -> dict:
         b = self.best()
         return {"choice": dict(base) | self.settings[b], "explored_rounds": self.explored,
-                "settings": [{"params": dict(base) | s, "rounds": n,
-                              "gain_per_round": round(g / n, 4) if n else None}
-                             for s, n, g in zip(self.settings, self.rounds, self.gains)]}
+                "settings": [{"params": dict(base) | s, "rounds": c, "recent_weight": round(n, 1),
+                              "gain_per_round": round(g / n, 4) if n > 0 else None}
+                             for s, c, n, g in zip(self.settings, self.counts, self.rounds, self.gains)]}
 
 
 class ParamTuner:

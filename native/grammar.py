@@ -19,6 +19,7 @@ import re
 import sys
 import tempfile
 import threading
+from collections import OrderedDict
 
 import llama_cpp
 import numpy as np
@@ -139,7 +140,14 @@ class Grammar:
 
 class GrammarCompiler:
     """Compiles GBNF grammars for one model's vocabulary (the engine's ConstraintFactory). Keeps `model` alive:
-    every grammar holds a pointer to its vocabulary."""
+    every grammar holds a pointer to its vocabulary.
+
+    A request's grammar is needed several times (checked at admission and at submit, the sequence's state,
+    the grammar speculator's copy), and a JSON schema's GBNF takes llama.cpp's parser a while: the last
+    TEMPLATES grammars are kept compiled, and each use gets a clone of its template (a copy of the parsed
+    rules, no parsing). `of(model)` is the one compiler per model, so that the engine's parts share it."""
+
+    TEMPLATES = 32
 
     def __init__(self, model) -> None:
         self.model = model
@@ -147,19 +155,45 @@ class GrammarCompiler:
         self._eog = np.zeros(model.n_vocab, dtype=bool)
         self._eog[list(model.eog_ids)] = True
         self.eos = int(model.eos) if 0 <= model.eos < model.n_vocab else int(min(model.eog_ids, default=0))
+        self._templates: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self._lock = threading.Lock()  # Serve runs sync methods in a thread pool
+        self.compiled = 0  # grammars parsed (the rest were clones)
+
+    @classmethod
+    def of(cls, model) -> "GrammarCompiler":
+        """`model`'s shared compiler (made at first use; it lives as long as the model)."""
+        comp = getattr(model, "_specray_grammar_compiler", None)
+        if comp is None:
+            comp = cls(model)
+            model._specray_grammar_compiler = comp
+        return comp
 
     def __call__(self, gbnf: str, root: str = "root") -> Grammar:
         """A fresh grammar state; GrammarError (with llama.cpp's parse message) if it does not compile."""
+        with self._lock:
+            return self._template(gbnf, root).clone()
+
+    def check(self, gbnf: str, root: str = "root") -> None:
+        """GrammarError if `gbnf` does not compile (it is kept compiled for the request's later uses)."""
+        with self._lock:
+            self._template(gbnf, root)
+
+    def _template(self, gbnf: str, root: str) -> Grammar:
+        key = (gbnf, root)
+        t = self._templates.get(key)
+        if t is not None:
+            self._templates.move_to_end(key)
+            return t
         if not gbnf or not gbnf.strip():
             raise GrammarError("the grammar is empty")
         smpl = llama_cpp.llama_sampler_init_grammar(self.model.vocab, gbnf.encode(), root.encode())
         if not smpl:
             raise GrammarError(f"the grammar does not compile: {self._parse_message(gbnf, root)}")
-        return Grammar(smpl, self.n_vocab, self._eog)
-
-    def check(self, gbnf: str, root: str = "root") -> None:
-        """GrammarError if `gbnf` does not compile (nothing kept)."""
-        self(gbnf, root).close()
+        self.compiled += 1
+        t = self._templates[key] = Grammar(smpl, self.n_vocab, self._eog)
+        if len(self._templates) > self.TEMPLATES:
+            self._templates.popitem(last=False)[1].close()
+        return t
 
     def tokenize(self, text: str) -> np.ndarray:
         """Token ids of `text` (no BOS, special tokens as text): what the grammar speculator drafts."""

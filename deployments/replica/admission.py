@@ -103,7 +103,7 @@ class Admission:
             if gbnf is None:
                 raise GrammarError(f"unknown constraint kind {kind!r}")
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.model)
+                self._grammars = GrammarCompiler.of(self.model)
             self._grammars.check(gbnf)
         except GrammarError as e:
             raise RequestError(str(e), param=param, code="invalid_grammar") from None

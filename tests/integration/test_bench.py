@@ -269,11 +269,17 @@ def test_parameter_variants_and_a_tuned_configuration():
     lines: list[str] = []
     report = run_bench(model="smollm2-135m", configs=["suffix+tune", "suffix/suffix.min_match=2"], prompts=prompts,
                        max_tokens=24, slots=1, exact=False, policy="cost", n_max=8, threads=2, n_ctx=1024,
-                       progress=lines.append, llama_baseline=False, spec_params={"suffix": {"min_match": 16}})
+                       progress=lines.append, llama_baseline=False, spec_params={"suffix": {"min_match": 16}},
+                       repeats=2)
     assert report.configs == ["none", "suffix+tune", "suffix/suffix.min_match=2"]
     assert report.results["copy"]["suffix/suffix.min_match=2"].tokens > 0
-    (tuning,) = report.meta["tuning"]["suffix+tune"]  # one pass
+    tuning = report.meta["tuning"]["suffix+tune"][-1]  # the last of the two passes
     settings = tuning["suffix"]["default"]["settings"]
     assert settings[0]["params"]["min_match"] == 16  # the start: --spec-param's
     assert sum(s["rounds"] for s in settings) > 0
     assert any(line.startswith("suffix+tune: suffix [default] tuned to") for line in lines), lines
+    # each pass: the tuned run against the fixed setting that won the other pass
+    held = report.meta["tuning_held_out"]["suffix+tune"]
+    assert [w["pass"] for w in held] == [1, 2] and {w["winner"] for w in held} == {"suffix/suffix.min_match=2"}
+    sp = report.repeat_speedups("suffix+tune", report.categories)
+    assert [w["tuned_speedup"] for w in held] == [round(x, 3) for x in sp]

@@ -166,3 +166,26 @@ def test_grammar_state_checks_tokens_and_clones(smollm2):
     assert g.allowed(np.array(list(gc.char_tokens("a1{").values()), dtype=np.int32)).tolist() == [False] * 3
     g.close()
     c.close()
+
+
+def test_a_grammar_is_parsed_once_per_compiler_and_each_use_gets_its_own_state(smollm2):
+    """A request's grammar is checked at admission and at submit, then built for the sequence and the grammar
+    speculator: one parse, every state a clone of the kept template, independent of the others."""
+    gc = GrammarCompiler.of(smollm2)
+    assert GrammarCompiler.of(smollm2) is gc  # the engine's parts share the model's compiler
+    gbnf = schema_to_gbnf({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    before = gc.compiled
+    gc.check(gbnf)
+    a, b = gc(gbnf), gc(gbnf)
+    assert gc.compiled == before + 1
+    open_brace = int(gc.tokenize("{")[0])
+    a.accept(open_brace)
+    assert not a.allows(open_brace) and b.allows(open_brace)  # b is not moved by a
+    with pytest.raises(GrammarError, match="does not compile"):
+        gc.check("root ::= nothing_defined")
+    assert gc.compiled == before + 1  # a failure is not kept
+    for i in range(GrammarCompiler.TEMPLATES + 1):  # the oldest template is dropped; states in use stay valid
+        gc.check(f'root ::= "x{i}"')
+    assert (gbnf, "root") not in gc._templates and b.allows(open_brace)
+    a.close()
+    b.close()

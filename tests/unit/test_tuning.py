@@ -25,13 +25,32 @@ def test_the_bandit_settles_on_the_best_setting_and_explores_within_its_budget()
     assert picks[-500:].count(1) >= 450  # exploiting once it knows
     # exploring: at most the start-up allowance plus the share
     assert b.explored <= ALLOWANCE_PER_SETTING * 3 + 0.02 * 3000 + 1
+    # the allowance is paced: never two explorations in a row while only the allowance pays
+    assert b.explored >= ALLOWANCE_PER_SETTING * 3
+
+
+def test_a_setting_that_stops_paying_is_left_and_one_judged_long_ago_is_looked_at_again():
+    """Gains drift. Setting 1 wins for 2000 rounds, then loses: discounted records let the bandit leave it
+    within a few hundred rounds (undiscounted ones hold the early verdict about 1000 rounds longer). Setting 2
+    lost early and wins later: it is looked at again and taken."""
+    rng = np.random.default_rng(1)
+    b = Bandit([{}] * 3, explore=0.05)
+    picks = []
+    for t in range(5000):
+        means = [0.2, 0.9 if t < 2000 else -0.3, -0.3 if t < 2000 else 0.6]
+        i = b.choose()
+        picks.append(i)
+        b.reward(i, means[i] + rng.normal(0, 0.5))
+    assert picks[1500:2000].count(1) > 400  # it had settled on setting 1
+    assert picks[2500:3000].count(2) > 400  # within 500 rounds of the change (undiscounted: 25 of 500)
+    assert picks[-1500:].count(2) > 1200 and b.best() == 2, b.to_dict({})
 
 
 def test_the_configured_setting_holds_until_another_has_shown_better():
     b = Bandit([{}] * 3, explore=0.0)
-    b.credits = 0  # no exploring at all
+    b.credits = b.allowance = 0  # no exploring at all
     assert {b.choose() for _ in range(20)} == {0}
-    for _ in range(MIN_ROUNDS - 1):
+    for _ in range(int(MIN_ROUNDS)):  # 7 recent rounds: short of the 7.5 needed
         b.reward(2, 5.0)
     assert b.best() == 0  # not enough rounds to trust setting 2 yet
     b.reward(2, 5.0)
