@@ -143,10 +143,10 @@ def config_from_args(args):
 
 def cmd_train_head(args) -> int:
     cfg = config_from_args(args)
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise RuntimeError("train-head needs torch: pip install -e \".[train]\" (CPU: pip install torch)") from None
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:  # (torch is imported by specray.train only)
+        raise RuntimeError("train-head needs torch: pip install -e \".[train]\"")
     from specray.train.run import train_head
 
     summary = train_head(cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))

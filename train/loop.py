@@ -29,7 +29,7 @@ def make_batches(lengths: list[int], batch_tokens: int, seed: int) -> list[list[
     together (less padding), in a seeded random order.
 
     >>> sorted(map(sorted, make_batches([5, 100, 6, 90, 7], 200, 0)))
-    [[0, 2, 4], [1], [3]]
+    [[0, 2, 4], [1, 3]]
     """
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches, cur, longest = [], [], 0
