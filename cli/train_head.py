@@ -150,6 +150,6 @@ def cmd_train_head(args) -> int:
     from specray.train.run import train_head
 
     summary = train_head(cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
-    print(f"head: {summary['out']} ({summary['steps']} steps, {summary['train_minutes']:.1f} min training; "
-          f"validation acceptance length estimate {summary['val_accept_len'] or 0:.2f})")
+    print(f"head: {summary['out']} ({summary['steps']} steps, {summary['train_minutes']:.1f} min training; kept "
+          f"step {summary['kept_step']}: validation acceptance length estimate {summary['val_accept_len'] or 0:.2f})")
     return 0

@@ -3,8 +3,10 @@
 The learning rate warms up linearly, then follows a cosine to zero over
 whichever ends first, the epochs or the time budget, so a run cut by its
 budget still ends on a low learning rate. A checkpoint (model, optimiser,
-step, elapsed time, curve) is written every `checkpoint_every` seconds and at
-the end; a run that finds one goes on from it.
+step, elapsed time, curve, the best weights so far) is written every
+`checkpoint_every` seconds and at the end; a run that finds one goes on from
+it. The head kept at the end is the one with the best validation estimate of
+the acceptance length (a few epochs over a small data set can overfit).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class Trainer:
         self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                      weight_decay=0.0)
         self.state = TrainState()
+        self.best: tuple[float, dict] | None = None  # (validation acceptance length, weights)
         self.per_epoch = len(make_batches([len(s.tokens) for s in train], cfg.batch_tokens, 0))
         self.total_steps = max(1, math.ceil(cfg.epochs * self.per_epoch))
 
@@ -108,6 +111,7 @@ class Trainer:
         self.m.load_state_dict(ck["model"], strict=False)
         self.opt.load_state_dict(ck["opt"])
         self.state = TrainState(**ck["state"])
+        self.best = ck.get("best")
         self.progress(f"train: resumed from {self.ckpt} at step {self.state.step} "
                       f"({self.state.elapsed / 60:.1f} min trained)")
         return True
@@ -117,7 +121,7 @@ class Trainer:
         tmp = self.ckpt + ".part"
         torch.save({"model": self.m.state_dict(), "opt": self.opt.state_dict(),
                     "state": {"step": s.step, "epoch": s.epoch, "batch_in_epoch": s.batch_in_epoch,
-                              "elapsed": s.elapsed, "curve": s.curve}}, tmp)
+                              "elapsed": s.elapsed, "curve": s.curve}, "best": self.best}, tmp)
         os.replace(tmp, self.ckpt)
 
     # ---- schedule ----------------------------------------------------------------------------------
@@ -182,6 +186,7 @@ class Trainer:
             now = time.monotonic()
             if s.step % c.eval_every == 0 or self.done_fraction() >= 1.0:
                 s.curve.append({"step": s.step, "elapsed": s.elapsed, "train_loss": ema, **self.validate()})
+                self._keep_best(s.curve[-1])
                 self.progress(self._line(s.curve[-1], ema))
                 last_print = now
             elif now - last_print > 10:
@@ -191,7 +196,16 @@ class Trainer:
                 self.save()
                 last_ckpt = now
         self.save()
+        if self.best is not None:
+            self.m.load_state_dict(self.best[1], strict=False)
+            self.progress(f"train: keeping the weights of the best validation point (est. acceptance length "
+                          f"{self.best[0]:.3f})")
         return s
+
+    def _keep_best(self, point: dict) -> None:
+        score = point.get("val_accept_len")
+        if score is not None and (self.best is None or score >= self.best[0]):
+            self.best = (score, {k: v.detach().clone() for k, v in self.m.state_dict().items()})
 
     def _line(self, point: dict, ema: float | None) -> str:
         f = self.done_fraction()

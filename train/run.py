@@ -85,11 +85,15 @@ def train_head(cfg: TrainConfig, progress=print) -> dict:
             progress(f"train-head: curve drawn to {cfg.curve_png}")
         except ImportError:
             progress("train-head: no matplotlib, no curve PNG (pip install matplotlib)")
-    last = state.curve[-1] if state.curve else {}
+    # the point whose weights were kept (the best validation estimate), else the last
+    best = trainer.best[0] if trainer.best is not None else None
+    pts = [p for p in state.curve if p.get("val_accept_len") == best and p["step"] > 0] or state.curve[-1:]
+    last = pts[-1] if pts else {}
     summary = {"out": cfg.out, "answers": len(samples), "train_answer_tokens": n_tokens,
                "draft_vocab": d.draft_vocab, "vocab_coverage": cov, "steps": state.step,
                "train_minutes": state.elapsed / 60, "wall_minutes": (time.monotonic() - t_start) / 60,
-               "val_acc": last.get("val_acc"), "val_accept_len": last.get("val_accept_len"),
+               "kept_step": last.get("step"), "val_acc": last.get("val_acc"),
+               "val_accept_len": last.get("val_accept_len"),
                "target_layers": list(d.target_layers), "config": cfg.model_dump()}
     with open(os.path.join(cfg.work_dir, "summary.json"), "w") as f:
         json.dump({**summary, "curve": state.curve}, f, indent=1)
