@@ -30,17 +30,31 @@ TENSOR_NAMES = {
 }
 
 
-def write_head(m: Eagle3Module, path: str, target: str, tw: TargetWeights, weight_type: str = "f16",
+WEIGHT_TYPES = ("q8_0", "f16", "f32")
+
+
+def write_head(m: Eagle3Module, path: str, target: str, tw: TargetWeights, weight_type: str = "q8_0",
                name: str | None = None) -> str:
-    """Write `m` to `path` (atomically). Matrices as `weight_type` (f16 or f32); norms f32."""
-    if weight_type not in ("f16", "f32"):
-        raise ValueError(f"weight type must be f16 or f32, got {weight_type!r}")
+    """Write `m` to `path` (atomically). Matrices as `weight_type` (q8_0, f16 or f32; a head step on a CPU
+    reads every weight once, so q8_0 halves what f16 costs); norms f32. fc stays f16 with q8_0: llama.cpp
+    quantizes a q8_0 matmul's input to 8 bits per block of 32, and the target rows fc reads have outliers
+    (SmolLM2's reach 2.5e4 among values of a few hundred), which that crushes (fc rows 2% off, measured)."""
+    import gguf
+    from gguf.quants import quantize
+
+    if weight_type not in WEIGHT_TYPES:
+        raise ValueError(f"weight type must be one of {', '.join(WEIGHT_TYPES)}, got {weight_type!r}")
     d = m.d
-    mat_dtype = np.float16 if weight_type == "f16" else np.float32
     tensors: dict = {}
     for attr, tname in TENSOR_NAMES.items():
         a = getattr(m, attr).detach().to(torch.float32).numpy()
-        tensors[tname] = a.astype(mat_dtype if a.ndim == 2 else np.float32)
+        if a.ndim == 1 or weight_type == "f32":
+            tensors[tname] = a.astype(np.float32)
+        elif weight_type == "f16" or attr == "fc":
+            tensors[tname] = a.astype(np.float16)
+        else:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            tensors[tname] = (quantize(np.ascontiguousarray(a), q8), q8)
     tensors["token_embd.weight"] = tw.raw("token_embd.weight")
     if d.draft_vocab != d.n_vocab:
         tensors["d2t"] = m.d2t.numpy().astype(np.int64)
