@@ -8,8 +8,8 @@ import sys
 #: TrainConfig field (dotted) -> flag, for the flags' help and their errors
 FLAGS = {
     "target": "--target", "prompts": "--prompts", "categories": "--categories",
-    "exclude_categories": "--exclude-categories", "limit": "--limit", "out": "--out", "work_dir": "--work-dir",
-    "curve_png": "--curve", "seed": "--seed", "threads": "--threads",
+    "exclude_categories": "--exclude-categories", "skip_first": "--skip-first", "limit": "--limit", "out": "--out", "work_dir": "--work-dir",
+    "curve_png": "--curve", "seed": "--seed", "threads": "--threads", "weight_type": "--weight-type",
     "shape.draft_vocab": "--draft-vocab", "shape.target_layers": "--target-layers",
     "gen.max_tokens": "--max-tokens", "gen.sampled": "--sampled", "gen.temperature": "--temperature",
     "gen.slots": "--gen-slots", "gen.minutes": "--gen-minutes", "gen.max_len": "--max-len",
@@ -71,6 +71,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     d.add_argument("--categories", type=_csv, default=None, help="train on these categories only, comma-separated")
     d.add_argument("--exclude-categories", type=_csv, default=[],
                    help="never train on these, comma-separated (keep them for measuring)")
+    d.add_argument("--skip-first", type=int, default=0, metavar="N",
+                   help="leave out the first N prompts of every category: `specray bench --per-category N` "
+                        "then measures on prompts the head never saw (default 0)")
     d.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
     d.add_argument("--max-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
     d.add_argument("--sampled", type=int, default=1, help="sampled answers per prompt besides the greedy one "
@@ -91,6 +94,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     h.add_argument("--init", choices=["target", "random"], default="target",
                    help="target: LM-head rows of the draft vocabulary and the output norm from the target's "
                         "weights (the decoder layer random); random: all random (default: target)")
+    h.add_argument("--weight-type", choices=["q8_0", "f16", "f32"], default="q8_0",
+                   help="the GGUF's matrices: q8_0 (a head step reads half the bytes of f16; fc stays f16), f16 "
+                        "or f32 (default: q8_0)")
     h.add_argument("--epochs", type=float, default=8.0, help="passes over the data at most (default 8)")
     h.add_argument("--minutes", type=float, default=None, help="training time budget (default: none)")
     h.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
@@ -118,8 +124,10 @@ def config_from_args(args):
         prompts = default_prompts_path()
     raw = {
         "target": args.target, "prompts": prompts, "categories": args.categories,
-        "exclude_categories": args.exclude_categories, "limit": args.limit, "out": args.out,
+        "exclude_categories": args.exclude_categories, "skip_first": args.skip_first, "limit": args.limit,
+        "out": args.out,
         "work_dir": args.work_dir or args.out + ".work", "curve_png": args.curve, "seed": args.seed,
+        "weight_type": args.weight_type,
         "threads": args.threads,
         "shape": {"draft_vocab": args.draft_vocab, "target_layers": args.target_layers},
         "gen": {"max_tokens": args.max_tokens, "sampled": args.sampled, "temperature": args.temperature,

@@ -68,10 +68,14 @@ class TrainConfig(BaseModel):
                          "optional 'category'")
     categories: list[str] | None = Field(None, description="train on these categories only (None: all)")
     exclude_categories: list[str] = Field(default_factory=list, description="never train on these categories")
+    skip_first: int = Field(0, ge=0, description="leave out the first N prompts of every category (what `specray "
+                            "bench --per-category N` measures on)")
     limit: int | None = Field(None, ge=1, description="use at most this many prompts (after the category filter)")
     out: str = Field(..., description="the head's GGUF (eagle3 layout)")
     work_dir: str = Field(..., description="data shards, vocabulary and checkpoints; a second run resumes from it")
     curve_png: str | None = Field(None, description="draw the learning curve to this PNG")
+    weight_type: str = Field("q8_0", pattern="^(q8_0|f16|f32)$",
+                             description="the GGUF's matrices (fc stays f16 with q8_0: train/gguf_io.py)")
     seed: int = Field(0, description="prompt order, sampling, initialisation and batch order")
     shape: HeadShape = Field(default_factory=HeadShape)
     gen: GenConfig = Field(default_factory=GenConfig)

@@ -85,7 +85,7 @@ def generate(cfg: TrainConfig, prompts: list[TrainPrompt], layers: tuple[int, ..
     rows = RowReader(eng.model, layers, seq_cells, cfg.threads)
     shard = len(glob.glob(os.path.join(data_dir, "shard-*.npz")))
     t0, made, tokens = time.monotonic(), 0, 0
-    chunk = 2 * cfg.gen.slots
+    chunk = 3 * cfg.gen.slots  # queued beyond the slots: a finished answer's slot is refilled at once
     try:
         for c in range(0, len(todo), chunk):
             if cfg.gen.minutes and time.monotonic() - t0 > 60 * cfg.gen.minutes:

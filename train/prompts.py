@@ -13,11 +13,14 @@ class TrainPrompt:
     prompt: str | None = None  # raw text
 
 
-def read_prompts(path: str, include: list[str] | None = None, exclude: list[str] | tuple = ()) -> list[TrainPrompt]:
+def read_prompts(path: str, include: list[str] | None = None, exclude: list[str] | tuple = (),
+                 skip_first: int = 0) -> list[TrainPrompt]:
     """Prompts of `path` ('prompt' raw, 'messages' chat or Spec-Bench's 'turns', first turn; optional
-    'category'), those of `include` only (None: all) and none of `exclude`. ValueError naming the categories
-    there are when nothing is left."""
+    'category'), those of `include` only (None: all) and none of `exclude`, less the first `skip_first` of
+    each category (the ones `specray bench --per-category N` measures on, for N <= skip_first). ValueError
+    naming the categories there are when nothing is left."""
     out, seen = [], set()
+    skipped: dict[str, int] = {}
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -29,6 +32,9 @@ def read_prompts(path: str, include: list[str] | None = None, exclude: list[str]
             cat = str(obj.get("category", "default"))
             seen.add(cat)
             if (include is not None and cat not in include) or cat in exclude:
+                continue
+            if skipped.get(cat, 0) < skip_first:
+                skipped[cat] = skipped.get(cat, 0) + 1
                 continue
             if "prompt" in obj:
                 out.append(TrainPrompt(cat, prompt=str(obj["prompt"])))

@@ -29,7 +29,7 @@ def train_head(cfg: TrainConfig, progress=print) -> dict:
 
     t_start = time.monotonic()
     target = resolve_model(cfg.target)
-    prompts = read_prompts(cfg.prompts, cfg.categories, cfg.exclude_categories)
+    prompts = read_prompts(cfg.prompts, cfg.categories, cfg.exclude_categories, cfg.skip_first)
     if cfg.limit:
         prompts = prompts[: cfg.limit]
     cats = sorted({p.category for p in prompts})
@@ -76,7 +76,7 @@ def train_head(cfg: TrainConfig, progress=print) -> dict:
     trainer.resume()
     torch.manual_seed(cfg.seed + trainer.state.step)
     state = trainer.run()
-    write_head(model, cfg.out, target, tw, name=f"specray eagle3 head for {os.path.basename(target)}")
+    write_head(model, cfg.out, target, tw, cfg.weight_type, name=f"specray eagle3 head for {os.path.basename(target)}")
     progress(f"train-head: wrote {cfg.out}")
     print(curve_table(state.curve))
     if cfg.curve_png:
@@ -112,7 +112,8 @@ def _eog_ids(target: str) -> tuple[int, ...]:
 def _check_same_run(cfg: TrainConfig) -> None:
     """A work dir belongs to one data recipe: resuming with other prompts or answers would mix them."""
     recipe = {"target": cfg.target, "prompts": os.path.abspath(cfg.prompts), "categories": cfg.categories,
-              "exclude_categories": sorted(cfg.exclude_categories), "limit": cfg.limit, "seed": cfg.seed,
+              "exclude_categories": sorted(cfg.exclude_categories), "skip_first": cfg.skip_first, "limit": cfg.limit,
+              "seed": cfg.seed,
               "gen": cfg.gen.model_dump(exclude={"minutes", "slots"}), "shape": cfg.shape.model_dump()}
     path = os.path.join(cfg.work_dir, "recipe.json")
     if os.path.exists(path):

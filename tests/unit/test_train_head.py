@@ -148,6 +148,9 @@ def test_prompts_by_category(tmp_path):
     assert [x.category for x in got] == ["a", "c"]
     assert got[0].messages == [{"role": "user", "content": "one"}]
     assert [x.prompt for x in read_prompts(str(p), include=["b"])] == ["raw"]
+    with pytest.raises(ValueError, match="no prompts left"):
+        read_prompts(str(p), include=["a", "b"], skip_first=1)
+    assert [x.category for x in read_prompts(str(p), skip_first=0, exclude=["a"])] == ["b", "c"]
     with pytest.raises(ValueError, match="no category z .*it has: a, b, c"):
         read_prompts(str(p), exclude=["z"])
 
