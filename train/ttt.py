@@ -39,9 +39,12 @@ def shifted(x: torch.Tensor, k: int, fill: int = 0) -> torch.Tensor:
     return out
 
 
-def rollout(m: Eagle3Module, feats: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Pre-norm rows of each rollout step: a list of `steps` tensors [B, T - 1, n]; row s of step k drafted
-    from seed position s (feats [B, T, 3 x target width], tokens [B, T]: x_0..x_{T-1}, right-padded)."""
+def rollout(m: Eagle3Module, feats: torch.Tensor, tokens: torch.Tensor, steps: int,
+            start: int = 0) -> list[torch.Tensor]:
+    """Pre-norm rows of each rollout step: a list of `steps` tensors; row s of step k drafted from seed
+    position s (feats [B, T, 3 x target width], tokens [B, T]: x_0..x_{T-1}, right-padded). Step 1 is
+    [B, T - 1, n]; steps 2.. hold the rows from `start` on only, [B, T - 1 - start, n] (a prompt's drafts are
+    never scored, and a long prompt would triple the work for nothing)."""
     b, t = tokens.shape
     L = t - 1
     g = m.encode(feats[:, :L])
@@ -50,22 +53,26 @@ def rollout(m: Eagle3Module, feats: torch.Tensor, tokens: torch.Tensor, steps: i
     q, k1, v1 = m.qkv(shifted(tokens, 1), g, pos)
     k1e, v1e = m.expand_kv(k1).transpose(1, 2), m.expand_kv(v1).transpose(1, 2)  # [B, H, L, D]
     scale = m.d.head_dim ** -0.5
-    own_k: list[torch.Tensor] = []  # [B, L, H, D]: the keys and values of steps 2.. of each row's draft
+    own_k: list[torch.Tensor] = []  # [B, L', H, D]: the keys and values of steps 2.. of each row's draft
     own_v: list[torch.Tensor] = []
     out = []
+    rows = slice(0, L)
     for step in range(1, steps + 1):
+        if step == 2:  # from here on, rows from `start` on
+            rows = slice(start, L)
+            g = g[:, rows]
         if step > 1:
-            q, kk, vv = m.qkv(shifted(tokens, step), g, pos + step - 1)
+            q, kk, vv = m.qkv(shifted(tokens, step)[:, rows], g, pos[:, rows] + step - 1)
             own_k.append(m.expand_kv(kk))
             own_v.append(m.expand_kv(vv))
-        qh = q.transpose(1, 2)  # [B, H, L, D]
+        qh = q.transpose(1, 2)  # [B, H, L', D]
         s1 = (qh @ k1e.transpose(-1, -2)) * scale
-        s1 = s1.masked_fill(~causal, float("-inf"))
+        s1 = s1.masked_fill(~causal[rows], float("-inf"))
         if own_k:
-            diag = torch.stack([(q * kk).sum(-1) for kk in own_k], dim=-1).transpose(1, 2) * scale  # [B,H,L,j]
+            diag = torch.stack([(q * kk).sum(-1) for kk in own_k], dim=-1).transpose(1, 2) * scale  # [B,H,L',j]
             w = torch.softmax(torch.cat((s1, diag), dim=-1), dim=-1)
             att = w[..., :L] @ v1e
-            vs = torch.stack(own_v, dim=-2).transpose(1, 2)  # [B, H, L, j, D]
+            vs = torch.stack(own_v, dim=-2).transpose(1, 2)  # [B, H, L', j, D]
             att = att + (w[..., L:, None] * vs).sum(-2)
         else:
             att = torch.softmax(s1, dim=-1) @ v1e
@@ -81,12 +88,15 @@ def rollout_loss(m: Eagle3Module, feats, tokens, labels, mask, steps: int, decay
     labels [B, T]: the target's top token at each position, as draft-vocabulary rows (-1: not in it, or
     padding); mask [B, T]: positions whose label counts (the answer). Returns (loss, per-step
     (correct, counted) pairs)."""
+    first = int(mask.to(torch.int64).argmax(dim=1).min()) if bool(mask.any()) else 0
+    start = max(0, first - steps)  # rows before it score nothing at any step
     total = torch.zeros(())
     weight = 0.0
     stats = []
-    for k, h in enumerate(rollout(m, feats, tokens, steps), start=1):
-        y = shifted(labels, k, fill=-1)
-        ok = shifted(mask.to(torch.int64), k, fill=0).bool() & (y >= 0)
+    for k, h in enumerate(rollout(m, feats, tokens, steps, start), start=1):
+        off = 0 if k == 1 else start
+        y = shifted(labels, k, fill=-1)[:, off:]
+        ok = shifted(mask.to(torch.int64), k, fill=0)[:, off:].bool() & (y >= 0)
         n = int(ok.sum())
         if n == 0:
             stats.append((0, 0))

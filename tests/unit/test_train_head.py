@@ -68,6 +68,20 @@ def test_rollout_is_what_the_speculator_drafts_step_by_step():
                 assert torch.allclose(steps[k - 1][0, s], h, atol=1e-4), (s, k)
 
 
+def test_rollout_from_a_later_row_is_the_same_rows():
+    torch = pytest.importorskip("torch")
+    from specray.train.ttt import rollout
+
+    m = _tiny_head(3)
+    feats, tokens = torch.randn(2, 11, 48), torch.randint(0, 50, (2, 11))
+    with torch.no_grad():
+        full = rollout(m, feats, tokens, 3)
+        late = rollout(m, feats, tokens, 3, start=4)
+    assert torch.equal(full[0], late[0])
+    for k in (1, 2):
+        assert late[k].shape[1] == 10 - 4 and torch.allclose(full[k][:, 4:], late[k], atol=1e-5)
+
+
 def test_rollout_of_a_padded_batch_matches_each_sequence_alone():
     torch = pytest.importorskip("torch")
     from specray.train.ttt import rollout
