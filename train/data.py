@@ -75,6 +75,12 @@ def generate(cfg: TrainConfig, prompts: list[TrainPrompt], layers: tuple[int, ..
     if not todo:
         progress(f"data: all {len(jobs)} answers already in {data_dir}")
         return
+    # the budget counts every run's generating time: a run that resumes to train more does not generate again
+    clock = os.path.join(data_dir, "generating_seconds.txt")
+    spent = float(open(clock).read()) if os.path.exists(clock) else 0.0
+    if cfg.gen.minutes and spent >= 60 * cfg.gen.minutes:
+        progress(f"data: {len(done)} of {len(jobs)} answers; the {cfg.gen.minutes:g} min generating budget is spent")
+        return
     progress(f"data: {len(done)} of {len(jobs)} answers already there; generating {len(todo)} "
              f"({cfg.gen.slots} at once, at most {cfg.gen.max_tokens} tokens each"
              + (f", {cfg.gen.minutes:g} min budget)" if cfg.gen.minutes else ")"))
@@ -88,7 +94,7 @@ def generate(cfg: TrainConfig, prompts: list[TrainPrompt], layers: tuple[int, ..
     chunk = 3 * cfg.gen.slots  # queued beyond the slots: a finished answer's slot is refilled at once
     try:
         for c in range(0, len(todo), chunk):
-            if cfg.gen.minutes and time.monotonic() - t0 > 60 * cfg.gen.minutes:
+            if cfg.gen.minutes and spent + time.monotonic() - t0 > 60 * cfg.gen.minutes:
                 progress(f"data: time budget reached after {made} answers")
                 break
             part = todo[c : c + chunk]
@@ -108,6 +114,8 @@ def generate(cfg: TrainConfig, prompts: list[TrainPrompt], layers: tuple[int, ..
                 samples.append(rows.sample(toks, len(req.prompt_tokens), cfg.gen.max_len, prompts[pi].category))
                 tokens += len(seq.generated)
             save_shard(os.path.join(data_dir, f"shard-{shard:05d}.npz"), samples, part)
+            with open(clock, "w") as f:
+                f.write(f"{spent + time.monotonic() - t0:.1f}")
             shard += 1
             made += len(part)
             dt = time.monotonic() - t0
