@@ -14,6 +14,7 @@ FLAGS = {
     "gen.max_tokens": "--max-tokens", "gen.sampled": "--sampled", "gen.temperature": "--temperature",
     "gen.slots": "--gen-slots", "gen.minutes": "--gen-minutes", "gen.max_len": "--max-len",
     "optim.epochs": "--epochs", "optim.minutes": "--minutes", "optim.lr": "--lr", "optim.warmup": "--warmup",
+    "optim.lm_head_lr_scale": "--lm-head-lr-scale",
     "optim.batch_tokens": "--batch-tokens", "optim.ttt_steps": "--ttt-steps", "optim.init": "--init",
     "optim.eval_every": "--eval-every", "optim.val_fraction": "--val-fraction",
     "optim.checkpoint_every": "--checkpoint-every", "optim.threads": "--torch-threads",
@@ -100,6 +101,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     h.add_argument("--epochs", type=float, default=8.0, help="passes over the data at most (default 8)")
     h.add_argument("--minutes", type=float, default=None, help="training time budget (default: none)")
     h.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    h.add_argument("--lm-head-lr-scale", type=float, default=0.1,
+                   help="the LM head's learning rate as a share of --lr: it starts as the target's own rows, "
+                        "which a full-rate Adam would pull apart for tokens the answers rarely use (default 0.1)")
     h.add_argument("--warmup", type=int, default=20, help="warm-up steps (default 20)")
     h.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch (default 4096)")
     h.add_argument("--ttt-steps", type=int, default=3, help="rollout steps trained (default 3)")
@@ -133,6 +137,7 @@ def config_from_args(args):
         "gen": {"max_tokens": args.max_tokens, "sampled": args.sampled, "temperature": args.temperature,
                 "slots": args.gen_slots, "minutes": args.gen_minutes, "max_len": args.max_len},
         "optim": {"epochs": args.epochs, "minutes": args.minutes, "lr": args.lr, "warmup": args.warmup,
+                  "lm_head_lr_scale": args.lm_head_lr_scale,
                   "batch_tokens": args.batch_tokens, "ttt_steps": args.ttt_steps, "init": args.init,
                   "eval_every": args.eval_every, "val_fraction": args.val_fraction,
                   "checkpoint_every": args.checkpoint_every, "threads": args.torch_threads},

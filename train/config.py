@@ -44,6 +44,10 @@ class OptimConfig(BaseModel):
     epochs: float = Field(8.0, gt=0, description="passes over the training data at most")
     minutes: float | None = Field(None, gt=0, description="training time budget; the learning rate decays to it")
     lr: float = Field(1e-3, gt=0, description="peak learning rate (AdamW)")
+    lm_head_lr_scale: float = Field(
+        0.1, gt=0, le=1, description="the LM head's learning rate, as a share of lr: it starts as the target's "
+        "own output rows, and Adam moves every row at the full rate, rare tokens' too (their small, steady "
+        "gradients push them away from every row h), which would unlearn what held-out text needs")
     warmup: int = Field(20, ge=0, description="linear warm-up steps")
     batch_tokens: int = Field(4096, ge=16, description="tokens per batch (sequences padded to the batch's longest)")
     ttt_steps: int = Field(3, ge=1, le=8, description="rollout steps (EAGLE-3's training-time test): the head "

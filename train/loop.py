@@ -96,8 +96,10 @@ class Trainer:
         self.m, self.train, self.val, self.t2d, self.cfg = model, train, val, t2d, cfg
         self.seed, self.progress = seed, progress
         self.ckpt = os.path.join(work_dir, "checkpoint.pt")
-        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                     weight_decay=0.0)
+        head = [model.lm_head]
+        body = [p for p in model.parameters() if p.requires_grad and p is not model.lm_head]
+        self.opt = torch.optim.AdamW([{"params": body, "scale": 1.0},
+                                      {"params": head, "scale": cfg.lm_head_lr_scale}], lr=cfg.lr, weight_decay=0.0)
         self.state = TrainState()
         self.best: tuple[float, dict] | None = None  # (validation acceptance length, weights)
         self.per_epoch = len(make_batches([len(s.tokens) for s in train], cfg.batch_tokens, 0))
@@ -173,7 +175,7 @@ class Trainer:
             t0 = time.monotonic()
             batch = collate([self.train[i] for i in batches[s.batch_in_epoch]], self.t2d)
             for g in self.opt.param_groups:
-                g["lr"] = self.lr()
+                g["lr"] = self.lr() * g["scale"]
             loss, _ = rollout_loss(self.m, *batch, c.ttt_steps, c.step_decay)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
