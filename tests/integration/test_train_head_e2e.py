@@ -106,3 +106,20 @@ def test_trained_head_serves_losslessly_alone_and_in_a_chain(trained, smollm2):
         assert run(eng, None) == base
     finally:
         eng.close()
+
+
+def test_bench_runs_the_trained_head_like_any_speculator(trained):
+    """`specray bench --eagle3-model`: the head in a chain of its own and in the default chain, every
+    configuration on its own engine (lockstep), each head priced at the first engine's measured step cost."""
+    from specray.bench.run import BenchPrompt, run_bench
+
+    _, out, _ = trained
+    prompts = [BenchPrompt("chat", messages=[{"role": "user", "content": p}]) for p in spec_bench_prompts(2)]
+    rep = run_bench(model="smollm2-135m", configs=["eagle3", ChainConfig().label + ",eagle3"], prompts=prompts,
+                    max_tokens=16, slots=1, exact=True, policy="cost", n_max=4, threads=1, n_ctx=1024,
+                    progress=lambda s: None, llama_baseline=False, hidden=HiddenStateConfig(eagle3_model=out))
+    costs = rep.meta["hidden"]["eagle3"]["decode_cost_ms"]
+    assert costs and all(v > 0 for v in costs.values())
+    for c in rep.configs[1:]:
+        r = rep.results["chat"][c]
+        assert r.identical == r.compared == 2, c  # exact mode: the tokens of `none`
