@@ -13,6 +13,7 @@ FLAGS = {
     "shape.draft_vocab": "--draft-vocab", "shape.target_layers": "--target-layers",
     "gen.max_tokens": "--max-tokens", "gen.sampled": "--sampled", "gen.temperature": "--temperature",
     "gen.slots": "--gen-slots", "gen.minutes": "--gen-minutes", "gen.max_len": "--max-len",
+    "gen.max_prompt": "--max-prompt-tokens",
     "optim.epochs": "--epochs", "optim.minutes": "--minutes", "optim.lr": "--lr", "optim.warmup": "--warmup",
     "optim.lm_head_lr_scale": "--lm-head-lr-scale",
     "optim.batch_tokens": "--batch-tokens", "optim.ttt_steps": "--ttt-steps", "optim.init": "--init",
@@ -84,6 +85,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     d.add_argument("--gen-minutes", type=float, default=None,
                    help="stop generating answers after this long (default: all of them); the order is shuffled, "
                         "so a cut still covers every category")
+    d.add_argument("--max-prompt-tokens", type=int, default=384, metavar="N",
+                   help="skip prompts longer than N tokens, 0: none (a long prompt is decoded twice for one "
+                        "answer; default 384)")
     d.add_argument("--max-len", type=int, default=1024, help="tokens per training sequence; a longer prompt keeps "
                                                              "its end (default 1024)")
     h = p.add_argument_group("head and training")
@@ -135,7 +139,8 @@ def config_from_args(args):
         "threads": args.threads,
         "shape": {"draft_vocab": args.draft_vocab, "target_layers": args.target_layers},
         "gen": {"max_tokens": args.max_tokens, "sampled": args.sampled, "temperature": args.temperature,
-                "slots": args.gen_slots, "minutes": args.gen_minutes, "max_len": args.max_len},
+                "slots": args.gen_slots, "minutes": args.gen_minutes, "max_len": args.max_len,
+                "max_prompt": args.max_prompt_tokens or None},
         "optim": {"epochs": args.epochs, "minutes": args.minutes, "lr": args.lr, "warmup": args.warmup,
                   "lm_head_lr_scale": args.lm_head_lr_scale,
                   "batch_tokens": args.batch_tokens, "ttt_steps": args.ttt_steps, "init": args.init,

@@ -32,6 +32,8 @@ class GenConfig(BaseModel):
     temperature: float = Field(0.8, gt=0, description="temperature of the sampled answers")
     slots: int = Field(8, ge=1, description="sequences the engine generates at once")
     minutes: float | None = Field(None, gt=0, description="stop generating after this long (None: every answer)")
+    max_prompt: int | None = Field(384, ge=1, description="skip prompts longer than this many tokens (None: keep "
+                                   "all): a long prompt costs its tokens twice for one answer")
     max_len: int = Field(1024, ge=16, description="tokens per training sequence at most: longer prompts lose their "
                          "beginning (the rows were computed on the whole prompt)")
 
