@@ -4,6 +4,8 @@
    default chain: speculation is lossless, so the answers are the target's),
    once greedy and `gen.sampled` times sampled at `gen.temperature`, in a
    seeded shuffled order so that a time budget cut still covers every category.
+   Prompts over `gen.max_prompt` tokens are skipped (each is decoded twice for
+   one answer).
 2. Rows: each prompt + answer is decoded once more in a plain context with the
    hidden-row taps of the head's three layers on (native/hidden.py, as the
    serving target does) and logits on: per position the three layer inputs
@@ -62,8 +64,8 @@ def done_jobs(data_dir: str) -> set[tuple[int, int]]:
 
 def generate(cfg: TrainConfig, prompts: list[TrainPrompt], layers: tuple[int, ...], data_dir: str,
              progress=print) -> None:
-    """Write the shards of every answer not written yet (stops at the gen.minutes budget). A prompt longer
-    than gen.max_len - 64 tokens keeps its end."""
+    """Write the shards of every answer not written yet (stops at the gen.minutes budget). Prompts longer than
+    gen.max_prompt are skipped; one longer than gen.max_len - 64 tokens keeps its end."""
     from specray.deployments.local_engine import LocalEngine
     from specray.engine.config import EngineConfig
     from specray.engine.sampling import SamplingParams
