@@ -25,7 +25,7 @@ import time
 
 from specray.deployments.local_engine import LocalEngine
 from specray.engine.chain import Chain
-from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig
+from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig, HiddenStateConfig
 from specray.native.lib import build_has_amx, verify_cols_enabled
 
 from .divergence import classify_divergence, compare_runs, divergence_margin
@@ -78,6 +78,7 @@ def run_bench(
     rollback: str = "auto",
     rollback_snapshots: int | None = None,
     spec_params: dict[str, dict] | None = None,
+    hidden: HiddenStateConfig | None = None,
 ) -> BenchReport:
     """Run every configuration on `prompts`, `repeats` times. Each pass has its own chains (fresh
     speculators: a second pass must not draft from what the first one generated) and runs the
@@ -91,7 +92,8 @@ def run_bench(
     Prompts too long for a sequence's share of the context are skipped, before anything runs, with a line
     saying which (fit.check_prompts); ValueError if none is left. `profiler`: cProfile each configuration's
     measured rounds (RoundProfiler). `spec_params`: every configuration's speculator parameters, under its own
-    (bench/variants.py: `CHAIN/NAME.KEY=VALUE`, `CHAIN+tune`)."""
+    (bench/variants.py: `CHAIN/NAME.KEY=VALUE`, `CHAIN+tune`). `hidden`: the hidden-state heads (mtp, eagle3,
+    dflash) the configurations may name; the target outputs rows only for sequences whose chain has one."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     if repeats < 1:
@@ -108,7 +110,8 @@ def run_bench(
                        prompt_cache=False,
                        chain=ChainConfig(speculators=[], policy=policy, n_max=n_max),
                        # `draft`: the whole draft config (its load options too); else the model and cross_vocab
-                       draft=draft or DraftModelConfig(model=draft_model, cross_vocab=cross_vocab))
+                       draft=draft or DraftModelConfig(model=draft_model, cross_vocab=cross_vocab),
+                       hidden=hidden or HiddenStateConfig())
     engine = LocalEngine(cfg)
     # in exact mode each slot has its own share of the context: a prompt that cannot fit would stop the run
     # midway, so such prompts are left out now (tokenized by the chat template, as the run will)
@@ -135,6 +138,12 @@ def run_bench(
         e = LocalEngine(cfg.model_copy(update={"calibrate": False, "verify_shape": shape, "chain": chain_cfg}),
                         model=engine.model)
         e.scheduler.cost = engine.scheduler.cost.copy()
+        if engine.hidden_heads is not None and e.hidden_heads is not None:
+            # the copies skip calibration: their heads start from the first engine's measured step costs (else the
+            # cost policy would price a head step at its uncalibrated guess, 10 ms, until it had learnt better)
+            calibrated = engine.hidden_heads.named()
+            for name, head in e.hidden_heads.named().items():
+                head._costs = calibrated[name].decode_costs()
         return e
 
     shapes = {c: split_config(c)[1] for c in configs}
@@ -175,6 +184,8 @@ def run_bench(
                    "n_max": n_max, "threads": threads, "n_gpu_layers": engine.model.n_gpu_layers,
                    # the draft model's settings as llama.cpp took them (its load options: README, 'Draft models')
                    "draft": engine.draft_model.effective_settings() if engine.draft_model is not None else None,
+                   # hidden-state heads (eagle3, ...): file, taps, measured step cost by batch size
+                   "hidden": engine.hidden_heads.info() if engine.hidden_heads is not None else None,
                    "verify_cols_kernel": verify_cols_enabled(),
                    "decode_cost_ms": {k: v * 1000 for k, v in engine.scheduler.cost.table().items()},
                    "attention_us_per_1k_token_cells": engine.scheduler.cost.attn_seconds * 1e9,
@@ -192,6 +203,9 @@ def run_bench(
     progress(f"model {model}: batch variance {report.batch_variance:.3f}, KV layout variance "
              f"{report.layout_variance:.3f}, tie bound {report.tie_bound:.3f}; "
              f"verify cost ms by batch size {({k: round(v, 1) for k, v in report.meta['decode_cost_ms'].items()})}")
+    for name, info in (report.meta["hidden"] or {}).items():
+        progress(f"{name} head {os.path.basename(info['model'])}: step cost ms by batch size "
+                 f"{({k: round(v, 2) for k, v in info.get('decode_cost_ms', {}).items()})}")
     llama = PlainLlama(engine, threads, n_ctx) if llama_baseline else None
     # a prompt run: one prompt through one configuration's run (`sandwich` runs `none` several times a group)
     runs_per_prompt = len(run_order(report.configs, order, reverse=False))
@@ -307,7 +321,10 @@ def main_bench(args) -> int:
                                   "tensor_split": args.tensor_split},
                        verify_shape=getattr(args, "verify_shape", "exact"),
                        verify_buckets=getattr(args, "verify_buckets", None), profiler=profiler,
-                       rollback=args.rollback, rollback_snapshots=args.rollback_snapshots, spec_params=spec_params)
+                       rollback=args.rollback, rollback_snapshots=args.rollback_snapshots, spec_params=spec_params,
+                       hidden=HiddenStateConfig(mtp=getattr(args, "mtp", False),
+                                                eagle3_model=getattr(args, "eagle3_model", None),
+                                                dflash_model=getattr(args, "dflash_model", None)))
     print(report.table())
     if args.json:
         write_json(report, args.json)

@@ -1,4 +1,4 @@
-"""The `specray` command: generate, bench, serve, ab-report."""
+"""The `specray` command: generate, bench, serve, ab-report, train-head."""
 
 from __future__ import annotations
 
@@ -264,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     _add_spec_args(bench)
     _add_draft_args(bench)
+    _add_hidden_args(bench)
     h = bench.add_argument_group("over HTTP (Ray Serve)")
     h.add_argument("--url", action="append", default=None, metavar="URL",
                    help="base URL of a running specray server, without /v1 (repeatable; each row is labelled by "
@@ -331,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default: %(default)s)")
     ab.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
     ab.add_argument("--api-key", default=None, help="bearer token (default: $SPECRAY_API_KEY)")
+
+    from .train_head import add_parser as add_train_head_parser
+
+    add_train_head_parser(sub)
     return parser
 
 
@@ -640,6 +645,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_bench(args)
         if args.command == "serve":
             return _cmd_serve(args)
+        if args.command == "train-head":
+            from .train_head import cmd_train_head
+
+            return cmd_train_head(args)
         if args.command == "ab-report":
             from specray.bench.ab_report import main_ab_report
 

@@ -170,7 +170,7 @@ def _copy_fields(writer, fields) -> None:
                              sub_type=None if sub is None else gguf.GGUFValueType(sub))
 
 
-def _write(path: str, arch: str, keys: dict, vocab_fields, tensors: dict[str, np.ndarray]) -> str:
+def _write(path: str, arch: str, keys: dict, vocab_fields, tensors: dict[str, np.ndarray | tuple]) -> str:
     import gguf
 
     tmp = path + ".part"
@@ -190,7 +190,10 @@ def _write(path: str, arch: str, keys: dict, vocab_fields, tensors: dict[str, np
             raise TypeError(f"{k}: {type(v)}")
     _copy_fields(w, vocab_fields)
     for name, arr in tensors.items():
-        w.add_tensor(name, arr)
+        if isinstance(arr, tuple):  # (bytes [rows, row bytes], ggml type): a quantized tensor copied as it is
+            w.add_tensor(name, arr[0], raw_dtype=arr[1])
+        else:
+            w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

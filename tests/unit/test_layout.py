@@ -1,7 +1,8 @@
 """The layout rules of the README's Architecture section, checked on the source (no imports run).
 
 engine imports nothing outside engine; native is the only package that imports
-llama_cpp; nothing but the CLI (and tests) imports bench or cli; every package
+llama_cpp; train is the only one that imports torch; nothing but the CLI (and
+tests) imports bench, cli or train; every package
 says in its __init__ docstring what lives there; no class grows past ~250
 lines (the round loop must stay readable in one short file).
 """
@@ -15,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = {"engine": "specray.engine", "native": "specray.native", "deployments": "specray.deployments",
-            "bench": "specray.bench", "cli": "specray.cli", "cluster": "specray.cluster"}
+            "bench": "specray.bench", "cli": "specray.cli", "cluster": "specray.cluster", "train": "specray.train"}
 MAX_CLASS_LINES = 260
 
 
@@ -55,15 +56,24 @@ def test_engine_imports_nothing_outside_engine(path):
 
 
 def test_only_native_imports_llama_cpp():
-    offenders = [str(p.relative_to(REPO)) for folder in ("engine", "deployments", "bench", "cli", "cluster")
+    offenders = [str(p.relative_to(REPO)) for folder in ("engine", "deployments", "bench", "cli", "cluster", "train")
                  for p in sources(folder) if any(m.split(".")[0] == "llama_cpp" for m in imported_modules(p))]
     assert offenders == []
 
 
-def test_only_the_cli_imports_bench_and_cli():
-    offenders = [str(p.relative_to(REPO)) for folder in ("engine", "native", "deployments", "cluster")
+def test_only_the_cli_imports_bench_cli_and_train():
+    offenders = [str(p.relative_to(REPO)) for folder in ("engine", "native", "deployments", "cluster", "train")
                  for p in sources(folder)
                  if any(m.startswith(("specray.bench", "specray.cli")) for m in imported_modules(p))]
+    offenders += [str(p.relative_to(REPO)) for folder in ("engine", "native", "deployments", "cluster", "bench")
+                  for p in sources(folder) if any(m.startswith("specray.train") for m in imported_modules(p))]
+    assert offenders == []
+
+
+def test_only_train_imports_torch():
+    """torch is an optional extra (specray[train]): serving never needs it."""
+    offenders = [str(p.relative_to(REPO)) for folder in PACKAGES if folder != "train" for p in sources(folder)
+                 if any(m.split(".")[0] == "torch" for m in imported_modules(p))]
     assert offenders == []
 
 

@@ -1,0 +1,184 @@
+"""specray.train without a model: the rollout against a step-by-step draft, batching, vocabulary, prompts,
+the command line's errors, and the modules' docstring examples."""
+
+from __future__ import annotations
+
+import doctest
+import json
+
+import numpy as np
+import pytest
+
+
+@pytest.mark.parametrize("module", ["vocab", "data", "curve"])
+def test_docstring_examples(module):
+    import importlib
+
+    mod = importlib.import_module(f"specray.train.{module}")
+    failed, attempted = doctest.testmod(mod)
+    assert attempted > 0 and failed == 0
+
+
+@pytest.mark.parametrize("module", ["head", "ttt", "loop"])
+def test_docstring_examples_torch(module):
+    pytest.importorskip("torch")
+    import importlib
+
+    mod = importlib.import_module(f"specray.train.{module}")
+    failed, attempted = doctest.testmod(mod)
+    assert attempted > 0 and failed == 0
+
+
+def _tiny_head(seed: int = 0):
+    torch = pytest.importorskip("torch")
+    from specray.train.head import Dims, Eagle3Module
+
+    torch.manual_seed(seed)
+    d = Dims(n_embd=32, n_head=4, n_head_kv=2, n_ff=48, target_width=16, n_vocab=50, draft_vocab=20,
+             target_layers=(1, 2, 3), rope_base=100.0)
+    m = Eagle3Module(d, torch.randn(50, 32), torch.arange(0, 40, 2))
+    with torch.no_grad():
+        for name in ("attn_norm", "hidden_norm", "ffn_norm", "output_norm"):
+            getattr(m, name).add_(0.2 * torch.randn(32))
+    return m
+
+
+def test_rollout_is_what_the_speculator_drafts_step_by_step():
+    """Row s of rollout step k == a plain causal pass over the committed pairs 0..s followed by the draft's own
+    pairs (x_{s+j}, h_{j-1}) at s+j-1, j = 2..k: the KV cache the speculator builds while drafting."""
+    torch = pytest.importorskip("torch")
+    from specray.train.ttt import rollout
+
+    m = _tiny_head()
+    T = 9
+    feats = torch.randn(1, T, 48) * 3
+    tokens = torch.randint(0, 50, (1, T))
+    with torch.no_grad():
+        steps = rollout(m, feats, tokens, 3)
+        g = m.encode(feats[0, : T - 1])
+        for s in range(T - 3):
+            toks = [int(tokens[0, p + 1]) for p in range(s + 1)]  # committed pairs (x_{p+1}, g_p), p = 0..s
+            rows = [g[p] for p in range(s + 1)]
+            h = m.forward_pairs(torch.tensor([toks]), torch.stack(rows)[None])[0, -1]
+            assert torch.allclose(steps[0][0, s], h, atol=1e-5)
+            for k in (2, 3):
+                toks.append(int(tokens[0, s + k]))
+                rows.append(h)
+                h = m.forward_pairs(torch.tensor([toks]), torch.stack(rows)[None])[0, -1]
+                assert torch.allclose(steps[k - 1][0, s], h, atol=1e-4), (s, k)
+
+
+def test_rollout_from_a_later_row_is_the_same_rows():
+    torch = pytest.importorskip("torch")
+    from specray.train.ttt import rollout
+
+    m = _tiny_head(3)
+    feats, tokens = torch.randn(2, 11, 48), torch.randint(0, 50, (2, 11))
+    with torch.no_grad():
+        full = rollout(m, feats, tokens, 3)
+        late = rollout(m, feats, tokens, 3, start=4)
+    assert torch.equal(full[0], late[0])
+    for k in (1, 2):
+        assert late[k].shape[1] == 10 - 4 and torch.allclose(full[k][:, 4:], late[k], atol=1e-5)
+
+
+def test_rollout_of_a_padded_batch_matches_each_sequence_alone():
+    torch = pytest.importorskip("torch")
+    from specray.train.ttt import rollout
+
+    m = _tiny_head(1)
+    a, b = torch.randint(0, 50, (1, 10)), torch.randint(0, 50, (1, 6))
+    fa, fb = torch.randn(1, 10, 48), torch.randn(1, 6, 48)
+    tokens = torch.zeros(2, 10, dtype=torch.int64)
+    feats = torch.zeros(2, 10, 48)
+    tokens[0], feats[0] = a[0], fa[0]
+    tokens[1, :6], feats[1, :6] = b[0], fb[0]
+    with torch.no_grad():
+        both = rollout(m, feats, tokens, 2)
+        alone = rollout(m, fb, b, 2)
+    for k in range(2):
+        n = 6 - 1 - k  # rows whose step-k token exists
+        assert torch.allclose(both[k][1, :n], alone[k][0, :n], atol=1e-5)
+
+
+def test_rollout_loss_counts_answer_positions_only_and_learns():
+    torch = pytest.importorskip("torch")
+    from specray.train.ttt import rollout_loss
+
+    m = _tiny_head(2)
+    T = 12
+    feats, tokens = torch.randn(2, T, 48), torch.randint(0, 50, (2, T))
+    labels = torch.randint(-1, 20, (2, T))
+    mask = torch.zeros(2, T, dtype=torch.bool)
+    mask[:, 5:] = True
+    _, stats = rollout_loss(m, feats, tokens, labels, mask, 3, 0.8)
+    for k, (_, n) in enumerate(stats, start=1):
+        # step k's row s counts where label s+k is an answer label (>= 0) within the sequence
+        want = sum(int(labels[b, s + k] >= 0) for b in range(2) for s in range(T - 1) if 5 <= s + k < T)
+        assert n == want
+    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+    first = None
+    for _ in range(30):
+        loss, _ = rollout_loss(m, feats, tokens, labels, mask, 3, 0.8)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.7 * first
+
+
+def test_batches_stay_within_the_token_budget():
+    pytest.importorskip("torch")
+    from specray.train.loop import make_batches
+
+    lengths = list(np.random.default_rng(0).integers(10, 300, 200))
+    batches = make_batches(lengths, 1024, seed=3)
+    assert sorted(i for b in batches for i in b) == list(range(200))
+    assert all(len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 1024 for b in batches)
+
+
+def test_draft_vocabulary_keeps_the_most_frequent_and_the_end_token():
+    from specray.train.vocab import choose_draft_vocab, coverage, to_draft_rows
+
+    counts = np.zeros(100, dtype=np.int64)
+    counts[[7, 3, 50]] = [30, 20, 10]
+    d2t = choose_draft_vocab(counts, 3, always=(2,))
+    assert d2t.tolist() == [2, 3, 7]
+    assert coverage(counts, d2t) == pytest.approx(50 / 60)
+    t2d = to_draft_rows(d2t, 100)
+    assert t2d[7] == 2 and t2d[50] == -1
+    with pytest.raises(ValueError, match="draft vocabulary size"):
+        choose_draft_vocab(counts, 0)
+
+
+def test_prompts_by_category(tmp_path):
+    from specray.train.prompts import read_prompts
+
+    p = tmp_path / "q.jsonl"
+    p.write_text("\n".join(json.dumps(x) for x in [
+        {"category": "a", "turns": ["one", "two"]}, {"category": "b", "prompt": "raw"},
+        {"category": "c", "messages": [{"role": "user", "content": "hi"}]}]) + "\n")
+    got = read_prompts(str(p), exclude=["b"])
+    assert [x.category for x in got] == ["a", "c"]
+    assert got[0].messages == [{"role": "user", "content": "one"}]
+    assert [x.prompt for x in read_prompts(str(p), include=["b"])] == ["raw"]
+    with pytest.raises(ValueError, match="no prompts left"):
+        read_prompts(str(p), include=["a", "b"], skip_first=1)
+    assert [x.category for x in read_prompts(str(p), skip_first=0, exclude=["a"])] == ["b", "c"]
+    with pytest.raises(ValueError, match="no category z .*it has: a, b, c"):
+        read_prompts(str(p), exclude=["z"])
+
+
+def test_train_head_flags_errors_name_the_flag(tmp_path, capsys):
+    from specray.cli.main import main
+
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"category": "a", "turns": ["x"]}) + "\n")
+    base = ["train-head", "--prompts", str(q), "--out", str(tmp_path / "h.gguf")]
+    assert main(base + ["--lr", "0"]) == 2
+    assert "--lr 0.0: Input should be greater than 0" in capsys.readouterr().err
+    assert main(base + ["--categories", "a", "--exclude-categories", "a"]) == 2
+    assert "both included and excluded: a" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(base + ["--target-layers", "1,2"])
+    assert "--target-layers" in capsys.readouterr().err
