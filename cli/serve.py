@@ -251,6 +251,10 @@ def main_serve(args) -> int:
         stop["now"] = True
 
     signal.signal(signal.SIGTERM, _on_term)
+    # Ctrl-C explicitly too: a process started in the background of a shell without job control (`cmd &` in a
+    # script, as CI runners do) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt, so
+    # `kill -INT` did nothing (the serve-command tests waited out their timeout on it)
+    signal.signal(signal.SIGINT, _on_term)
     try:
         while not stop["now"]:
             time.sleep(0.5)
