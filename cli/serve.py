@@ -255,11 +255,8 @@ def main_serve(args) -> int:
     # script, as CI runners do) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt, so
     # `kill -INT` did nothing (the serve-command tests waited out their timeout on it)
     signal.signal(signal.SIGINT, _on_term)
-    try:
-        while not stop["now"]:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
+    while not stop["now"]:
+        time.sleep(0.5)
     print("specray: shutting down", file=sys.stderr, flush=True)
     try:
         if joined:  # a cluster we joined keeps Serve and its other apps: only ours goes
