@@ -143,7 +143,7 @@ def run_bench(
             # cost policy would price a head step at its uncalibrated guess, 10 ms, until it had learnt better)
             calibrated = engine.hidden_heads.named()
             for name, head in e.hidden_heads.named().items():
-                head._costs = calibrated[name].decode_costs()
+                head.use_costs(calibrated[name].decode_costs())
         return e
 
     shapes = {c: split_config(c)[1] for c in configs}

@@ -92,6 +92,11 @@ class SlotBackend:
     def decode_costs(self) -> dict[int, float]:
         return dict(self._costs)
 
+    def use_costs(self, costs: dict[int, float]) -> None:
+        """Take another copy's measured step costs (ms by batch size, in seconds) instead of measuring: the
+        bench's engine copies of one model skip calibration."""
+        self._costs = dict(costs)
+
     def _measure_step_costs(
         self, sizes: tuple[int, ...], reps: int, prefix: int,
         prime: Callable[[list[int]], None], clear: Callable[[], None],
