@@ -381,10 +381,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=S,
                    help="chat template name (e.g. gemma, chatml) for models whose GGUF has none")
     g.add_argument("--threads", type=int, default=S,
-                   help="CPU threads for the target (default: one fewer than the CPUs the target's process may use, "
-                   "at least 1: llama.cpp's threads share the cores with the request pipeline, and on 2 cores 2 "
-                   "threads served at half the in-process speed, 1 thread at 0.95x; set it with several replicas "
-                   "per node)")
+                   help="CPU threads for the target (default: the CPUs the target's process may use; set it so that "
+                   "several replicas on one node add up to the cores)")
     g.add_argument("--n-gpu-layers", type=int, default=S, metavar="N", help=GPU_LAYERS_HELP)
     _add_gpu_split_args(g, default=S)
     g.add_argument("--n-ctx", type=int, default=S, help=f"context cells shared by all slots {d(EngineConfig, 'n_ctx')}")

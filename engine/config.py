@@ -239,13 +239,14 @@ IN_PROCESS_THREADS = 2
 
 
 def served_threads(n_cpus: int) -> int:
-    """Target threads of a served engine on a host with n_cpus usable CPUs: one core is left to the request
-    pipeline (measured on 2 cores; README, 'Threads when serving').
+    """Target threads of a served engine on a host with n_cpus usable CPUs: all of them, as in process. (It
+    used to leave one core to the request pipeline; that only hid a slow-down of the served engine's own:
+    README, 'Threads when serving'.)
 
     >>> [served_threads(n) for n in (1, 2, 4, 16)]
-    [1, 1, 3, 15]
+    [1, 2, 4, 16]
     """
-    return max(1, n_cpus - 1)
+    return max(1, n_cpus)
 
 
 class EngineConfig(BaseModel):
@@ -262,10 +263,8 @@ class EngineConfig(BaseModel):
     n_batch: int = Field(512, ge=16, description="max tokens in one target decode (prefill chunks + verify rows)")
     threads: int | None = Field(
         None, ge=1, description="CPU threads for the target context. None: 2 in process (generate, bench); served, "
-        "one fewer than the CPUs the serving process may use, at least 1 (served_threads). Served, llama.cpp's "
-        "threads share the cores with the request pipeline (event loop, ingress, HTTP proxy), and a worker thread "
-        "preempted mid-decode stalls the whole decode at its barrier: on 2 cores (SmolLM2, plain decoding, 1 client) "
-        "2 threads decoded a round in 14 ms served against 7 ms in process, 1 thread in 8 ms")
+        "the CPUs the serving process may use (served_threads). With several replicas on one node, set it so they "
+        "add up to the cores")
     n_gpu_layers: int | None = Field(
         None, ge=0, description="target layers offloaded to a GPU; None (the default): all of them where this "
         "llama.cpp build offloads to a GPU it sees (a CUDA build with a device), none elsewhere")

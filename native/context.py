@@ -8,7 +8,7 @@ import threading
 import llama_cpp
 import numpy as np
 
-from . import lib
+from . import decode_threads, lib
 from .batch import Batch
 from .model import Model
 
@@ -154,6 +154,8 @@ class Context:
         if b.n_tokens > self.n_batch:
             raise DecodeError(f"batch of {b.n_tokens} tokens exceeds n_batch {self.n_batch}")
         lib.set_llamafile(not self.exact)
+        if threading.get_ident() != decode_threads.last_ident:  # a new decoding thread: OpenMP cares
+            decode_threads.note()
         rc = llama_cpp.llama_decode(self.ptr, b.as_struct())
         self.n_decodes += 1
         if rc != 0:

@@ -24,8 +24,13 @@ import numpy as np
 import ray
 
 from specray.engine.config import EngineConfig
+from specray.native import decode_threads
 from specray.engine.sampling import SamplingParams
 from specray.engine.target import StepItem, StepOutput, TargetRunner
+
+
+#: the Ray concurrency group of the target actor's calls that use its context
+DECODE_GROUP = "context"
 
 
 class TargetService:
@@ -79,20 +84,24 @@ class TargetService:
     def ping(self) -> str:
         return "ok"
 
+    @ray.method(concurrency_group=DECODE_GROUP)
     def calibrate_cost(self) -> dict:
         with self._lock:
             return self.runner.calibrate_cost()
 
+    @ray.method(concurrency_group=DECODE_GROUP)
     def start_many(self, starts: list[tuple]) -> None:
         with self._lock:
             for start in starts:
                 self.runner.start(*start)
 
+    @ray.method(concurrency_group=DECODE_GROUP)
     def release(self, seq_ids: list[int]) -> None:
         with self._lock:
             for s in seq_ids:
                 self.runner.release(s)
 
+    @ray.method(concurrency_group=DECODE_GROUP)
     def step(
         self,
         items: list[StepItem],
@@ -128,6 +137,8 @@ class TargetService:
             "step_decode_seqs": r.step_decode_seqs,
             "decodes": self.ctx.n_decodes,
             "calls": self.calls,
+            # live threads of this process that have decoded: 1, or OpenMP slows every decode
+            "decode_threads": len(decode_threads.live()),
             "sessions": len(r.sessions),
             # KV cells per slot (0 = empty): a finished or cancelled sequence leaves none
             "kv_cells": kv,
@@ -141,7 +152,10 @@ class TargetService:
 
 
 #: the actor; options (resources, placement, max_concurrency) are set by the router
-TargetActor = ray.remote(TargetService)
+# the context's calls run in one concurrency group of one thread, so one thread does every decode (llama.cpp's
+# OpenMP pools are per calling thread: native/decode_threads.py); ping, info and counters run beside it in the
+# default group (max_concurrency, set at launch), so a health check never waits behind a round
+TargetActor = ray.remote(concurrency_groups={DECODE_GROUP: 1})(TargetService)
 
 
 @dataclass

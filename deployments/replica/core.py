@@ -53,15 +53,32 @@ class RouterCore:
         self.cfg = cfg
         self.mode = cfg.mode
         self._cv = threading.Condition()
+        self.lock = threading.Lock()  # guards every scheduler call (held by the round thread)
+        self._inbox: list[Op] = []
+        self._stopping = False
         actors = None
         if cfg.mode == "distributed":
             actors = start_actors(cfg, f"{cfg.app_name}:{_replica_tag()}", on_change=lambda _: self._wake())
-        try:
-            self.parts = build_engine(cfg.engine, actors=actors, step_timeout_s=cfg.target_step_timeout_s, served=True)
-        except BaseException:
+        # the engine is built on the round thread, the one that decodes every round: llama.cpp's OpenMP threads
+        # are pooled per calling thread, and a second live thread that once decoded (calibration here) would
+        # halve the decode speed (native/decode_threads.py)
+        built: list[BaseException | None] = []
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(actors, built, ready), name="specray-rounds",
+                                        daemon=True)
+        self._thread.start()
+        ready.wait()
+        if built[0] is not None:
             if actors is not None:
                 actors.close()
-            raise
+            raise built[0]
+        self.started_at = time.time()
+        self._watchdog = self.faults.start_watchdog(cfg.watchdog_interval_s, cfg.actor_ping_timeout_s,
+                                                    lambda: self._stopping)
+
+    def _build(self, actors) -> None:
+        cfg = self.cfg
+        self.parts = build_engine(cfg.engine, actors=actors, step_timeout_s=cfg.target_step_timeout_s, served=True)
         self.placement = actors.placement() if actors is not None else None
         self.rel = ReliabilityStats()
         self.slots = Slots(self.parts.scheduler, self.rel)
@@ -70,14 +87,6 @@ class RouterCore:
                                    truncate=cfg.prompt_overflow == "truncate", slots=cfg.engine.slots,
                                    context_shift=cfg.engine.context_shift,
                                    can_shift=self.parts.scheduler.memory.can_shift)
-        self.lock = threading.Lock()  # guards every scheduler call (held by the round thread)
-        self._inbox: list[Op] = []
-        self._stopping = False
-        self.started_at = time.time()
-        self._thread = threading.Thread(target=self._run, name="specray-rounds", daemon=True)
-        self._thread.start()
-        self._watchdog = self.faults.start_watchdog(cfg.watchdog_interval_s, cfg.actor_ping_timeout_s,
-                                                    lambda: self._stopping)
 
     # ---- the engine's parts (tests, stats, the replica) ------------------------------------------
     model = property(lambda self: self.parts.model)
@@ -156,7 +165,19 @@ class RouterCore:
             self._cv.notify()
 
     # ---- round thread ----------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, actors, built: list, ready: threading.Event) -> None:
+        try:
+            self._build(actors)
+        except BaseException as e:
+            built.append(e)
+            return
+        else:
+            built.append(None)
+        finally:
+            ready.set()
+        self._loop()
+
+    def _loop(self) -> None:
         can_step = False
         while True:
             inbox = self._wait(can_step)

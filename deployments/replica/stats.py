@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 from specray.deployments.actors.supervisor import UP, short_error
 from specray.engine.round_stages import breakdown
+from specray.native import decode_threads
 
 log = logging.getLogger("specray.router")
 
@@ -71,6 +72,9 @@ def round_snapshot(core) -> dict:
         d["target"] = {
             "where": "in-process",
             "threads": parts.config.threads,
+            # live threads of this process that have decoded: 1, or OpenMP slows every decode
+            # (native/decode_threads.py)
+            "decode_threads": len(decode_threads.live()),
             "rounds": r.rounds,
             "multi_seq_decodes": r.multi_seq_decodes,
             "max_seqs_in_decode": r.max_seqs_in_decode,

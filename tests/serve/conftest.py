@@ -119,10 +119,10 @@ def server(request, ray_serve):
     from specray.deployments.app import build_app
 
     mode = request.param
-    args = {"mode": mode, "engine": ENGINE, "replica_cpus": 0.2, "target_cpus": 0.4, "companion_cpus": 0.1,
+    # calibrated in both modes: set-up decodes as well as rounds (test_one_thread_does_every_decode)
+    args = {"mode": mode, "engine": ENGINE | {"calibrate": True}, "replica_cpus": 0.2, "target_cpus": 0.4, "companion_cpus": 0.1,
             "ingress_cpus": 0.1, "app_name": f"specray-{mode}", "route_prefix": f"/{mode}"}
     if mode == "distributed":
-        args["engine"] = ENGINE | {"calibrate": True}  # exercises the actor's calibrate_cost
         # the GPU cluster shape on the session's logical GPUs: the target actor holds one, the companion a share
         args |= {"target_gpus": 1, "companion_gpus": 0.5}
     t0 = time.perf_counter()

@@ -64,6 +64,14 @@ def test_health_models_stats(http, server):
         assert {1, 8, 32} <= {int(n) for n in st["cost_table"]} and st["attention_ns_per_token_cell"] > 0
 
 
+def test_one_thread_does_every_decode(http, client):
+    """Set-up (calibration) and rounds decode on one thread of the process that holds the target: with a second
+    live thread that once decoded, libgomp throttles its barriers and 2-thread decodes ran at half speed."""
+    client.completions.create(model="smollm2-135m", prompt="One thread", max_tokens=4, temperature=0)
+    st = http.get("/v1/stats").json()
+    assert st["target"]["rounds"] > 0 and st["target"]["decode_threads"] == 1
+
+
 @pytest.mark.parametrize("prompt", COMPLETION_PROMPTS)
 def test_completion_matches_engine(client, reference, prompt):
     text, n, finish = reference[("completion", prompt, MAX_TOKENS)]
