@@ -137,10 +137,8 @@ def ray_target(flag: str | None, env: str | None, recorded: str | None, running:
     return "local", "no running Ray cluster found"
 
 
-def connect_ray(flag: str | None) -> tuple[str, bool]:
-    """ray.init() as ray_target says; returns (a line saying which cluster this is and why, joined). A cluster
-    that is joined keeps its own resources (num_cpus may not be given to one: Ray refuses)."""
-    import ray
+def find_ray_target(flag: str | None) -> tuple[str, str]:
+    """ray_target for this machine: (address for ray.init, why)."""
     from ray._private import services
 
     try:
@@ -148,7 +146,14 @@ def connect_ray(flag: str | None) -> tuple[str, bool]:
         running = set(services.find_gcs_addresses()) if recorded else set()
     except Exception:  # private API: if it moves, behave as if nothing were recorded
         recorded, running = None, set()
-    address, why = ray_target(flag, os.environ.get("RAY_ADDRESS") or None, recorded, running)
+    return ray_target(flag, os.environ.get("RAY_ADDRESS") or None, recorded, running)
+
+
+def connect_ray(address: str, why: str) -> tuple[str, bool]:
+    """ray.init() at what find_ray_target said; returns (a line saying which cluster this is and why, joined). A
+    cluster that is joined keeps its own resources (num_cpus may not be given to one: Ray refuses)."""
+    import ray
+
     if address == "local":
         n = max(2, os.cpu_count() or 2)
         ray.init(address="local", num_cpus=n, include_dashboard=False)
@@ -180,16 +185,33 @@ def direct_ingress_env(port: int) -> dict[str, str]:
 def check_direct_ingress(cfg: ServeConfig) -> None:
     """ValueError naming --direct-ingress when the config could start more than one ingress replica (they
     would all want `port`)."""
-    from specray.deployments.app import uses_fused
+    from specray.deployments.layout import several_ingress_replicas
 
-    if uses_fused(cfg):
-        many = (resolve_arms(cfg)[0].num_replicas or cfg.num_replicas) > 1
-        what = "the fused engine deployment's num_replicas"
-    else:
-        many, what = cfg.ingress_replicas > 1, "ingress_replicas"
-    if many:
+    what = several_ingress_replicas(cfg)
+    if what is not None:
         raise ValueError(f"--direct-ingress serves --port from one ingress replica; {what} may be more than 1 "
                          "(drop --direct-ingress, or serve one replica)")
+
+
+def auto_direct_ingress(starts_local_ray: bool, serve_imported: bool, several: str | None) -> tuple[bool, str]:
+    """Direct ingress when the config leaves it unset: on where it can be, i.e. specray serve starts its own Ray
+    (Serve reads the setting from its processes' environment), Serve is not imported yet in this process, and
+    one ingress replica serves (one port). Returns (on, why) for the serving line.
+
+    >>> auto_direct_ingress(True, False, None)
+    (True, 'direct ingress (auto)')
+    >>> auto_direct_ingress(False, False, None)[1]
+    'no direct ingress (auto: a joined Ray cluster)'
+    >>> auto_direct_ingress(True, False, "ingress_replicas")[1]
+    'no direct ingress (auto: ingress_replicas may be more than 1)'
+    """
+    if not starts_local_ray:
+        return False, "no direct ingress (auto: a joined Ray cluster)"
+    if serve_imported:
+        return False, "no direct ingress (auto: Ray Serve was imported before specray serve)"
+    if several is not None:
+        return False, f"no direct ingress (auto: {several} may be more than 1)"
+    return True, "direct ingress (auto)"
 
 
 def main_serve(args) -> int:
@@ -205,11 +227,19 @@ def main_serve(args) -> int:
         resolve_model(cfg.engine.hidden.dflash_model)
 
     proxy_port = cfg.port
+    address, why = find_ray_target(getattr(args, "address", None))
+    if cfg.direct_ingress is None:
+        from specray.deployments.layout import several_ingress_replicas
+
+        on, auto = auto_direct_ingress(address == "local", "ray.serve" in sys.modules, several_ingress_replicas(cfg))
+        cfg = cfg.model_copy(update={"direct_ingress": on})
+    else:
+        auto = None
     if cfg.direct_ingress:
         if "ray.serve" in sys.modules:  # Serve read its flags at import: too late to set them
             raise RuntimeError("--direct-ingress must be set before Ray Serve is imported in this process")
+        check_direct_ingress(cfg)
         os.environ.update(direct_ingress_env(cfg.port))
-        check_direct_ingress(cfg)  # (imports the app, so Serve: after the environment is set)
         proxy_port = _free_port()  # Serve's proxy still runs (head node): out of the replica's way
 
     import ray
@@ -219,7 +249,7 @@ def main_serve(args) -> int:
 
     joined = False
     if not ray.is_initialized():
-        line, joined = connect_ray(getattr(args, "address", None))
+        line, joined = connect_ray(address, why)
         print(f"specray: {line}", flush=True)
     if joined and cfg.direct_ingress:
         ray.shutdown()
@@ -237,6 +267,8 @@ def main_serve(args) -> int:
     layout = "fused: the engine replica serves HTTP" if uses_fused(cfg) else "split: ingress + engine deployments"
     if cfg.direct_ingress:
         layout += f"; direct ingress: the replica listens on {cfg.port}, Serve's proxy on {proxy_port}"
+    if auto is not None:
+        layout += f"; {auto}"
     print(f"specray: serving {cfg.model_id} ({cfg.mode}, {layout}, {what}, "
           f"{cfg.engine.slots} slots per replica) at {url}/v1  [ready in {time.perf_counter() - t0:.1f}s]",
           flush=True)

@@ -37,6 +37,7 @@ from specray.deployments.fused import FusedReplica
 from specray.deployments.http.ingress import Ingress
 from specray.deployments.replica.deployment import EngineReplica
 from specray.deployments.config import ServeConfig, load_serve_config
+from specray.deployments.layout import uses_fused  # noqa: F401  (re-exported)
 
 
 def replica_options(cfg: ServeConfig) -> dict[str, Any]:
@@ -76,16 +77,6 @@ def arm_serve_config(cfg: ServeConfig, arm: ArmConfig) -> ServeConfig:
         "autoscaling": arm.autoscaling if arm.autoscaling is not None else cfg.autoscaling,
         "arms": [],
     })
-
-
-def uses_fused(cfg: ServeConfig) -> bool:
-    """Whether this config deploys the fused layout: asked for, one arm (A/B needs the Ingress to route between
-    the arms' deployments) and a fixed replica count (under autoscaling the Ingress keeps the request records
-    of engine replicas that scale away; fused, they would go with the replica)."""
-    arms = resolve_arms(cfg)
-    if cfg.layout != "fused" or len(arms) != 1:
-        return False
-    return (arms[0].autoscaling if arms[0].autoscaling is not None else cfg.autoscaling) is None
 
 
 def build_fused(cfg: ServeConfig, arm: ArmConfig) -> Application:

@@ -70,12 +70,14 @@ class ServeConfig(BaseModel):
         "split (the Ingress routes between the arms' deployments and keeps the request records of replicas "
         "that scale away)",
     )
-    direct_ingress: bool = Field(
-        False,
+    direct_ingress: bool | None = Field(
+        None,
         description="specray serve only: the app's ingress replica (fused: the engine replica) listens on `port` "
         "itself (Ray Serve's direct ingress, RAY_SERVE_ENABLE_DIRECT_INGRESS), so no HTTP proxy process "
         "handles the requests; Serve's proxy moves to another port. Needs a Ray that specray serve starts (the "
-        "setting is in Ray's processes' environment) and one ingress replica (Serve gives each its own port)",
+        "setting is in Ray's processes' environment) and one ingress replica (Serve gives each its own port). "
+        "None (the default): on exactly where those hold (a local Ray, one ingress replica); on 2 cores it "
+        "served plain decoding at 0.86x of the in-process engine against 0.73x through the proxy",
     )
     num_replicas: int = Field(1, ge=1, description="engine replicas (ignored when autoscaling is set)")
     autoscaling: dict[str, Any] | None = Field(

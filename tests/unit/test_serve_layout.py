@@ -97,3 +97,28 @@ def test_direct_ingress_wants_one_ingress_replica():
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
     assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("8123", "8124")
     assert config_from_args(build_parser().parse_args(["serve", "--direct-ingress"])).direct_ingress
+
+
+def test_direct_ingress_is_on_by_default_exactly_where_it_can_be():
+    import subprocess
+    import sys
+
+    from specray.cli.serve import auto_direct_ingress
+    from specray.deployments.layout import several_ingress_replicas
+
+    assert config_from_args(build_parser().parse_args(["serve"])).direct_ingress is None  # auto
+    assert config_from_args(build_parser().parse_args(["serve", "--no-direct-ingress"])).direct_ingress is False
+    assert several_ingress_replicas(load_serve_config({})) is None
+    assert "num_replicas" in several_ingress_replicas(load_serve_config({"num_replicas": 2}))
+    assert several_ingress_replicas(load_serve_config({"autoscaling": {"min_replicas": 1, "max_replicas": 3}})) \
+        is None  # autoscaling runs split, whose one ingress replica takes the port
+    assert auto_direct_ingress(True, False, None)[0]
+    assert not auto_direct_ingress(False, False, None)[0]  # a joined cluster: its Serve is already configured
+    assert not auto_direct_ingress(True, True, None)[0]  # Serve imported: it has read its flags already
+    assert not auto_direct_ingress(True, False, "ingress_replicas")[0]
+    # deciding it must not import Serve (Serve reads the direct-ingress setting at import)
+    code = ("import sys; from specray.deployments.layout import several_ingress_replicas; "
+            "from specray.deployments.config import load_serve_config; several_ingress_replicas(load_serve_config({})); "
+            "print('ray.serve' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == \
+        "False"
