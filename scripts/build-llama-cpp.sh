@@ -63,4 +63,17 @@ if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
 fi
 
 "$PY" -m pip install --quiet --no-deps --force-reinstall "$wheel_dir"/llama_cpp_python-*.whl
+# A wheel cannot hold symlinks, so llama_cpp/lib has libggml.so, libggml.so.0 and libggml.so.0.25.3 as three
+# files. The libraries' DT_NEEDED name the .so.0 (SONAME) files, llama_cpp loads libllama.so and
+# llama_cpp._ggml libggml.so by path: two files, two copies of ggml's state in one process. Make every other
+# name a symlink to the SONAME file, so each library is one file (native/shared_libs.py checks it at import).
+lib_dir=$("$PY" -c 'import importlib.util, os; print(os.path.join(importlib.util.find_spec("llama_cpp").submodule_search_locations[0], "lib"))')
+for so in "$lib_dir"/lib*.so.[0-9]*; do
+    [[ "$so" =~ \.so\.[0-9]+$ && -f "$so" && ! -L "$so" ]] || continue
+    for other in "${so%.so.*}.so" "$so".*; do
+        if [[ -f "$other" && ! -L "$other" ]] && cmp -s "$so" "$other"; then
+            ln -sf "$(basename "$so")" "$other"
+        fi
+    done
+done
 echo "specray: llama-cpp-python $VERSION ($GGML_BACKEND) installed from $wheel_dir" >&2
