@@ -5,7 +5,7 @@
 #
 # DIR gets: binary wheels of the project's dependencies (pyproject.toml; --dev adds the dev extra, --train the
 # train extra: torch, several GB with its CUDA libraries) for the given Python and platform (default: this
-# interpreter's); the llama-cpp-python sdist (setup.sh builds llama.cpp from it, with CUDA where it finds a GPU);
+# interpreter's; a manylinux_2_N platform takes the older manylinux tags too, as such a system does); the llama-cpp-python sdist (setup.sh builds llama.cpp from it, with CUDA where it finds a GPU);
 # what that build and specray's own build take from PyPI (scikit-build-core, cmake, ninja, setuptools, wheel);
 # requirements.txt (what was asked for), MANIFEST (the options and every file with its sha256).
 # Files already in DIR are kept, so a second run only fetches what is new; a DIR whose MANIFEST already
@@ -53,13 +53,26 @@ reqs = list(p["dependencies"]) + [r for e in sys.argv[2:] for r in p["optional-d
 name = lambda r: re.split(r"[\s<>=!~\[;]", r, 1)[0].lower().replace("_", "-")
 out = [r for r in reqs if name(r) != "llama-cpp-python"]
 # what specray's own build and llama-cpp-python's sdist build take from an index
-out += ["setuptools>=68", "wheel", "scikit-build-core[pyproject]>=0.9.2", "cmake>=3.21", "ninja"]
+out += ["setuptools>=68", "wheel", "scikit-build-core>=0.9.2", "cmake>=3.21", "ninja"]
 print("\n".join(dict.fromkeys(out)))
 PY
 )
+expand_platform() {  # manylinux_2_28_x86_64 -> it and every older glibc's tag: pip takes only the tags it is given
+    if [[ "$1" =~ ^manylinux_2_([0-9]+)_(.+)$ ]]; then
+        local top=${BASH_REMATCH[1]} arch=${BASH_REMATCH[2]} y
+        for ((y = top; y >= 5; y--)); do echo "manylinux_2_${y}_$arch"; done
+        if ((top >= 17)); then echo "manylinux2014_$arch"; fi
+        if ((top >= 12)); then echo "manylinux2010_$arch"; fi
+        echo "manylinux1_$arch"
+    else
+        echo "$1"
+    fi
+}
 target=()
 [[ -n "$pyver" ]] && target+=(--python-version "$pyver")
-[[ -n "$platform" ]] && target+=(--platform "$platform")
+if [[ -n "$platform" ]]; then
+    for p in $(expand_platform "$platform"); do target+=(--platform "$p"); done
+fi
 sdist="llama_cpp_python-$LLAMA.tar.gz"
 get_sdist=("$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$LLAMA" -d "$dir")
 get_wheels=("$PY" -m pip download --only-binary :all: "${target[@]}" --find-links "$dir/.resolve"
