@@ -8,6 +8,7 @@
 #   bash scripts/setup.sh --wheelhouse DIR [--dev]   # offline: every package from DIR (scripts/wheelhouse.sh
 #                                                    # wrote it), llama.cpp built from the sdist there
 set -euo pipefail
+caller_dir=$PWD
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 extra=""
@@ -19,7 +20,7 @@ while [[ $# -gt 0 ]]; do
         --cpu) export SPECRAY_CUDA=off ;;
         --wheelhouse)
             [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || { echo "setup.sh: --wheelhouse needs a DIR" >&2; exit 2; }
-            wheelhouse=$2; shift ;;
+            wheelhouse=$2; [[ "$wheelhouse" == /* ]] || wheelhouse="$caller_dir/$wheelhouse"; shift ;;
         -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
         *) echo "setup.sh: unknown option '$1' (--dev, --cuda, --cpu, --wheelhouse DIR)" >&2; exit 2 ;;
     esac

@@ -75,6 +75,10 @@ def test_setup_sh_names_a_missing_or_unwritten_wheelhouse(tmp_path):
     assert out.returncode == 2 and "--wheelhouse needs a DIR" in out.stderr
     out = source_env(tmp_path / "nowhere", "")
     assert out.returncode == 2 and "no such directory" in out.stderr
+    # a relative DIR is the caller's, not the checkout's (setup.sh changes to the checkout first)
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--wheelhouse", "rel"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"--wheelhouse {tmp_path}/rel: no such directory" in out.stderr
     out = source_env(tmp_path, "")
     assert out.returncode == 2 and "no MANIFEST" in out.stderr and "scripts/wheelhouse.sh" in out.stderr
 
