@@ -70,3 +70,10 @@ def test_loading_a_library_by_another_name_maps_the_same_file():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-1500:]
     assert "libggml" in out.stdout
+
+
+def test_doctests():
+    import doctest
+
+    failed, attempted = doctest.testmod(shared_libs)
+    assert attempted and not failed
