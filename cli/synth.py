@@ -13,7 +13,7 @@ template (--vocab-from, default SmolLM2's) and seeded random weights: a target w
 no large model can be had (an offline GPU machine). Its text is meaningless: measure step times and round
 overheads on it, never acceptance, and label every figure from it synthetic (specray cost-curve does).
 
-  specray synth-model --params 1.5B --out /tmp/synth-1.5b.gguf      # ~1.6 GB q8_0, ~1 min a billion params
+  specray synth-model --params 1.5B --out /tmp/synth-1.5b.gguf      # ~1.6 GB q8_0, ~30 s of CPU
   specray cost-curve --model /tmp/synth-1.5b.gguf                  # cost(k)/cost(1), k = 1..16
   specray bench --model /tmp/synth-1.5b.gguf --configs none ngram_mod  # host time per round on it
 """
