@@ -5,8 +5,9 @@
 #
 # DIR gets: binary wheels of the project's dependencies (pyproject.toml; --dev adds the dev extra, --train the
 # train extra: torch, several GB with its CUDA libraries) for the given Python and platform (default: this
-# interpreter's; a manylinux_2_N platform takes the older manylinux tags too, as such a system does); the llama-cpp-python sdist (setup.sh builds llama.cpp from it, with CUDA where it finds a GPU);
-# what that build and specray's own build take from PyPI (scikit-build-core, cmake, ninja, setuptools, wheel);
+# interpreter's; a manylinux_2_N platform takes the older manylinux tags too, as such a system does); the
+# llama-cpp-python sdist (setup.sh builds llama.cpp from it, with CUDA where it finds a GPU); what that build
+# and specray's own build take from PyPI (scikit-build-core, cmake, ninja, setuptools, wheel);
 # requirements.txt (what was asked for), MANIFEST (the options and every file with its sha256).
 # Files already in DIR are kept, so a second run only fetches what is new; a DIR whose MANIFEST already
 # answers the same options and requirements, every file intact, is left as it is (--refresh: resolve again).
@@ -31,7 +32,8 @@ while [[ $# -gt 0 ]]; do
         --dry-run) dry=1 ;;
         --refresh) refresh=1 ;;
         -h|--help) usage; exit 0 ;;
-        -*) echo "wheelhouse.sh: unknown option '$1' (--python-version, --platform, --dev, --train, --refresh, --dry-run)" >&2
+        -*) echo "wheelhouse.sh: unknown option '$1'" \
+                 "(--python-version, --platform, --dev, --train, --refresh, --dry-run)" >&2
             exit 2 ;;
         *) [[ -z "$dir" ]] || { echo "wheelhouse.sh: one DIR only, got '$dir' and '$1'" >&2; exit 2; }
            dir=$1 ;;
