@@ -90,8 +90,9 @@ def check_one_copy(maps: str | None = None) -> dict[str, list[str]]:
     libs = mapped_llama_libraries(maps)
     problems = copy_problems(libs)
     if problems:
-        msg = ("specray: llama.cpp's shared libraries are loaded from more than one place, so ggml's state exists "
-               "twice (the import-order segfault on GPU images): " + "; ".join(problems)
+        msg = ("specray: llama.cpp's shared libraries are not one file each from one folder, so ggml's "
+               "process-wide state can exist twice (suspected in the import-order segfault on GPU images): "
+               + "; ".join(problems)
                + ". Install llama-cpp-python with scripts/setup.sh (one folder, RUNPATH $ORIGIN)")
         if os.environ.get("SPECRAY_ALLOW_MIXED_GGML", "") not in ("", "0"):
             log.warning("%s (SPECRAY_ALLOW_MIXED_GGML set: going on)", msg)
