@@ -1,6 +1,7 @@
 """What moving hidden rows costs per round, distributed: bytes, object-store put/get time vs round time.
 
     python -m specray.bench.hidden --seqs 1 8 --transports object_store inline
+    python -m specray.bench.hidden --target /models/SmolLM2.gguf --gpus 0.5 --transports object_store inline cuda_ipc
 
 Starts local Ray, a target actor and a companion actor (as RouterCore does, with
 the round scheduler in this process) and runs the same requests through
@@ -13,6 +14,10 @@ configuration it prints rounds, hidden-row bytes per round, the target's
 export time (ray.put) and the companion's open time (ray.get) per round, and
 their share of the round time (the router's wall time per round). The
 `inline` transport (rows by value through the router) is the baseline.
+`--target` names the model the drafts are for and whose vocabulary the
+synthetic MTP target borrows (a path where the packaged alias is not
+installed); `--gpus 0.5` gives the target actor and the companion actor half
+a Ray GPU each, so both share one GPU (their models offloaded to it).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import time
 import uuid
 
 
-def _run(kind: str, transport: str, n_seqs: int, max_tokens: int, paths: dict, inline_below: int = 0) -> dict:
+def _run(kind: str, transport: str, n_seqs: int, max_tokens: int, paths: dict, inline_below: int = 0,
+         gpus: float = 0.0) -> dict:
     import ray
 
     from specray.deployments.actors.launch import start_actors
@@ -37,12 +43,13 @@ def _run(kind: str, transport: str, n_seqs: int, max_tokens: int, paths: dict, i
     from specray.engine.sampling import SamplingParams
 
     hidden = {"mtp": True} if kind == "mtp" else {f"{kind}_model": paths[kind]}
-    cfg = EngineConfig(model=paths["mtp"] if kind == "mtp" else "smollm2-135m", slots=n_seqs, n_ctx=1024 * n_seqs,
+    cfg = EngineConfig(model=paths["mtp"] if kind == "mtp" else paths["target"], slots=n_seqs, n_ctx=1024 * n_seqs,
                        calibrate=False, threads=1,
                        chain=ChainConfig(speculators=[kind], policy="first", n_max=4, params={kind: {"n_max": 4}}),
                        hidden=HiddenStateConfig(transport=transport, inline_below_bytes=inline_below, **hidden))
     # the replica's own actors and engine, with the round scheduler in this process
     serve_cfg = ServeConfig(mode="distributed", engine=cfg, target_cpus=0.5, companion_cpus=0.5,
+                            target_gpus=gpus, companion_gpus=gpus,
                             actor_restart_attempts=1, actor_start_timeout_s=600, companion_call_timeout_s=600)
     actors = start_actors(serve_cfg, tag=f"hb-{uuid.uuid4().hex[:6]}")
     parts = build_engine(cfg, actors=actors)
@@ -95,15 +102,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inline-below", type=int, nargs="+", default=[0], metavar="BYTES",
                    help="object_store runs: also with rows under BYTES sent by value (0: never; default: 0)")
     p.add_argument("--json", default=None, help="write the rows as JSON to this path")
+    p.add_argument("--target", default="smollm2-135m", metavar="MODEL",
+                   help="the drafts' target (alias or GGUF path) and the synthetic MTP target's vocabulary "
+                        "(default: %(default)s)")
+    p.add_argument("--gpus", type=float, default=0.0, metavar="F",
+                   help="Ray GPUs of the target actor and of the companion actor each (0.5: both on one GPU; "
+                        "default: 0, CPU)")
     args = p.parse_args(argv)
+    if not 0.0 <= args.gpus <= 1.0:
+        p.error(f"--gpus must be in [0, 1], got {args.gpus}")
     import ray
 
     from specray.native.synthetic_gguf import MtpTargetSpec, write_dflash_draft, write_eagle3_draft, write_mtp_target
 
     tmp = tempfile.mkdtemp(prefix="specray-hidden-bench-")
-    paths = {"mtp": write_mtp_target(os.path.join(tmp, "mtp.gguf"), MtpTargetSpec(mtp_head="copy_last")),
-             "eagle3": write_eagle3_draft(os.path.join(tmp, "eagle3.gguf")),
-             "dflash": write_dflash_draft(os.path.join(tmp, "dflash.gguf"))}
+    paths = {"target": args.target,
+             "mtp": write_mtp_target(os.path.join(tmp, "mtp.gguf"), MtpTargetSpec(mtp_head="copy_last"), args.target),
+             "eagle3": write_eagle3_draft(os.path.join(tmp, "eagle3.gguf"), target=args.target),
+             "dflash": write_dflash_draft(os.path.join(tmp, "dflash.gguf"), target=args.target)}
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     rows = []
     print(f"{'kind':7} {'transport':12} {'seqs':>4} {'rounds':>6} {'round ms':>9} {'KiB/round':>9} "
@@ -113,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             for n in args.seqs:
                 runs = [(tr, ib) for tr in args.transports for ib in (args.inline_below if tr != "inline" else [0])]
                 for tr, ib in runs:
-                    r = _run(kind, tr, n, args.max_tokens, paths, ib) | {"inline_below": ib}
+                    r = _run(kind, tr, n, args.max_tokens, paths, ib, args.gpus)
+                    r |= {"inline_below": ib, "gpus": args.gpus}
                     rows.append(r)
                     label = tr if not ib else f"{tr}<{ib // 1024}K"
                     print(f"{kind:7} {label:12} {n:>4} {r['rounds']:>6} {r['round_ms']:>9.2f} "

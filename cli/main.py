@@ -333,9 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
     ab.add_argument("--api-key", default=None, help="bearer token (default: $SPECRAY_API_KEY)")
 
+    from .synth import add_parsers as add_synth_parsers
     from .train_head import add_parser as add_train_head_parser
 
     add_train_head_parser(sub)
+    add_synth_parsers(sub)
     return parser
 
 
@@ -647,6 +649,10 @@ def main(argv: list[str] | None = None) -> int:
             from .train_head import cmd_train_head
 
             return cmd_train_head(args)
+        if args.command in ("synth-model", "cost-curve"):
+            from .synth import cmd_cost_curve, cmd_synth_model
+
+            return (cmd_synth_model if args.command == "synth-model" else cmd_cost_curve)(args)
         if args.command == "ab-report":
             from specray.bench.ab_report import main_ab_report
 

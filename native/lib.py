@@ -24,6 +24,11 @@ import threading
 import llama_cpp  # noqa: F401  (loads libllama and its ggml libraries)
 import llama_cpp._logger as _llama_logger
 
+from .shared_libs import check_one_copy
+
+# one copy of each ggml library, from one folder, or a loud error naming the paths (native/shared_libs.py)
+LIBRARIES = check_one_copy()
+
 _init_lock = threading.Lock()
 _initialised = False
 
@@ -93,8 +98,9 @@ def _loaded_library_paths(prefix: str) -> list[str]:
 @functools.cache
 def _ggml_cpu_lib() -> ctypes.CDLL | None:
     # The wheel ships libggml-cpu.so, .so.0 and .so.0.x as separate copies (no
-    # symlinks), so the switch must be flipped in the copy llama.cpp actually
-    # loaded, or it changes a private duplicate and nothing else.
+    # symlinks; scripts/build-llama-cpp.sh links them after installing, other
+    # installs may not), so the switch must be flipped in the copy llama.cpp
+    # actually loaded, or it changes a private duplicate and nothing else.
     ensure_backend()
     lib_dir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
     candidates = _loaded_library_paths("libggml-cpu") or sorted(

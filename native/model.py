@@ -127,6 +127,11 @@ class Model:
         llama_cpp.llama_model_desc(self.ptr, buf, len(buf))
         return buf.value.decode("utf-8", "replace")
 
+    @property
+    def n_params(self) -> int:
+        """Weights in the model, as llama.cpp counts them."""
+        return int(llama_cpp.llama_model_n_params(self.ptr))
+
     def vocab_info(self) -> VocabInfo:
         return VocabInfo(
             int(llama_cpp.llama_vocab_type(self.vocab)), self.n_vocab, self.bos, self.eos, self.add_bos, self.add_eos

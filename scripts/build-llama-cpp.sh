@@ -15,6 +15,8 @@
 # ~/.cache/specray/wheels) keyed by version + flags + patches, so only the first
 # install on a machine pays the ~7-10 minute compile. With CUDA (scripts/gpu-flags.sh: detected, or
 # SPECRAY_CUDA=on from `setup.sh --cuda`) the flags, and so the key, carry the backend and the GPU architecture.
+# Offline ($SPECRAY_WHEELHOUSE, set by `setup.sh --wheelhouse DIR` with PIP_NO_INDEX): the sdist and the
+# build's own requirements (scikit-build-core, cmake, ninja) come from that folder.
 set -euo pipefail
 
 PY=${1:-python3}
@@ -42,8 +44,15 @@ if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     echo "specray: CMAKE_ARGS=$CMAKE_ARGS" >&2
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
-    "$PY" -m pip download --quiet --no-deps --no-binary :all: \
-        "llama-cpp-python==$VERSION" -d "$work"
+    if [[ -n "${SPECRAY_WHEELHOUSE:-}" ]]; then  # setup.sh --wheelhouse DIR: offline, the sdist from DIR
+        sdist="$SPECRAY_WHEELHOUSE/llama_cpp_python-$VERSION.tar.gz"
+        [[ -f "$sdist" ]] || { echo "specray: the wheelhouse $SPECRAY_WHEELHOUSE has no $(basename "$sdist")" \
+            "(scripts/wheelhouse.sh downloads it)" >&2; exit 2; }
+        cp "$sdist" "$work/"
+    else
+        "$PY" -m pip download --quiet --no-deps --no-binary :all: \
+            "llama-cpp-python==$VERSION" -d "$work"
+    fi
     tar -xzf "$work"/llama_cpp_python-"$VERSION".tar.gz -C "$work"
     src="$work/llama_cpp_python-$VERSION"
     for p in "${PATCHES[@]}"; do patch -s -p1 -d "$src" < "$p"; done
@@ -54,4 +63,17 @@ if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
 fi
 
 "$PY" -m pip install --quiet --no-deps --force-reinstall "$wheel_dir"/llama_cpp_python-*.whl
+# A wheel cannot hold symlinks, so llama_cpp/lib has libggml.so, libggml.so.0 and libggml.so.0.25.3 as three
+# files. The libraries' DT_NEEDED name the .so.0 (SONAME) files, llama_cpp loads libllama.so and
+# llama_cpp._ggml libggml.so by path: two files, two copies of ggml's state in one process. Make every other
+# name a symlink to the SONAME file, so each library is one file (native/shared_libs.py checks it at import).
+lib_dir=$("$PY" -c 'import importlib.util, os; print(os.path.join(importlib.util.find_spec("llama_cpp").submodule_search_locations[0], "lib"))')
+for so in "$lib_dir"/lib*.so.[0-9]*; do
+    [[ "$so" =~ \.so\.[0-9]+$ && -f "$so" && ! -L "$so" ]] || continue
+    for other in "${so%.so.*}.so" "$so".*; do
+        if [[ -f "$other" && ! -L "$other" ]] && cmp -s "$so" "$other"; then
+            ln -sf "$(basename "$so")" "$other"
+        fi
+    done
+done
 echo "specray: llama-cpp-python $VERSION ($GGML_BACKEND) installed from $wheel_dir" >&2

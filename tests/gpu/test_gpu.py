@@ -41,6 +41,18 @@ def test_a_model_loads_after_numpy_linalg_was_imported():
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
 
 
+def test_numpy_first_still_maps_one_copy_of_each_ggml_library_cuda_included_from_one_folder():
+    # the suspected cause of the import-order crash: llama_cpp/lib's libllama with its ggml libraries loaded
+    # through a RUNPATH into another folder (native/shared_libs.py refuses that at import, naming the paths)
+    code = ("import numpy.linalg; from specray.native import lib; "
+            "print(sorted((k, v[0]) for k, v in lib.LIBRARIES.items()))")
+    env = {k: v for k, v in os.environ.items() if k != "SPECRAY_ALLOW_MIXED_GGML"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    print("\n" + out.stdout)
+    assert "libggml-cuda" in out.stdout
+
+
 @pytest.mark.parametrize("shape", ["exact", "bucketed"])
 def test_greedy_speculation_on_the_gpu_diverges_only_at_near_ties(model, shape):
     # CUDA kernels are not batch-invariant either: held to the near-tie rule, like fast mode on a CPU
