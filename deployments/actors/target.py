@@ -24,9 +24,9 @@ import numpy as np
 import ray
 
 from specray.engine.config import EngineConfig
-from specray.native import decode_threads
 from specray.engine.sampling import SamplingParams
 from specray.engine.target import StepItem, StepOutput, TargetRunner
+from specray.native import decode_threads
 
 
 #: the Ray concurrency group of the target actor's calls that use its context
