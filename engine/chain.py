@@ -211,6 +211,11 @@ class Chain:
             self.speculator(name)  # fail fast on unknown names / bad params
         self.tuner = make_tuner(config, self.instances, lambda s: isinstance(s, ModelSpeculator))
         self._pricing: Pricing | None = None  # the last round's (tuning rewards are priced with it)
+        # seconds model speculators drafted since take_model_seconds(). The scheduler leaves them out of the host
+        # time the round pricer learns from: a head's catch-up (tens of ms after rounds unasked) landed on the one
+        # draft row it sent, the pricer learnt that a draft row costs ms, and the default chain + eagle3 sent 4
+        # n-gram drafts instead of 167. A model's draft time is priced as its own, in _price.
+        self._model_seconds = 0.0
 
     def speculator(self, name: str) -> Speculator:
         spec = self.instances.get(name)
@@ -345,6 +350,8 @@ class Chain:
                                                [n_max[i] for i in idx], self.tuner)
                 dt = time.perf_counter() - t0
                 self.gate.asked(name, len(idx), dt)
+                if isinstance(spec, ModelSpeculator):
+                    self._model_seconds += dt
                 for i, k in zip(idx, settings):
                     if k >= 0:  # tuned: what it drafted with, and its share of the look-up time
                         props[i].settings[name], props[i].lookup_s[name] = k, dt / len(idx)
@@ -365,6 +372,11 @@ class Chain:
                     unscored.append((i, name))
         score_drafts(self, props, unscored, best_score, policy, pricing)
         return props
+
+    def take_model_seconds(self) -> float:
+        """Seconds model speculators drafted since the last call (then 0): priced as theirs (_price), not the host's."""
+        s, self._model_seconds = self._model_seconds, 0.0
+        return s
 
     def _price(
         self, name: str, spec: ModelSpeculator, idx: list[int], requests: list[SeqDraftRequest],
