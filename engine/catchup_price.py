@@ -13,11 +13,10 @@ cache lags again and the next draft pays another catch-up. So the catch-up is
 spread over the rounds it is expected to keep drafting: the rounds left times
 its steady share, the share of its recent drafts that were sent.
 
-Measured (issue 28, a trained EAGLE-3 head with 16% first-token acceptance,
-SmolLM2, 1 slot, 3 writing prompts): spread over every round left, a new
-sequence's prompt catch-up looked cheap, so the head was asked on the
-sequence's first round and its draft was not sent; ~10 asks of ~18 ms, 2
-drafts sent, 0.47 of the head's 0.52 ms a round of drafting time.
+Issue 28's trained EAGLE-3 head (16% first-token acceptance, SmolLM2, 1 slot)
+was asked once so (its fresh estimate), then only to explore (chain.py's
+`model_explore` budget, which pays the whole catch-up); a head whose
+estimate stays optimistic would be asked to catch up lag after lag.
 
 >>> s = SteadyShare()
 >>> s.share("eagle3")   # never measured: as if it kept drafting

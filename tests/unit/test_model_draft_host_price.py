@@ -1,7 +1,7 @@
 """A model speculator whose drafts lose must not price the chain's free drafts out (issue 28's trained head).
 
-A head asked now and then pays a long catch-up (tens of ms) on the round in
-which it sends its one exploring draft row. Left in the host time the round
+A head pays a long catch-up (tens of ms: a whole prompt) on the round of its
+first draft, a few rows sent on its fresh estimate. Left in the host time the round
 pricer learns from (host = a + b x sequences + c x draft rows + ...), that
 catch-up made every draft row look ms dear, and the default chain + eagle3
 sent 4 n-gram drafts where the chain alone sent 167. Here a stand-in head
