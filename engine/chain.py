@@ -40,6 +40,7 @@ import numpy as np
 
 from .acceptance import AcceptanceTracker, judge
 from .calibration import PrefixCalibration
+from .catchup_price import SteadyShare, catchup_charge
 from .config import ChainConfig
 from .lookup_gate import LookupGate
 from .planner import plan_draft_lengths
@@ -211,6 +212,8 @@ class Chain:
             self.speculator(name)  # fail fast on unknown names / bad params
         self.tuner = make_tuner(config, self.instances, lambda s: isinstance(s, ModelSpeculator))
         self._pricing: Pricing | None = None  # the last round's (tuning rewards are priced with it)
+        self._model_seconds = 0.0  # model speculators' draft time since take_model_seconds() (scheduler.host_seconds)
+        self.steady = SteadyShare()  # per model speculator: the share of its drafts sent (catchup_price.py)
 
     def speculator(self, name: str) -> Speculator:
         spec = self.instances.get(name)
@@ -345,6 +348,8 @@ class Chain:
                                                [n_max[i] for i in idx], self.tuner)
                 dt = time.perf_counter() - t0
                 self.gate.asked(name, len(idx), dt)
+                if isinstance(spec, ModelSpeculator):
+                    self._model_seconds += dt
                 for i, k in zip(idx, settings):
                     if k >= 0:  # tuned: what it drafted with, and its share of the look-up time
                         props[i].settings[name], props[i].lookup_s[name] = k, dt / len(idx)
@@ -366,6 +371,11 @@ class Chain:
         score_drafts(self, props, unscored, best_score, policy, pricing)
         return props
 
+    def take_model_seconds(self) -> float:
+        """Seconds model speculators drafted since the last call (then 0): priced as theirs (_price), not the host's."""
+        s, self._model_seconds = self._model_seconds, 0.0
+        return s
+
     def _price(
         self, name: str, spec: ModelSpeculator, idx: list[int], requests: list[SeqDraftRequest],
         best_score: list[float], pricing: Pricing,
@@ -373,8 +383,8 @@ class Chain:
         """Which sequences a model speculator drafts for this round, and how many tokens each: only where
         its expected accepted tokens beat the best free draft, and the planner finds the draft time worth
         paying: the draft steps (shared among the sequences drafting together) plus, per sequence, the
-        catch-up of a draft cache that lags (up to its whole prompt), spread over the rounds the sequence
-        has left, since it is paid once. {request index: n_max}."""
+        catch-up of a draft cache that lags (up to its whole prompt), spread over the rounds the speculator is
+        expected to keep drafting for it (catchup_price.py). {request index: n_max}."""
         cands: list[int] = []
         probs: list[np.ndarray] = []
         for i in idx:
@@ -388,8 +398,7 @@ class Chain:
         catchup = [spec.catchup_seconds(requests[i].seq_id, requests[i].history_for(spec)) for i in cands]
         extra = []
         for i, pp, c in zip(cands, probs, catchup):
-            rounds_left = (requests[i].tokens_left or 64) / (1.0 + float(pp.sum()))
-            extra.append(share + c / max(1.0, rounds_left))
+            extra.append(share + catchup_charge(c, requests[i].tokens_left, float(pp.sum()), self.steady.share(name)))
         lengths = plan_draft_lengths(probs, pricing.base_tokens, pricing.cost, n_decoding=pricing.n_decoding,
                                      extra_seconds=extra)
         # a draft cut this short must still beat the free one, or its time is wasted
@@ -426,6 +435,8 @@ class Chain:
         for name in prop.asked:
             winner = name == prop.speculator and n_drafted > 0
             self.instances[name].accept(prop.seq_id, n_drafted, n_accepted, winner)
+            if isinstance(self.instances[name], ModelSpeculator):
+                self.steady.drafted(name, winner)
             if winner and len(prop.raw_probs) >= n_drafted:
                 self.calibrations[name].update(prop.raw_probs[:n_drafted], n_accepted)
             tracker, m = self.trackers[name], n_accepted if winner else 0

@@ -221,6 +221,12 @@ def commit_round(chain: Chain, decoding: list[Sequence], proposals: list[Proposa
     return emit, failed
 
 
+def host_seconds(clock: RoundClock, chain: Chain) -> float:
+    """The round's host work, what the round pricer learns from: its wall time less the target's decode and less
+    model speculators' drafting, which the chain prices as the model's own (Chain.take_model_seconds)."""
+    return max(0.0, clock.total - clock.seconds.get("decode", 0.0) - chain.take_model_seconds())
+
+
 def check_grammar(constraints: ConstraintFactory | None, grammar: str | None) -> None:
     """ValueError if a request's grammar does not compile: checked at submit, so a bad one never reaches a round."""
     if grammar is not None:
@@ -434,7 +440,7 @@ class Scheduler:
                                                   sum(len(it.tokens) for it in items), n_prefill),
                              emitted if loaded and not prefilling else None, len(decoding))
         self.pricer.observe(out.batch_sizes, out.decode_seconds, cells, n_prefill > 0, len(decoding),
-                            sum(len(p.tokens) for p in proposals), clock.total - clock.seconds["decode"], emitted)
+                            sum(len(p.tokens) for p in proposals), host_seconds(clock, self.chain), emitted)
         return events
 
     def target_budget(self) -> int:  # the most rows one round's decode may carry

@@ -45,6 +45,9 @@ from .draft_base import ModelDraftParams, ModelSpeculator, SlotMirror
 
 log = logging.getLogger("specray.hidden")
 
+#: a first draft step of this many rows or more is a catch-up (a steady one has a pair or two per sequence)
+CATCHUP_ROWS = 8
+
 
 class HiddenDraftParams(ModelDraftParams):
     """Parameters of a hidden-state speculator (mtp, eagle3)."""
@@ -126,6 +129,9 @@ class HiddenStateSpeculator(SlotMirror, ModelSpeculator):
         self.step_cost = DecodeCostModel(backend.decode_costs() or None, ema=0.1)
         self.catchup_per_seq = 2.0
         self.overhead_seconds = 0.0
+        # the encoder's time per row of a catch-up (EAGLE-3's fc over each target row: ~1/3 of a prompt's catch-up
+        # here), learnt from encodes of CATCHUP_ROWS+ rows; a steady draft's encode is in overhead_seconds
+        self.encode_row_seconds = 0.0
         self.audit: dict[int, dict[int, tuple[int, np.ndarray]]] = {}  # seq -> pos -> (token, row)
 
     # ---- cost ------------------------------------------------------------------------------------
@@ -138,7 +144,10 @@ class HiddenStateSpeculator(SlotMirror, ModelSpeculator):
         st = self.seqs.get(seq_id)
         rows = 1 + sum(len(t) for t, _, _ in st.queue) if st is not None else len(history)
         steady = max(1, round(self.catchup_per_seq))
-        return max(0.0, self.step_cost.cost(rows) - self.step_cost.cost(steady)) if rows > steady else 0.0
+        if rows <= steady:
+            return 0.0
+        decode = max(0.0, self.step_cost.cost(rows) - self.step_cost.cost(steady))
+        return decode + (rows - steady) * self.encode_row_seconds
 
     # ---- sequence life ---------------------------------------------------------------------------
     def _begin(self, seq_id: int, prompt: np.ndarray) -> None:
@@ -249,7 +258,10 @@ class HiddenStateSpeculator(SlotMirror, ModelSpeculator):
         try:
             te = time.perf_counter()
             enc = self.backend.encode(np.concatenate([r[3] for r in first]))
-            self.counters.encode_seconds += time.perf_counter() - te
+            te = time.perf_counter() - te
+            self.counters.encode_seconds += te
+            if rows >= CATCHUP_ROWS:
+                self.encode_row_seconds += 0.2 * (te / rows - self.encode_row_seconds)
             runs, o = [], 0
             for seq_id, toks, pos0, r in first:
                 runs.append((seq_id, toks, pos0, enc[o : o + len(toks)]))
