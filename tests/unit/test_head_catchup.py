@@ -27,8 +27,9 @@ from specray.engine.speculators.eagle3 import Eagle3Params, Eagle3Speculator
 from specray.engine.speculators.registry import make_speculator
 from specray.engine.target import StepOutput, StepResult
 
+from ._scripted import COST, Tok, script, verify
+
 W = 4
-COST = {1: 0.010, 2: 0.0105, 4: 0.0115, 8: 0.0135, 16: 0.0175, 64: 0.04}  # the target's verify curve
 HEAD_COST = {1: 0.0009, 2: 0.0012, 4: 0.0018, 8: 0.0031, 16: 0.0055, 64: 0.02}  # a trained head's, measured
 
 
@@ -135,21 +136,9 @@ def test_a_lagging_head_catches_up_in_one_decode_and_drafts_as_if_fed_every_roun
 PROMPT = 60
 
 
-def script(seed: int, n: int = 400) -> np.ndarray:
-    """What the "target" writes: random tokens (nothing a free speculator could copy: the head is the only
-    candidate, as on chat), and after the first 150 some copies of earlier stretches."""
-    rng = np.random.default_rng(seed)
-    out = rng.integers(100, 400, PROMPT).tolist()
-    while len(out) < n:
-        if len(out) > 150 and rng.random() < 0.2:
-            a = int(rng.integers(0, len(out) - 12))
-            out += out[a : a + int(rng.integers(6, 12))]
-        else:
-            out += rng.integers(100, 400, 4).tolist()
-    return np.array(out[:n], np.int32)
-
-
-SCRIPTS = {k: script(k) for k in range(6)}
+# random tokens (nothing a free speculator could copy: the head is the only candidate, as on chat), and after
+# the first 150 some copies of earlier stretches
+SCRIPTS = {k: script(k, PROMPT, 150) for k in range(6)}
 
 
 class RowTarget:
@@ -174,14 +163,9 @@ class RowTarget:
                 results.append(StepResult(it.seq_id, np.zeros(0, np.int32)))
                 committed = it.tokens
             else:
-                want, p, out = self.scripts[it.seq_id], it.pos0 + it.n_commit, []
-                for d in it.tokens[it.n_commit:].tolist():
-                    if d != want[p]:
-                        break
-                    out.append(d)
-                    p += 1
-                results.append(StepResult(it.seq_id, np.array(out + [want[p]], np.int32), len(out)))
-                committed = it.tokens[: it.n_commit + len(out)]
+                res, n_ok = verify(self.scripts[it.seq_id], it)
+                results.append(res)
+                committed = it.tokens[: it.n_commit + n_ok]
             if it.hidden:
                 entries.append((it.seq_id, it.pos0, committed, rows_of(it.seq_id, it.pos0, committed)))
         n = sum(len(it.tokens) for it in items)
@@ -189,14 +173,6 @@ class RowTarget:
         if entries:
             out.hidden = pack_rows(self.rounds, (TAP_NEXTN,), (W,), entries)
         return out
-
-
-class Tok:
-    def token_to_piece(self, token, special=False):
-        return f"{token},".encode()
-
-    def is_eog(self, token):
-        return False
 
 
 def run(speculators: list[str], head: HashHead, n_seqs: int = 6, model_explore: float = 0.0) -> Scheduler:

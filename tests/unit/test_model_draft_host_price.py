@@ -25,22 +25,9 @@ from specray.engine.speculators.draft_base import ModelSpeculator
 from specray.engine.speculators.registry import make_speculator
 from specray.engine.target import StepOutput, StepResult
 
-COST = {1: 0.010, 2: 0.0105, 4: 0.0115, 8: 0.0135, 16: 0.0175, 64: 0.04}  # a CPU-like verify curve
+from ._scripted import COST, Tok, script, verify
+
 PROMPT = 40
-
-
-def script(seed: int, n: int = 400) -> np.ndarray:
-    """What the "target" writes: random tokens, and after the first 120 some copies of earlier stretches (where
-    a suffix draft is right; elsewhere nothing drafts and the head is the only candidate, as on chat)."""
-    rng = np.random.default_rng(seed)
-    out = rng.integers(100, 400, PROMPT).tolist()
-    while len(out) < n:
-        if len(out) > 120 and rng.random() < 0.2:
-            a = int(rng.integers(0, len(out) - 12))
-            out += out[a : a + int(rng.integers(6, 12))]
-        else:
-            out += rng.integers(100, 400, 4).tolist()
-    return np.array(out[:n], np.int32)
 
 
 class ScriptTarget:
@@ -62,26 +49,13 @@ class ScriptTarget:
             if not it.sample:
                 results.append(StepResult(it.seq_id, np.zeros(0, np.int32)))
                 continue
-            want, p, out = self.scripts[it.seq_id], it.pos0 + it.n_commit, []
-            for d in it.tokens[it.n_commit:].tolist():
-                if d != want[p]:
-                    break
-                out.append(d)
-                p += 1
-            results.append(StepResult(it.seq_id, np.array(out + [want[p]], np.int32), len(out)))
+            results.append(verify(self.scripts[it.seq_id], it)[0])
         n = sum(len(it.tokens) for it in items)
         return StepOutput(results, DecodeCostModel(COST, learn=False).cost(n), n, 1, batch_sizes=[n])
 
 
-SCRIPTS = {tuple(script(k)[:8].tolist()): script(k) for k in range(3)}
-
-
-class Tok:
-    def token_to_piece(self, token, special=False):
-        return f"{token},".encode()
-
-    def is_eog(self, token):
-        return False
+# after the first 120 tokens some copies of earlier stretches, where a suffix draft is right
+SCRIPTS = {tuple(s[:8].tolist()): s for s in (script(k, PROMPT, 120) for k in range(3))}
 
 
 class LosingHead(ModelSpeculator):
@@ -113,7 +87,7 @@ def run(speculators: list[str]) -> Scheduler:
     s = Scheduler(EngineConfig(slots=1, calibrate=False, chain=chain), ScriptTarget(), Tok(), Chain(chain, factory),
                   n_ctx=4096, cost=DecodeCostModel(COST, learn=False))
     for k in range(3):
-        seq = s.submit(GenerationRequest(script(k)[:PROMPT], max_tokens=300, ignore_eos=True))
+        seq = s.submit(GenerationRequest(script(k, PROMPT, 120)[:PROMPT], max_tokens=300, ignore_eos=True))
         while s.has_work():
             s.step()
         assert seq.finished
