@@ -373,9 +373,6 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    "process in between (Ray Serve's direct ingress; Serve's proxy moves to a free port). Needs the "
                    "local Ray specray serve starts (not a joined cluster) and one ingress replica. Default: on "
                    "exactly where those hold; --no-direct-ingress keeps Serve's proxy in front")
-    p.add_argument("--pace-rounds", action=argparse.BooleanOptionalAction, default=S,
-                   help="the round thread waits for the replica's event loop to write a round's chunks before the "
-                   f"next decode {d(ServeConfig, 'pace_rounds')}")
     p.add_argument("--slots", type=int, default=S, help=f"concurrent sequences per replica {d(EngineConfig, 'slots')}")
     p.add_argument("--api-key", default=S,
                    help="require `Authorization: Bearer KEY` on every endpoint but /health (default: the file's "

@@ -21,7 +21,6 @@ _FLAG_FIELDS = {
     "mode": ("mode",),
     "layout": ("layout",),
     "direct_ingress": ("direct_ingress",),
-    "pace_rounds": ("pace_rounds",),
     "slots": ("engine", "slots"),
     "model": ("engine", "model"),
     "chat_template": ("engine", "chat_template"),

@@ -70,12 +70,6 @@ class ServeConfig(BaseModel):
         "split (the Ingress routes between the arms' deployments and keeps the request records of replicas "
         "that scale away)",
     )
-    pace_rounds: bool = Field(
-        False,
-        description="the round thread waits (at most 5 ms) for the replica's event loop to write a round's chunks "
-        "before the next decode, so that work does not preempt llama.cpp's threads mid-decode (a preempted worker "
-        "stalls every other at the next barrier). One event loop only (the fused layout's)",
-    )
     direct_ingress: bool | None = Field(
         None,
         description="specray serve only: the app's ingress replica (fused: the engine replica) listens on `port` "

@@ -39,10 +39,6 @@ from .slots import ReliabilityStats, Slots
 from .streams import Op, Outbox, Stream, flush, next_chunk  # noqa: F401  (next_chunk re-exported)
 
 
-#: the longest a paced round waits for its chunks to be written before the next decode
-PACE_WAIT_S = 0.005
-
-
 def _replica_tag() -> str:
     try:
         from ray import serve
@@ -60,7 +56,6 @@ class RouterCore:
         self.lock = threading.Lock()  # guards every scheduler call (held by the round thread)
         self._inbox: list[Op] = []
         self._stopping = False
-        self._delivered = threading.Event()  # set by the event loop once a round's chunks are written (pace_rounds)
         actors = None
         if cfg.mode == "distributed":
             actors = start_actors(cfg, f"{cfg.app_name}:{_replica_tag()}", on_change=lambda _: self._wake())
@@ -205,9 +200,7 @@ class RouterCore:
                     self.slots.event(ev, out)
                 can_step = ready and self.scheduler.has_work()
                 stats.observe_round(self, idle=not can_step)
-            self._delivered.clear()
-            if flush(out, self._delivered if self.cfg.pace_rounds else None):
-                self._delivered.wait(PACE_WAIT_S)
+            flush(out)
 
     def _wait(self, can_step: bool) -> list[Op] | None:
         """Block until there is something to do; the inbox taken (None: stop)."""

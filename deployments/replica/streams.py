@@ -122,23 +122,10 @@ def call_in_loop(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         pass
 
 
-def flush(out: Outbox, delivered: threading.Event | None = None) -> bool:
-    """Hand every loop the items of this round (one wake-up each). With `delivered` and one loop (the common
-    case), the event is set once that loop has run what the items woke (each stream's chunk written): returns
-    whether it will be."""
-    paced = delivered is not None and len(out) == 1
+def flush(out: Outbox) -> None:
+    """Hand every loop the items of this round (one wake-up each)."""
     for loop, items in out.items():
-        if paced:
-            call_in_loop(loop, deliver_then_signal, items, delivered)
-        else:
-            call_in_loop(loop, deliver, items)
-    return paced
-
-
-def deliver_then_signal(items: list, delivered: threading.Event) -> None:
-    deliver(items)
-    # call_soon runs callbacks in order: the stream tasks these puts woke were queued before this one
-    asyncio.get_running_loop().call_soon(delivered.set)
+        call_in_loop(loop, deliver, items)
 
 
 async def next_chunk(queue: asyncio.Queue) -> tuple[str, dict | None]:
