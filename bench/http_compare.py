@@ -274,7 +274,7 @@ def engine_config(args, slots: int, chain_label: str | None) -> EngineConfig:
 
         extra["draft"] = DraftModelConfig.from_flags(args)
     return EngineConfig(model=args.model, chat_template=args.chat_template, n_ctx=args.n_ctx, slots=slots,
-                        threads=args.threads, exact=args.exact, flash_attn=bool(getattr(args, "flash_attn", False)),
+                        threads=args.threads, exact=args.exact, flash_attn=getattr(args, "flash_attn", None),
                         chain=chain, prompt_cache=False, **extra)
 
 
@@ -287,12 +287,13 @@ def main_http_bench(args) -> int:
     api_key = args.api_key or os.environ.get("SPECRAY_API_KEY")
     meta = {"prompts": len(prompts), "prompts_path": prompts_path, "max_tokens": args.max_tokens,
             "streams": streams, "policy": args.policy, "n_max": args.n_max, "threads": args.threads,
-            "exact": args.exact, "flash_attn": bool(getattr(args, "flash_attn", False)), "cpus": os.cpu_count(),
+            "exact": args.exact, "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
 
     def finish(report: dict, ecfg: EngineConfig) -> int:
         report["meta"] = meta | {"model": ecfg.model, "chain": ecfg.chain.label, "slots": ecfg.slots,
+                                 "flash_attn": ecfg.flash_attn_on,
                                  "n_ctx": ecfg.n_ctx}
         return print_report(table(report), report, args.json)
 

@@ -68,7 +68,7 @@ def run_bench(
     draft: DraftModelConfig | None = None,
     repeats: int = 1,
     order: str = "lockstep",
-    flash_attn: bool = False,
+    flash_attn: bool | None = None,
     n_gpu_layers: int | None = None,
     gpu_split: dict | None = None,
     progress_every: float = 10.0,
@@ -180,7 +180,7 @@ def run_bench(
     report.tie_bound = 2.0 * max(report.batch_variance, report.layout_variance)
     report.meta = {"order": order, "slots": slots, "max_tokens": max_tokens, "exact": exact,
                    "verify_shape": verify_shape, "verify_buckets": list(cfg.verify_buckets),
-                   "flash_attn": flash_attn, "policy": policy,
+                   "flash_attn": cfg.flash_attn_on, "policy": policy,
                    "n_max": n_max, "threads": threads, "n_gpu_layers": engine.model.n_gpu_layers,
                    # the draft model's settings as llama.cpp took them (its load options: README, 'Draft models')
                    "draft": engine.draft_model.effective_settings() if engine.draft_model is not None else None,

@@ -13,10 +13,11 @@ from specray.engine.config import CacheType, ChainConfig, EngineConfig
 # the default chain last: the bench answers "is the default worth it here" without flags
 DEFAULT_BENCH_CONFIGS = ["none", "ngram_simple", "ngram_mod", "ngram_cache", "suffix", "ngram_mod,suffix",
                          ChainConfig().label]
-FLASH_ATTN_HELP = ("flash attention in the target context. Measured on SmolLM2 here (2 cores, specray's own loop): "
-                   "plain decoding +5%% at 1 slot (+5-12%% on short prompts, -3%% on 800-token ones), verify batches of "
-                   "16+ tokens 15-25%% slower; with 4 slots plain decoding +7%% on short prompts and +40-80%% on long "
-                   "ones (every slot's KV cells are attended unless it is on). Not with --exact")
+FLASH_ATTN_HELP = ("flash attention in the target context: on unless --exact (which needs it off), as llama-server's "
+                   "--flash-attn auto on a CPU; --no-flash-attn turns it off. Measured on SmolLM2 here (2 cores, "
+                   "specray bench, 6 categories): plain decoding +2%% at 1 slot and +24%% at 4 (without it every row "
+                   "attends to every slot's KV cells), the default chain +9%%; verify batches of 16+ tokens of one "
+                   "long sequence 15-25%% slower")
 
 BUCKETS_HELP = ("with bucketed verifies: rows per decoding sequence a decode-only round may take (1 = a plain "
                 "decode); without 1 every round is padded to at least the smallest, so plain rounds and drafts up "
@@ -87,8 +88,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="batch-invariant target (llamafile sgemm, tiled K-quant kernels, weight repacking and "
                         "flash attention off; one KV stream per slot): greedy output token-identical to plain "
                         "decoding, at some speed cost")
-    g.add_argument("--flash-attn", action="store_true",
-                   help=FLASH_ATTN_HELP + " (default: off)")
+    g.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None,
+                   help=FLASH_ATTN_HELP + " (default: on unless --exact)")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:

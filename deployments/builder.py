@@ -86,7 +86,7 @@ def open_target(config: EngineConfig, model=None):
     # can serve: every decode writes them, drafted or not
     snapshots = wants_snapshots(model.memory_kind, config.rollback, config.slots, config.chain.enabled)
     ctx = Context(model, n_ctx=config.n_ctx, n_seq_max=config.slots, n_batch=config.n_batch,
-                  n_threads=config.threads, flash_attn=config.flash_attn, exact=config.exact,
+                  n_threads=config.threads, flash_attn=config.flash_attn_on, exact=config.exact,
                   n_rs_seq=config.rollback_snapshots if snapshots else 0)
     return model, ctx
 

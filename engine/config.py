@@ -277,10 +277,13 @@ class EngineConfig(BaseModel):
     tensor_split: tuple[float, ...] | None = Field(
         None, description="share of the model per visible GPU, e.g. (3, 1): three quarters on the first; None: "
         "by free memory (llama.cpp's default)")
-    flash_attn: bool = Field(
-        False, description="flash attention (not with exact mode). Off by default. Measured on SmolLM2 here: it "
-        "speeds plain decoding up 5-8% but makes verify batches of 16+ tokens 15-25% slower; with several slots a "
-        "token's logits then depend on where the other sequences' KV cells lie (the bench's tie bound measures it)")
+    flash_attn: bool | None = Field(
+        None, description="flash attention in the target context; None (the default): on, except in exact mode "
+        "(its batch-invariant kernels need it off), as llama-server's --flash-attn auto on a CPU. Measured on SmolLM2 "
+        "here (specray bench, 6 categories): plain decoding +2% at 1 slot and +24% at 4 slots (without it every "
+        "row attends to every slot's KV cells, masked or not), the default chain +9% at both; verify batches of "
+        "16+ tokens of one long sequence cost 15-25% more. With several slots a token's logits then depend on "
+        "where the other sequences' KV cells lie (the bench's tie bound measures it)")
     exact: bool = Field(
         False,
         description="batch-invariant target: llamafile sgemm, tiled K-quant matmuls, weight repacking and "
@@ -365,7 +368,7 @@ class EngineConfig(BaseModel):
             n_ubatch=d.n_ubatch or n_batch, n_gpu_layers=d.n_gpu_layers,
             main_gpu=d.main_gpu if pinned else self.main_gpu,
             split_mode="none" if pinned or self.split_mode == "none" else "layer",
-            cache_type_k=d.cache_type_k, cache_type_v=d.cache_type_v, flash_attn=d.context_flash_attn(self.flash_attn))
+            cache_type_k=d.cache_type_k, cache_type_v=d.cache_type_v, flash_attn=d.context_flash_attn(self.flash_attn_on))
 
     @field_validator("tensor_split", mode="after")
     @classmethod
@@ -400,6 +403,15 @@ class EngineConfig(BaseModel):
             raise ValueError(f"verify_buckets' largest bucket ({max(self.verify_buckets)} rows) exceeds n_batch "
                              f"({self.n_batch})")
         return self
+
+    @property
+    def flash_attn_on(self) -> bool:
+        """flash_attn as decided: the explicit setting, else on unless exact mode (which needs it off).
+
+        >>> EngineConfig().flash_attn_on, EngineConfig(exact=True).flash_attn_on, EngineConfig(flash_attn=False).flash_attn_on
+        (True, False, False)
+        """
+        return (not self.exact) if self.flash_attn is None else self.flash_attn
 
     @property
     def repack_weights(self) -> bool | None:

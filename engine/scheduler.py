@@ -385,7 +385,7 @@ class Scheduler:
         if not self.active:
             return []
         clock.lap("admit")
-        if self.shared_cells is not None and not self.config.flash_attn:
+        if self.shared_cells is not None and not self.config.flash_attn_on:
             # every cell in use is computed for every token, masked or not: idle caches slow the running sequences
             self.prompt_cache.evict(idle_budget(self.config.prompt_cache_slowdown, self.cost.cost(1, 0),
                                                 self.cost.read_seconds), self.target.release)

@@ -136,6 +136,7 @@ class TargetService:
             "step_decodes": r.step_decodes,
             "step_decode_seqs": r.step_decode_seqs,
             "decodes": self.ctx.n_decodes,
+            "flash_attn": self.ctx.flash_attn,
             "calls": self.calls,
             # live threads of this process that have decoded: 1, or OpenMP slows every decode
             "decode_threads": len(decode_threads.live()),

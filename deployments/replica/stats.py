@@ -72,6 +72,7 @@ def round_snapshot(core) -> dict:
         d["target"] = {
             "where": "in-process",
             "threads": parts.config.threads,
+            "flash_attn": parts.ctx.flash_attn,  # as the context was made (EngineConfig.flash_attn_on)
             # live threads of this process that have decoded: 1, or OpenMP slows every decode
             # (native/decode_threads.py)
             "decode_threads": len(decode_threads.live()),

@@ -43,7 +43,7 @@ def test_json_contract(report, tmp_path):
     # two slots: the tie bound covers both measured drifts (batched vs one by one; KV layout)
     assert js["layout_variance"] >= 0.0 and js["batch_variance"] >= 0.0
     assert js["tie_bound"] == 2.0 * max(js["batch_variance"], js["layout_variance"])
-    assert js["meta"]["flash_attn"] is False
+    assert js["meta"]["flash_attn"] is True  # on by default outside exact mode (EngineConfig.flash_attn_on)
 
 
 def test_figures_add_up(report):

@@ -126,7 +126,8 @@ def test_companion_service_loads_the_draft_with_its_options():
     try:
         got = svc.info()["draft"]["settings"]
         assert (got["threads"], got["threads_batch"], got["n_ubatch"]) == (1, 2, 128)
-        assert (got["cache_type_k"], got["cache_type_v"], got["flash_attn"]) == ("q4_0", "f16", False)
+        # flash attention follows the target's, on by default outside exact mode
+        assert (got["cache_type_k"], got["cache_type_v"], got["flash_attn"]) == ("q4_0", "f16", True)
     finally:
         svc.draft_model.close()
         svc.target_vocab.close()

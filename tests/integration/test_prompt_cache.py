@@ -142,8 +142,8 @@ def test_idle_caches_give_way_to_new_sequences_in_one_kv_pool(smollm2):
 def test_idle_caches_are_capped_by_their_price_with_flash_attention_off(smollm2):
     # one KV pool, flash attention off: every idle cell is computed (masked) by each decode; priced here so that
     # 150 idle cells cost the allowed 10% of a one-row decode, one 107-cell cache stays, two do not
-    eng = _engine(smollm2, exact=False, prompt_cache=True)
-    assert not eng.config.flash_attn and eng.scheduler.shared_cells is not None
+    eng = _engine(smollm2, exact=False, prompt_cache=True, flash_attn=False)
+    assert not eng.ctx.flash_attn and eng.scheduler.shared_cells is not None
     eng.scheduler.cost = DecodeCostModel({1: 0.006, 8: 0.012}, read_seconds=0.1 * 0.006 / 150)
     a, b, c = (eng.run([GenerationRequest(np.arange(100, dtype=np.int32) + base, max_tokens=8, chain=())])[0]
                for base in (1000, 2000, 3000))

@@ -130,4 +130,7 @@ def test_http_bench_engines_get_the_engine_flags():
     args = cli.build_parser().parse_args(["bench", "--http", "--flash-attn", "--threads", "1"])
     ecfg = engine_config(args, slots=3, chain_label="suffix")
     assert (ecfg.flash_attn, ecfg.threads, ecfg.slots, ecfg.chain.speculators) == (True, 1, 3, ["suffix"])
-    assert engine_config(cli.build_parser().parse_args(["bench", "--http"]), 1, None).flash_attn is False
+    default = engine_config(cli.build_parser().parse_args(["bench", "--http"]), 1, None)
+    assert default.flash_attn is None and default.flash_attn_on  # on unless exact mode
+    off = engine_config(cli.build_parser().parse_args(["bench", "--http", "--no-flash-attn"]), 1, None)
+    assert off.flash_attn is False and not off.flash_attn_on

@@ -70,6 +70,7 @@ def test_one_thread_does_every_decode(http, client):
     client.completions.create(model="smollm2-135m", prompt="One thread", max_tokens=4, temperature=0)
     st = http.get("/v1/stats").json()
     assert st["target"]["rounds"] > 0 and st["target"]["decode_threads"] == 1
+    assert st["target"]["flash_attn"] is False  # as the context was made: exact mode (ENGINE) keeps it off
 
 
 @pytest.mark.parametrize("prompt", COMPLETION_PROMPTS)

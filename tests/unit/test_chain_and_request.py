@@ -77,6 +77,8 @@ def test_parse_chain_and_config_errors():
     with pytest.raises(ValueError, match="flash_attn conflicts with exact"):
         EngineConfig(exact=True, flash_attn=True)
     assert EngineConfig(flash_attn=True).flash_attn and EngineConfig(exact=True).exact
+    # unset: on, except in exact mode
+    assert EngineConfig().flash_attn_on and not EngineConfig(exact=True).flash_attn_on
     # weight repacking: refused with exact mode, resolved off there, left to the build otherwise
     with pytest.raises(ValueError, match="use_extra_bufts conflicts with exact"):
         EngineConfig(exact=True, use_extra_bufts=True)

@@ -19,7 +19,10 @@ def test_unset_options_follow_the_target_as_before():
     s = EngineConfig(threads=3, n_batch=256, draft={"model": "smollm2-135m"}).draft_settings()
     assert (s.threads, s.threads_batch, s.n_batch, s.n_ubatch) == (3, 3, 256, 256)
     assert (s.n_gpu_layers, s.main_gpu, s.split_mode) == (None, 0, "layer")
-    assert (s.cache_type_k, s.cache_type_v, s.flash_attn) == ("f16", "f16", False)
+    # flash attention as the target decides it: on by default, off with exact mode or when turned off
+    assert (s.cache_type_k, s.cache_type_v, s.flash_attn) == ("f16", "f16", True)
+    assert EngineConfig(exact=True).draft_settings().flash_attn is False
+    assert EngineConfig(flash_attn=False).draft_settings().flash_attn is False
     # the engine's flash attention and main GPU; a row or tensor split becomes whole layers for the small draft
     s = EngineConfig(flash_attn=True, main_gpu=1, split_mode="row").draft_settings()
     assert (s.flash_attn, s.main_gpu, s.split_mode) == (True, 1, "layer")
@@ -38,7 +41,8 @@ def test_set_options_win():
 
 def test_a_quantised_v_cache_turns_flash_attention_on_unless_it_is_refused():
     assert EngineConfig(draft={"cache_type_v": "q8_0"}).draft_settings().flash_attn is True
-    assert EngineConfig(draft={"cache_type_k": "q8_0"}).draft_settings().flash_attn is False
+    assert EngineConfig(flash_attn=False, draft={"cache_type_v": "q8_0"}).draft_settings().flash_attn is True
+    assert EngineConfig(flash_attn=False, draft={"cache_type_k": "q8_0"}).draft_settings().flash_attn is False
     with pytest.raises(ValidationError, match="cache_type_v q8_0 .*needs flash attention.*flash_attn"):
         DraftModelConfig(cache_type_v="q8_0", flash_attn=False)
     DraftModelConfig(cache_type_v="bf16", flash_attn=False)  # not quantised: fine
