@@ -69,9 +69,6 @@ class Proposal:
     settings: dict[str, int] = field(default_factory=dict)
     lookup_s: dict[str, float] = field(default_factory=dict)
     tune_class: str | None = None
-    # cost policy: each scored draft's draft_value; 0 = no prefix of it was worth its verify time (the gate's
-    # winnings count such a draft as nothing: lookup_gate.py)
-    worth: dict[str, float] = field(default_factory=dict)
 
     def cut(self, n: int) -> None:
         self.tokens = self.tokens[:n]
@@ -194,8 +191,6 @@ def score_drafts(chain: "Chain", props: list[Proposal], unscored: list[tuple[int
             raw, pp = chain.estimate(name, p.seq_id, len(d), p.contexts[name])
             score = (chain.trackers[name].rate(p.seq_id) * len(d) if policy == "expected"
                      else draft_value(pp, pricing))
-        if pricing is not None and policy == "cost":
-            p.worth[name] = score
         if score > best_score[i]:
             best_score[i] = score
             p.speculator, p.tokens, p.prefix_probs, p.raw_probs = name, d, pp, raw
@@ -453,7 +448,7 @@ class Chain:
                     tracker.update(prop.seq_id, len(d), m, censored, prop.contexts.get(name, 0))
             elif winner:
                 tracker.update(prop.seq_id, n_drafted, n_accepted)
-            self.gate.won(name, m if prop.worth.get(name, 1.0) > 0 else 0)  # sent or not; 0 if not worth sending
+            self.gate.won(name, m)  # what its draft was worth, sent or not: the gate must not follow the planner
             if name in prop.settings and self.tuner is not None:
                 reward_round(self.tuner, self._pricing, prop, name, n_drafted if winner else 0,
                              n_accepted if winner else 0)

@@ -8,15 +8,7 @@ that on every token for nothing; on a GPU, where a round of a small model
 takes 1-2 ms, three such look-ups are 5-10% of the round. So each speculator's
 winnings are followed: the tokens its draft gets right per look-up (judged
 against what the target emitted, sent or not, so the gate does not follow the
-planner's cuts; an exponential average), worth the round's time per token each.
-A draft the cost policy finds worth nothing (no prefix of it pays its verify
-time at its estimated acceptance: chain.draft_value) wins nothing, however
-right it turns out: at that price it is never sent, so its look-up bought
-nothing. Measured at 4 slots on SmolLM2 with flash attention (writing prompts),
-the chain's look-ups cost 0.66 ms a round while one draft token in 256 rounds
-was sent; right-but-unsendable drafts had kept them all asked. The acceptance
-estimate still learns on the probe rounds, so drafts that become worth sending
-open the gate again. Once it has been
+planner's cuts; an exponential average), worth the round's time per token each. Once it has been
 asked `warmup` times and its winnings are worth less than its look-up, it is
 asked only one round in `probe_every` (so a change in the traffic is still
 seen). Drafts never change what is emitted, so this is lossless.
