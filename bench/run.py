@@ -268,7 +268,7 @@ def run_bench(
             for name, classes in passes[-1].items():
                 for cls, t in classes.items():
                     progress(f"{c}: {name} [{cls}] tuned to {t['choice']} "
-                             f"({t['explored_rounds']} rounds exploring)")
+                             f"({t['judged']} shadows judged)")
         held = {c: held_out_winners({k: report.repeat_speedups(k, report.categories) for k in report.configs},
                                     c[: -len(TUNE)]) for c in tuned}
         if any(held.values()):

@@ -419,7 +419,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"max draft tokens per sequence per round {d(ChainConfig, 'n_max')}")
     g.add_argument("--spec-tune", action=argparse.BooleanOptionalAction, default=S,
                    help="tune each n-gram speculator's look-up parameters online (a bandit per speculator and "
-                        "request class, `speculative.tune_class`; /v1/stats `tuning` shows the choice) "
+                        "request class, `speculative.tune_class`, judging every setting side by side on shadow "
+                        "look-ups that are never sent; /v1/stats `tuning` shows the choice) "
                         f"{d(ChainConfig, 'tune')}")
     g.add_argument("--rollback", choices=["auto", "snapshots", "checkpoint", "off"], default=S,
                    help=f"{ROLLBACK_HELP} {d(EngineConfig, 'rollback')}")

@@ -46,7 +46,7 @@ from .lookup_gate import LookupGate
 from .planner import plan_draft_lengths
 from .speculator import EMPTY_DRAFT, Speculator, SpeculatorStats
 from .speculators.draft_base import ModelSpeculator
-from .tuning import draft_tuned, make_tuner, reward_round
+from .tuning import draft_tuned, make_tuner
 
 log = logging.getLogger("specray.chain")
 
@@ -65,10 +65,6 @@ class Proposal:
     # is judged against the tokens the target emitted, so every speculator learns, sent or not
     drafts: dict[str, np.ndarray] = field(default_factory=dict)
     contexts: dict[str, int] = field(default_factory=dict)
-    # tuning (engine/tuning.py): the setting each tuned speculator drafted with, and its look-up seconds
-    settings: dict[str, int] = field(default_factory=dict)
-    lookup_s: dict[str, float] = field(default_factory=dict)
-    tune_class: str | None = None
 
     def cut(self, n: int) -> None:
         self.tokens = self.tokens[:n]
@@ -211,7 +207,6 @@ class Chain:
         for name in config.speculators:
             self.speculator(name)  # fail fast on unknown names / bad params
         self.tuner = make_tuner(config, self.instances, lambda s: isinstance(s, ModelSpeculator))
-        self._pricing: Pricing | None = None  # the last round's (tuning rewards are priced with it)
         self._model_seconds = 0.0  # model speculators' draft time since take_model_seconds() (scheduler.host_seconds)
         self.steady = SteadyShare()  # per model speculator: the share of its drafts sent (catchup_price.py)
 
@@ -278,12 +273,16 @@ class Chain:
 
     # ---- sequence life -----------------------------------------------------------
     def begin(self, seq_id: int, names: tuple[str, ...], prompt: np.ndarray, grammar: str | None = None) -> None:
+        if self.tuner is not None:  # a shadow left on this slot guessed another sequence's tokens
+            self.tuner.forget(seq_id)
         for name in names:  # `grammar`: the request's, for the speculators that read it (set_grammar)
             if hasattr(spec := self.speculator(name), "set_grammar"):
                 spec.set_grammar(seq_id, grammar)
             spec.begin(seq_id, prompt)
 
     def end(self, seq_id: int, names: tuple[str, ...]) -> None:
+        if self.tuner is not None:
+            self.tuner.forget(seq_id)
         for name in names:
             self.instances[name].end(seq_id)
             self.trackers[name].end(seq_id)
@@ -311,8 +310,7 @@ class Chain:
         self, requests: list[SeqDraftRequest], policy: str | None = None, pricing: Pricing | None = None
     ) -> list[Proposal]:
         policy = policy or self.config.policy
-        self._pricing = pricing
-        props = [Proposal(r.seq_id, None, tune_class=r.tune_class) for r in requests]
+        props = [Proposal(r.seq_id, None) for r in requests]
         pending = [i for i, r in enumerate(requests) if r.chain and r.n_max > 0]
         if not pending:
             return props
@@ -344,15 +342,15 @@ class Chain:
                 exploring = name in self._exploring
                 self._exploring.discard(name)
                 t0 = time.perf_counter()
-                drafts, settings = draft_tuned(spec, name, [requests[i] for i in idx],
-                                               [n_max[i] for i in idx], self.tuner)
+                drafts = draft_tuned(spec, name, [requests[i] for i in idx], [n_max[i] for i in idx], self.tuner,
+                                     pricing, lambda sid, n, name=name, spec=spec: self.estimate(
+                                         name, sid, n, min(spec.draft_context(sid), CONTEXT_OWN_BUCKETS - 1) * 3)[1])
                 dt = time.perf_counter() - t0
+                if self.tuner is not None:  # shadow look-ups (tuning) are the tuner's cost, not the look-ups'
+                    dt -= self.tuner.take_seconds()
                 self.gate.asked(name, len(idx), dt)
                 if isinstance(spec, ModelSpeculator):
                     self._model_seconds += dt
-                for i, k in zip(idx, settings):
-                    if k >= 0:  # tuned: what it drafted with, and its share of the look-up time
-                        props[i].settings[name], props[i].lookup_s[name] = k, dt / len(idx)
                 if exploring:  # an exploring draft is charged what it took, not what it was priced at
                     self.explore_budget[name] -= dt
                 for i, d in zip(idx, drafts):
@@ -449,9 +447,6 @@ class Chain:
             elif winner:
                 tracker.update(prop.seq_id, n_drafted, n_accepted)
             self.gate.won(name, m)  # what its draft was worth, sent or not: the gate must not follow the planner
-            if name in prop.settings and self.tuner is not None:
-                reward_round(self.tuner, self._pricing, prop, name, n_drafted if winner else 0,
-                             n_accepted if winner else 0)
 
     def stats(self) -> dict[str, SpeculatorStats]:
         return {name: spec.stats for name, spec in self.instances.items()}

@@ -56,13 +56,15 @@ class ChainConfig(BaseModel):
         False,
         description="tune each model-free speculator's look-up parameters online (engine/tuning.py): a bandit per "
         "speculator and sequence class over a small grid (suffix min_match/p_min, ngram_mod n_min, ngram_cache "
-        "n_draft, ngram_simple size_n/size_m), rewarded by the tokens its drafts gain per round net of their verify "
-        "and look-up time; starts from `params`. /v1/stats `tuning` shows the current choice",
+        "n_draft, ngram_simple size_n/size_m); every setting is judged side by side on shadow look-ups by the tokens "
+        "its drafts would gain net of their verify and look-up time; starts from `params`. /v1/stats `tuning` shows "
+        "the current choice",
     )
     tune_explore: float = Field(
-        0.05, ge=0.0, le=1.0,
-        description="tuning: share of sequence-rounds a speculator may spend on settings other than its best, "
-        "after a start-up allowance of 24 rounds per setting",
+        0.02, ge=0.0, le=1.0,
+        description="tuning: share of the rounds' plain decode time a speculator's shadow look-ups may take (every "
+        "setting drafting for one sequence, judged later against what the target emitted; engine/tuning_shadow.py), "
+        "saved up round by round, after a start-up allowance of 16 shadows per speculator and class",
     )
     tune_grids: dict[str, list[dict[str, Any]]] = Field(
         default_factory=dict,

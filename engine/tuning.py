@@ -7,29 +7,32 @@ and trees, serves every setting, the setting being swapped in for the look-ups o
 (`Chain.propose`). Parameters that shape an index (ngram_mod's `n_match`, a trie's depth) and model
 speculators' (held by the companion actor) are not tuned.
 
-Reward, the cost model's own accounting, per sequence-round the speculator was asked in: the tokens its sent
-draft gained (accepted tokens minus the tokens the round's plain rate would have made in the time the draft's
-verify rows took), minus its look-up time in the same tokens. A setting that drafts nothing gains 0 and pays
-its look-ups; one that drafts badly pays for rejected rows.
+Judging (engine/tuning_shadow.py): now and then, every setting drafts for one sequence at the same point (a
+shadow look-up); once the target has emitted the tokens that followed, each draft gets the reward the cost
+model's own accounting gives it: the tokens of the prefix the cost policy would have sent that the target
+kept, less those rows' verify time and the look-up's own time, in tokens of the round's plain rate. So the
+settings are compared side by side on the same histories, and a bad setting's draft is never sent.
 
-Choice, per round: the setting with the best mean gain (the configured one until another has shown better),
-or, while the exploration budget allows, the least-known other setting (upper confidence bound). The budget
-is a share of the sequence-rounds (`ChainConfig.tune_explore`, saved up and then spent, as `model_explore`
-is), plus a start-up allowance of a few rounds per setting: exploring costs at most that share of the time
-beyond the allowance. The allowance is paced (at most one choice in four) so that the settings are compared
-on alike rounds, not each on the first rounds of the first sequences.
+Choice, per round: the setting with the best mean gain, once it has been judged about 5 times (the configured
+one until then). Exploring costs look-up time only: shadows are made while the time they took stays within a
+share of the rounds' plain decode time (`ChainConfig.tune_explore`, saved up and then spent, as
+`model_explore` is), after a start-up allowance of SHADOW_ALLOWANCE shadows per speculator and class (at
+most one a round).
 
 Gains drift: a speculator's tables grow, a sequence repeats itself more as it goes on, the traffic's mix
-changes. So the records are discounted (each reward multiplies a bandit's records by DISCOUNT): a setting
-judged long ago keeps its mean but loses its weight, stops being trusted, and its widening confidence bound
-has it looked at again within the share.
+changes. So the records are discounted (each judgment multiplies a bandit's records by DISCOUNT): what was
+judged long ago weighs less than what was judged lately.
 """
 
 from __future__ import annotations
 
-import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+
+from .tuning_shadow import MAX_WAITING, Shadow, ShadowLedger, send_length
 
 #: the grid each speculator is tuned over when ChainConfig.tune_grids names none; the configured parameters
 #: are always a setting too (the first), so tuning starts from them
@@ -40,16 +43,16 @@ DEFAULT_GRIDS: dict[str, list[dict[str, Any]]] = {
     "ngram_simple": [{"size_n": n, "size_m": m} for n in (3, 6, 12) for m in (8, 48)],
 }
 
-#: rounds of start-up allowance per setting: enough to see a few drafts of each
-ALLOWANCE_PER_SETTING = 24
-#: (discounted) rounds a setting needs before its mean is trusted over the configured one: about 8 recent ones
-MIN_ROUNDS = 7.5
-#: per reward, a bandit's records are multiplied by this: a result 500 sequence-rounds old weighs e^-1
-DISCOUNT = 0.998
-#: share of choices the start-up allowance may take (one in four: at 4 slots, one sequence a round)
-ALLOWANCE_PACE = 0.25
-#: the confidence bound's width (tokens per round): gains are ~0..n_max, mostly under 2
-UCB_WIDTH = 1.0
+#: judgments (discounted) a setting needs before its mean is trusted over the configured one: about 5 recent ones
+#: (they are paired: every setting judged on the same histories, so few tell them apart)
+MIN_ROUNDS = 4.5
+#: per judgment, a bandit's records are multiplied by this: a result 100 judgments old weighs e^-1
+DISCOUNT = 0.99
+#: shadows per speculator and class made before the time budget applies (one a round at most)
+SHADOW_ALLOWANCE = 16
+#: time (seconds) a speculator's shadow budget may save up: a few dozen shadows, so that rounds without one
+#: (none to make, all waiting) do not buy a long run of them later
+SHADOW_BUDGET_CAP = 0.02
 
 
 def settings_of(base: dict[str, Any], grid: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -69,31 +72,17 @@ def settings_of(base: dict[str, Any], grid: list[dict[str, Any]]) -> list[dict[s
     return out
 
 
-def pick(rounds: list[float], gains: list[float], credits: float) -> tuple[int, bool]:
-    """(setting, exploring) for one sequence-round. Exploit: the best mean among settings with MIN_ROUNDS
-    (discounted) rounds (setting 0, the configured one, when none has). Explore, if `credits` >= 1: the other
-    setting with the highest upper confidence bound (an untried one first).
+def pick(rounds: list[float], gains: list[float]) -> int:
+    """The setting to use: the best mean gain among settings with MIN_ROUNDS (discounted) judgments; setting 0,
+    the configured one, while none has.
 
-    >>> pick([10, 10, 0], [5.0, 10.0, 0.0], credits=0)    # best mean: setting 1 (1.0 vs 0.5 a round)
-    (1, False)
-    >>> pick([10, 10, 0], [5.0, 10.0, 0.0], credits=1)    # untried setting 2 first
-    (2, True)
-    >>> pick([3, 0], [9.0, 0.0], credits=0)               # nothing trusted yet: the configured setting
-    (0, False)
+    >>> pick([10, 10, 0], [5.0, 10.0, 0.0])    # 1.0 a round against 0.5
+    1
+    >>> pick([3, 3], [9.0, 0.0])               # nothing trusted yet: the configured setting
+    0
     """
     trusted = [i for i, n in enumerate(rounds) if n >= MIN_ROUNDS]
-    best = max(trusted, key=lambda i: gains[i] / rounds[i]) if trusted else 0
-    if credits < 1 or len(rounds) < 2:
-        return best, False
-    total = max(1.0, sum(rounds))
-
-    def ucb(i: int) -> float:
-        if rounds[i] <= 0:
-            return math.inf
-        return gains[i] / rounds[i] + UCB_WIDTH * math.sqrt(2 * math.log(total) / rounds[i])
-
-    other = max((i for i in range(len(rounds)) if i != best), key=ucb)
-    return (other, True) if ucb(other) > gains[best] / max(1, rounds[best]) else (best, False)
+    return max(trusted, key=lambda i: gains[i] / rounds[i]) if trusted else 0
 
 
 @dataclass
@@ -101,47 +90,32 @@ class Bandit:
     """One speculator's settings for one sequence class, and what each has gained (discounted records)."""
 
     settings: list[dict[str, Any]]
-    explore: float
     rounds: list[float] = field(default_factory=list)  # discounted: the weight of each setting's record
     gains: list[float] = field(default_factory=list)  # discounted like `rounds`: gains / rounds is the mean
-    counts: list[int] = field(default_factory=list)  # rounds each setting was used, all told (stats)
-    credits: float = 0.0  # the exploration share, saved up
-    allowance: float = 0.0  # the start-up allowance left
-    pace: float = 1.0  # the allowance may be spent when this reaches 1 (at once, at the start)
-    explored: int = 0
+    counts: list[int] = field(default_factory=list)  # sequence-rounds each setting drafted for, all told (stats)
+    allowance: int = SHADOW_ALLOWANCE  # shadows left before the time budget applies
+    judged: int = 0  # shadows judged, all told
 
     def __post_init__(self) -> None:
         n = len(self.settings)
         self.rounds, self.gains, self.counts = [0.0] * n, [0.0] * n, [0] * n
-        self.allowance = float(ALLOWANCE_PER_SETTING * (n - 1))
 
     def choose(self) -> int:
-        self.credits += self.explore
-        self.pace = min(1.0, self.pace + ALLOWANCE_PACE)
-        paced = self.allowance if self.pace >= 1.0 else 0.0
-        i, exploring = pick(self.rounds, self.gains, self.credits + paced)
-        if exploring:
-            self.explored += 1
-            if paced >= 1.0:
-                self.allowance -= 1
-                self.pace = 0.0
-            else:
-                self.credits -= 1
+        i = self.best()
+        self.counts[i] += 1
         return i
 
-    def reward(self, i: int, gain: float) -> None:
-        self.rounds = [n * DISCOUNT for n in self.rounds]
-        self.gains = [g * DISCOUNT for g in self.gains]
-        self.rounds[i] += 1.0
-        self.gains[i] += gain
-        self.counts[i] += 1
+    def record(self, gains: list[float]) -> None:
+        """One shadow's judgment: what every setting would have gained on the same history."""
+        self.rounds = [n * DISCOUNT + 1.0 for n in self.rounds]
+        self.gains = [g * DISCOUNT + x for g, x in zip(self.gains, gains)]
+        self.judged += 1
 
     def best(self) -> int:
-        return pick(self.rounds, self.gains, 0.0)[0]
+        return pick(self.rounds, self.gains)
 
     def to_dict(self, base: dict[str, Any]) -> dict:
-        b = self.best()
-        return {"choice": dict(base) | self.settings[b], "explored_rounds": self.explored,
+        return {"choice": dict(base) | self.settings[self.best()], "judged": self.judged,
                 "settings": [{"params": dict(base) | s, "rounds": c, "recent_weight": round(n, 1),
                               "gain_per_round": round(g / n, 4) if n > 0 else None}
                              for s, c, n, g in zip(self.settings, self.counts, self.rounds, self.gains)]}
@@ -149,7 +123,8 @@ class Bandit:
 
 class ParamTuner:
     """The chain's bandits: per tuned speculator and sequence class. `base[name]`: its configured parameters;
-    `grids[name]`: the points tuned over (DEFAULT_GRIDS where not given)."""
+    `grids[name]`: the points tuned over (DEFAULT_GRIDS where not given); `explore`: the share of the rounds'
+    plain decode time shadow look-ups may take."""
 
     def __init__(self, base: dict[str, dict[str, Any]], grids: dict[str, list[dict[str, Any]]],
                  explore: float) -> None:
@@ -157,72 +132,109 @@ class ParamTuner:
         self.settings = {name: settings_of(self.base[name], grid) for name, grid in grids.items()}
         self.explore = explore
         self.bandits: dict[tuple[str, str], Bandit] = {}
+        self.ledger = ShadowLedger()
+        self.budget: dict[str, float] = {}  # seconds of shadow look-ups saved up, per speculator
+        self.shadow_s: dict[str, float] = {}  # what the speculator's last shadow took
+        self.turn: dict[str, int] = {}  # rotates the sequence shadowed and the order its settings draft in
+        self.shadow_total_s: dict[str, float] = {}  # all shadows' time, per speculator (stats)
+        self._untaken_s = 0.0  # shadow time since take_seconds()
 
     def tunes(self, name: str) -> bool:
         return len(self.settings.get(name, ())) > 1
 
+    def bandit(self, name: str, cls: str) -> Bandit:
+        b = self.bandits.get((name, cls))
+        if b is None:
+            b = self.bandits[(name, cls)] = Bandit(self.settings[name])
+        return b
+
     def choose(self, name: str, cls: str) -> tuple[int, dict[str, Any]]:
         """(setting index, its parameter overrides) for one sequence-round of `name` in class `cls`."""
-        bandit = self.bandits.get((name, cls))
-        if bandit is None:
-            bandit = self.bandits[(name, cls)] = Bandit(self.settings[name], self.explore)
-        i = bandit.choose()
+        i = self.bandit(name, cls).choose()
         return i, self.settings[name][i]
 
-    def reward(self, name: str, cls: str, i: int, gain: float) -> None:
-        bandit = self.bandits.get((name, cls))
-        if bandit is not None:
-            bandit.reward(i, gain)
+    def judge_due(self, name: str, reqs: list) -> None:
+        """Judge the shadows of `reqs`' sequences whose histories now reach past every draft."""
+        for r in reqs:
+            for cls, gains in self.ledger.due(name, r.seq_id, r.history):
+                self.bandit(name, cls).record(gains)
+
+    def to_shadow(self, name: str, reqs: list, plain_seconds: float) -> int | None:
+        """The request (index) whose sequence gets a shadow this round, if any: one a round, in turn among the
+        tuned sequences with the fewest waiting (at most MAX_WAITING), while the class's allowance lasts or the speculator's saved-up share
+        of `plain_seconds` (the round's plain decode time) covers what its last shadow took."""
+        budget = self.budget[name] = min(SHADOW_BUDGET_CAP, self.budget.get(name, 0.0) + self.explore * plain_seconds)
+        cands = [j for j, r in enumerate(reqs) if r.tune_class is not None and not (r.params or {}).get(name)
+                 and self.ledger.waiting(name, r.seq_id) < MAX_WAITING]
+        if not cands:
+            return None
+        fewest = min(self.ledger.waiting(name, reqs[j].seq_id) for j in cands)
+        cands = [j for j in cands if self.ledger.waiting(name, reqs[j].seq_id) == fewest]
+        t = self.turn[name] = self.turn.get(name, -1) + 1
+        j = cands[t % len(cands)]
+        if self.bandit(name, reqs[j].tune_class).allowance > 0 or budget >= self.shadow_s.get(name, 0.0):
+            return j
+        return None
+
+    def spent(self, name: str, cls: str, seconds: float) -> None:
+        """A shadow was made: paid from the class's allowance while it lasts, else from the time budget."""
+        self.shadow_s[name] = seconds
+        self.shadow_total_s[name] = self.shadow_total_s.get(name, 0.0) + seconds
+        self._untaken_s += seconds
+        b = self.bandit(name, cls)
+        if b.allowance > 0:
+            b.allowance -= 1
+        else:
+            self.budget[name] -= seconds
+
+    def forget(self, seq_id: int) -> None:
+        self.ledger.forget(seq_id)
+
+    def take_seconds(self) -> float:
+        """Shadow time since the last call (then 0): the chain keeps it out of what the look-ups cost."""
+        s, self._untaken_s = self._untaken_s, 0.0
+        return s
 
     def to_dict(self) -> dict:
         """/v1/stats `tuning`: per speculator and class, the current choice and each setting's record."""
         out: dict[str, dict] = {}
         for (name, cls), b in sorted(self.bandits.items()):
-            out.setdefault(name, {})[cls] = b.to_dict(self.base[name])
+            out.setdefault(name, {})[cls] = b.to_dict(self.base[name]) | {
+                "shadow_seconds": round(self.shadow_total_s.get(name, 0.0), 4)}
         return out
 
 
-def round_gain(n_drafted: int, n_accepted: int, time_in_tokens, lookup_tokens: float) -> float:
-    """One sequence-round's gain, in tokens, for the speculator asked: its sent draft's accepted tokens less
-    the tokens its verify rows cost (`time_in_tokens(n)`: Pricing.time_in_tokens), less its look-up time in
-    tokens. A draft not sent (or none) gains nothing and still pays its look-up.
-
-    >>> round_gain(4, 3, lambda n: [0.2, 0.4, 0.6, 0.8][:n], 0.05)   # 3 - 0.8 - 0.05
-    2.15
-    >>> round_gain(0, 0, lambda n: [], 0.05)
-    -0.05
-    """
-    gain = -lookup_tokens
-    if n_drafted > 0:
-        t = time_in_tokens(n_drafted)
-        gain += n_accepted - (float(t[n_drafted - 1]) if len(t) >= n_drafted else 0.0)
-    return round(gain, 6)
-
-
-def draft_tuned(spec, name: str, reqs: list, n_max: list[int], tuner: ParamTuner | None,
-                ) -> tuple[list, list[int]]:
+def draft_tuned(spec, name: str, reqs: list, n_max: list[int], tuner: ParamTuner | None, pricing=None,
+                estimate=None) -> list:
     """`spec.draft` for the chain's requests `reqs` (SeqDraftRequest, each drafting at most n_max[j] tokens),
     each with its setting: the request's own `params` for this speculator (not tuned), else the tuner's
-    choice for its class (tune_class None: the configured parameters). Requests sharing a setting draft together; the configured parameters are put back
-    afterwards. Returns (drafts in request order, setting index per request: -1 where not tuned)."""
+    choice for its class (tune_class None: the configured parameters). Requests sharing a setting draft
+    together; the configured parameters are put back afterwards. With `pricing` (chain.Pricing) and
+    `estimate(seq_id, length)` (the speculator's calibrated prefix probabilities for its last draft), the tuner first
+    judges the shadows now due and may make one (`shadow`). Returns the drafts in request order."""
     from .speculator import DraftRequest
 
     drafts_for = [DraftRequest(r.seq_id, r.history_for(spec), n) for r, n in zip(reqs, n_max)]
-    if (tuner is None or not tuner.tunes(name)) and not any(r.params for r in reqs):
-        return spec.draft(drafts_for), [-1] * len(reqs)  # the common case: no per-round work (host cost)
+    tuned = tuner is not None and tuner.tunes(name)
+    if not tuned and not any(r.params for r in reqs):
+        return spec.draft(drafts_for)  # the common case: no per-round work (host cost)
+    if tuned and pricing is not None and estimate is not None:
+        tuner.judge_due(name, reqs)
+        j = tuner.to_shadow(name, reqs, pricing.cost(pricing.base_tokens))
+        if j is not None:  # before the real look-ups: what a speculator keeps of its last draft is theirs
+            shadow(spec, name, tuner, reqs[j], drafts_for[j], pricing, estimate)
     groups: dict[tuple, list[int]] = {}
-    setting = [-1] * len(reqs)
     over: list[dict] = []
     for j, r in enumerate(reqs):
         fix = (r.params or {}).get(name)
-        if fix is None and tuner is not None and r.tune_class is not None and tuner.tunes(name):
-            setting[j], o = tuner.choose(name, r.tune_class)
+        if fix is None and tuned and r.tune_class is not None:
+            o = tuner.choose(name, r.tune_class)[1]
         else:
             o = fix or {}
         over.append(o)
         groups.setdefault(tuple(sorted(o.items())), []).append(j)
     if len(groups) == 1 and not over[0]:
-        return spec.draft(drafts_for), setting
+        return spec.draft(drafts_for)
     out: list = [None] * len(reqs)
     configured = spec.params
     try:
@@ -232,19 +244,38 @@ def draft_tuned(spec, name: str, reqs: list, n_max: list[int], tuner: ParamTuner
                 out[j] = d
     finally:
         spec.params = configured
-    return out, setting
+    return out
 
 
-def reward_round(tuner: ParamTuner, pricing, prop, name: str, n_drafted: int, n_accepted: int) -> None:
-    """The tuner's reward for the setting `name` drafted with for `prop`'s sequence (round_gain), priced with
-    the round's own costs (`pricing`: chain.Pricing): seconds become the tokens the round's plain rate
-    makes in them."""
-    if pricing is None or prop.tune_class is None:
-        return
+def shadow(spec, name: str, tuner: ParamTuner, req, draft_req, pricing, estimate) -> None:
+    """Draft for one sequence with every setting of `name` (engine/tuning_shadow.py), in an order that turns
+    round by round (a look-up's first call of a round may do the speculator's shared work), and leave the
+    drafts to be judged. The speculator's counters do not count them: they were never offered."""
+    settings = tuner.settings[name]
+    n = len(settings)
+    first = tuner.turn.get(name, 0) % n
+    calls, generated = spec.stats.calls, spec.stats.drafts_generated
     base = pricing.cost(pricing.base_tokens)
     rate = pricing.n_decoding / base if base > 0 else 0.0
-    gain = round_gain(n_drafted, n_accepted, pricing.time_in_tokens, prop.lookup_s.get(name, 0.0) * rate)
-    tuner.reward(name, prop.tune_class, prop.settings[name], gain)
+    time_tokens = pricing.time_in_tokens(max(1, draft_req.n_max))
+    drafts: list = [None] * n
+    sends, lookups = [0] * n, [0.0] * n
+    configured = spec.params
+    t_all = time.perf_counter()
+    try:
+        for i in [(first + k) % n for k in range(n)]:
+            spec.params = configured.model_copy(update=settings[i]) if settings[i] else configured
+            t0 = time.perf_counter()
+            d = drafts[i] = spec.draft([draft_req])[0]
+            lookups[i] = (time.perf_counter() - t0) * rate
+            if len(d):  # estimated right after its own look-up: the estimate reads the draft's context
+                sends[i] = send_length(estimate(req.seq_id, len(d)), time_tokens)
+    finally:
+        spec.params = configured
+        spec.stats.calls, spec.stats.drafts_generated = calls, generated
+    tuner.spent(name, req.tune_class, time.perf_counter() - t_all)
+    tuner.ledger.add(name, req.seq_id, Shadow(req.tune_class, len(draft_req.history), drafts, sends,
+                                              np.asarray(time_tokens), lookups))
 
 
 def make_tuner(config, instances: dict, is_model) -> ParamTuner | None:

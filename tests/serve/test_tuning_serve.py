@@ -47,6 +47,9 @@ def test_classes_are_tuned_apart_and_output_is_unchanged(tuned, reference):
     copy = tuning["suffix"]["copy"]
     assert copy["choice"]["p_min"] in [s["params"]["p_min"] for s in copy["settings"]]
     assert sum(s["rounds"] for s in copy["settings"]) > 0 and copy["settings"][0]["params"]["p_min"] == 0.9
+    # every setting was judged side by side (shadow look-ups), each with a gain per round
+    assert copy["judged"] > 0 and copy["shadow_seconds"] > 0, copy
+    assert all(s["gain_per_round"] is not None for s in copy["settings"]), copy
 
 
 def test_a_bad_tune_class_is_a_400(tuned):
