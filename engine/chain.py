@@ -342,9 +342,11 @@ class Chain:
                 exploring = name in self._exploring
                 self._exploring.discard(name)
                 t0 = time.perf_counter()
+                estimate = None if self.tuner is None else (  # for shadow look-ups (tuning) only
+                    lambda sid, n, name=name, spec=spec: self.estimate(
+                        name, sid, n, min(spec.draft_context(sid), CONTEXT_OWN_BUCKETS - 1) * 3)[1])
                 drafts = draft_tuned(spec, name, [requests[i] for i in idx], [n_max[i] for i in idx], self.tuner,
-                                     pricing, lambda sid, n, name=name, spec=spec: self.estimate(
-                                         name, sid, n, min(spec.draft_context(sid), CONTEXT_OWN_BUCKETS - 1) * 3)[1])
+                                     pricing, estimate)
                 dt = time.perf_counter() - t0
                 if self.tuner is not None:  # shadow look-ups (tuning) are the tuner's cost, not the look-ups'
                     dt -= self.tuner.take_seconds()

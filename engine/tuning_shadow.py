@@ -13,7 +13,7 @@ exploring costs is look-up time alone, which the tuner bounds (ChainConfig.tune_
 A shadow draft is priced as the cost policy would have sent it: the prefix whose expected accepted tokens
 (the speculator's acceptance estimate for a draft that long) best beat the verify time (`send_length`, as
 chain.draft_value), credited with the tokens of that prefix the target kept, less its verify time and its own
-look-up time, in tokens of the round's plain rate (`shadow_gain`, tuning.round_gain).
+look-up time, in tokens of the round's plain rate (`shadow_gain`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from .acceptance import judge
 
 
 def send_length(prefix_probs: np.ndarray, time_tokens: np.ndarray) -> int:
@@ -58,12 +60,8 @@ def shadow_gain(draft: np.ndarray, send: int, continuation: np.ndarray, time_tok
     """
     gain = -lookup_tokens
     if send > 0:
-        d = np.asarray(draft[:send])
-        c = np.asarray(continuation[:send])
-        n = min(len(d), len(c))
-        neq = np.flatnonzero(d[:n] != c[:n])
-        kept = int(neq[0]) if len(neq) else n
-        gain += kept - (float(time_tokens[send - 1]) if len(time_tokens) >= send else 0.0)
+        verify = float(time_tokens[send - 1]) if len(time_tokens) >= send else 0.0
+        gain += judge(draft[:send], continuation)[0] - verify  # the tokens of the sent prefix the target kept
     return round(gain, 6)
 
 
@@ -129,14 +127,15 @@ class ShadowLedger:
         waiting = self.pending.get((name, seq_id))
         if not waiting:
             return []
-        out = [(sh.cls, sh.gains(history)) for sh in waiting if sh.decided(history)]
-        if out:
-            left = [sh for sh in waiting if not sh.decided(history)]
-            if left:
-                self.pending[(name, seq_id)] = left
-            else:
-                del self.pending[(name, seq_id)]
-        return out
+        known = [sh.decided(history) for sh in waiting]
+        if not any(known):
+            return []
+        left = [sh for sh, k in zip(waiting, known) if not k]
+        if left:
+            self.pending[(name, seq_id)] = left
+        else:
+            del self.pending[(name, seq_id)]
+        return [(sh.cls, sh.gains(history)) for sh, k in zip(waiting, known) if k]
 
     def forget(self, seq_id: int) -> None:
         """The sequence ended (its slot may start another): the shadows it left are judged on nothing."""
