@@ -99,6 +99,7 @@ class BenchReport:
     batch_variance: float = 0.0
     layout_variance: float = 0.0
     meta: dict = field(default_factory=dict)
+    host_replay_text: str = ""  # --host-replay: its table (the report then holds only meta)
 
     def to_json(self) -> dict:
         out: dict = {"model": self.model, "tie_bound": self.tie_bound, "batch_variance": self.batch_variance,

@@ -30,6 +30,8 @@ from specray.native.lib import build_has_amx, verify_cols_enabled
 
 from .divergence import classify_divergence, compare_runs, divergence_margin
 from .fit import check_prompts
+from .host_replay import parse_table, run_host_replay
+from .host_replay import table_text as replay_table_text
 from .lockstep import ConfigRun, LlamaRun, PlainLlama, cpu_steal_seconds, run_alone, run_lockstep
 from .order import ORDERS, baseline_positions, reversed_turn, run_order
 from .probes import measure_batch_variance, measure_layout_variance, probe_prefix
@@ -79,6 +81,7 @@ def run_bench(
     rollback_snapshots: int | None = None,
     spec_params: dict[str, dict] | None = None,
     hidden: HiddenStateConfig | None = None,
+    host_replay: str | None = None,
 ) -> BenchReport:
     """Run every configuration on `prompts`, `repeats` times. Each pass has its own chains (fresh
     speculators: a second pass must not draft from what the first one generated) and runs the
@@ -93,7 +96,9 @@ def run_bench(
     saying which (fit.check_prompts); ValueError if none is left. `profiler`: cProfile each configuration's
     measured rounds (RoundProfiler). `spec_params`: every configuration's speculator parameters, under its own
     (bench/variants.py: `CHAIN/NAME.KEY=VALUE`, `CHAIN+tune`). `hidden`: the hidden-state heads (mtp, eagle3,
-    dflash) the configurations may name; the target outputs rows only for sequences whose chain has one."""
+    dflash) the configurations may name; the target outputs rows only for sequences whose chain has one.
+    `host_replay`: instead of the timed run, the host replay bench (host_replay.py: the target's decode replaced
+    by a wait by this table), its results in meta["host_replay"]."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     if repeats < 1:
@@ -122,6 +127,8 @@ def run_bench(
     if fit.skipped:
         progress(f"bench: {skip_line}")
         prompts = [prompts[i] for i in fit.kept]
+    if host_replay is not None:
+        return _host_replay_report(engine, cfg, configs, prompts, max_tokens, host_replay, spec_params, progress)
     # lockstep: a context, scheduler and verify-cost model of its own per configuration (one model, its
     # weights loaded once; every cost model starts from the same calibration); otherwise one engine per
     # verify shape (a `CHAIN@bucketed` configuration runs with shape-stable verifies: shapes.py)
@@ -282,6 +289,31 @@ def run_bench(
     return report
 
 
+def _host_replay_report(engine: LocalEngine, cfg: EngineConfig, configs: list[str], prompts: list[BenchPrompt],
+                        max_tokens: int, table_text: str, spec_params: dict | None, progress) -> BenchReport:
+    """run_bench's host replay: the report holds only meta (the table, each configuration's replayed run)."""
+    try:
+        table = parse_table(table_text, {n: s * 1e3 for n, s in engine.scheduler.cost.table().items()})
+
+        def config_engine(c: str) -> LocalEngine:
+            chain, shape = split_config(c)
+            return LocalEngine(cfg.model_copy(update={
+                # margins are the timed bench's instrumentation (ties), not a server's work
+                "calibrate": False, "verify_shape": shape, "record_margins": False,
+                "chain": chain_config(chain, spec_params or {}, cfg.chain.policy, cfg.chain.n_max)}),
+                model=engine.model)
+
+        results = run_host_replay(engine, configs, prompts, max_tokens, table, config_engine, progress)
+    finally:
+        engine.close()
+    report = BenchReport(model=cfg.model, configs=list(configs), categories=[])
+    report.meta = {"host_replay": {"decode_ms": table, "results": [r.to_dict() for r in results]},
+                   "slots": cfg.slots, "max_tokens": max_tokens, "prompts": len(prompts),
+                   "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    report.host_replay_text = replay_table_text(results, table)
+    return report
+
+
 def _check_writable(path: str | None, flag: str) -> None:
     """Refuse an output file whose folder does not exist before the run, not after an hour of it."""
     if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
@@ -324,12 +356,13 @@ def main_bench(args) -> int:
                        rollback=args.rollback, rollback_snapshots=args.rollback_snapshots, spec_params=spec_params,
                        hidden=HiddenStateConfig(mtp=getattr(args, "mtp", False),
                                                 eagle3_model=getattr(args, "eagle3_model", None),
-                                                dflash_model=getattr(args, "dflash_model", None)))
-    print(report.table())
+                                                dflash_model=getattr(args, "dflash_model", None)),
+                       host_replay=getattr(args, "host_replay", None))
+    print(report.host_replay_text if report.host_replay_text else report.table())
     if args.json:
         write_json(report, args.json)
         print(f"\nwrote {args.json}")
-    if plot:
+    if plot and not report.host_replay_text:
         from .plot import plot_bench
 
         plot_bench(report, plot)

@@ -260,6 +260,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "vs host milliseconds per round, and the top 30 functions by own and by cumulative time "
                             "(drafting, verification, bookkeeping). The profiler slows Python code down: use such a "
                             "run to see where a round's time goes, not for its tok/s")
+    bench.add_argument("--host-replay", default=None, metavar="TABLE",
+                       help="in-process, instead of the timed run: the round's host cost against a target as fast as "
+                            "TABLE, h100 (SmolLM2 on an H100: 1.6 ms for one row, 2.5 ms for 2-8), measured (this "
+                            "CPU's calibrated decode) or ROWS:MS,... One real plain pass records each prompt's greedy "
+                            "output; then every configuration runs the prompts, queued on --slots, with the decode "
+                            "replaced by a busy wait of the table's time that returns the recorded tokens' logits. "
+                            "Prints host ms per round by stage, and checks every output equals the recording. On a "
+                            "VM like this one a real run's host figures are inflated: caches go cold while the round "
+                            "waits (README, 'Host replay')")
     bench.add_argument("--no-llama-baseline", action="store_true",
                        help="skip the plain llama_cpp.Llama generate reference row (in-process bench)")
     _add_model_args(bench)
@@ -640,6 +649,16 @@ def main(argv: list[str] | None = None) -> int:
     _check_draft_flags(parser, args)
     if getattr(args, "temperature", None) is not None and args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if getattr(args, "host_replay", None) is not None:  # a bad table fails now, not after the model has loaded
+        from specray.bench.host_replay import parse_table
+
+        if args.url or args.http:
+            parser.error("--host-replay runs in-process: not with --url/--http")
+        if args.host_replay not in ("h100", "measured"):
+            try:
+                parse_table(args.host_replay)
+            except ValueError as e:
+                parser.error(str(e))
     try:
         if args.command == "generate":
             return _cmd_generate(args)

@@ -65,6 +65,10 @@ class Proposal:
     # is judged against the tokens the target emitted, so every speculator learns, sent or not
     drafts: dict[str, np.ndarray] = field(default_factory=dict)
     contexts: dict[str, int] = field(default_factory=dict)
+    # cost policy: each scored draft's draft_value; 0 = no prefix of it was worth its verify time (the look-up
+    # gate counts such a draft as winning nothing once its speculator is learnt: lookup_gate.py)
+    worth: dict[str, float] = field(default_factory=dict)
+    rows_price: dict[str, np.ndarray] = field(default_factory=dict)  # probes' verify rows in tokens (judged_worth)
 
     def cut(self, n: int) -> None:
         self.tokens = self.tokens[:n]
@@ -170,6 +174,24 @@ def draft_value(prefix_probs: np.ndarray, pricing: Pricing | None) -> float:
     return float(max(0.0, np.max(gains - time)))
 
 
+def judged_worth(m: int, worth: float | None, rows_price: np.ndarray | None) -> bool:
+    """Whether a draft whose first `m` tokens were right counts as winning them for the look-up gate
+    (lookup_gate.py). A probe's (rows_price: the time of 1..k verify rows, in tokens) in hindsight: its m
+    right tokens beat their rows' time. Any other: the cost policy found a prefix worth sending (worth > 0), or
+    did not price it (None).
+
+    >>> judged_worth(3, 0.0, np.array([0.2, 0.4, 0.6]))   # a probe: 3 right tokens for 0.6 tokens of time
+    True
+    >>> judged_worth(1, 0.0, np.array([1.0, 2.0])), judged_worth(0, 0.0, np.array([0.1]))   # a whole decode a row
+    (False, False)
+    >>> judged_worth(2, 0.0, None), judged_worth(2, 0.4, None), judged_worth(2, None, None)
+    (False, True, True)
+    """
+    if rows_price is not None:
+        return m > 0 and (len(rows_price) == 0 or bool(m > rows_price[min(m, len(rows_price)) - 1]))
+    return worth is None or worth > 0
+
+
 def score_drafts(chain: "Chain", props: list[Proposal], unscored: list[tuple[int, str]], best_score: list[float],
                  policy: str, pricing: Pricing | None) -> None:
     """Score the drafts in `unscored` (then empty it), keeping each sequence's best. A draft's context
@@ -187,6 +209,10 @@ def score_drafts(chain: "Chain", props: list[Proposal], unscored: list[tuple[int
             raw, pp = chain.estimate(name, p.seq_id, len(d), p.contexts[name])
             score = (chain.trackers[name].rate(p.seq_id) * len(d) if policy == "expected"
                      else draft_value(pp, pricing))
+        if pricing is not None and policy == "cost":
+            p.worth[name] = score
+            if name in chain.gate.probing:
+                p.rows_price[name] = pricing.time_in_tokens(len(d))
         if score > best_score[i]:
             best_score[i] = score
             p.speculator, p.tokens, p.prefix_probs, p.raw_probs = name, d, pp, raw
@@ -448,7 +474,8 @@ class Chain:
                     tracker.update(prop.seq_id, len(d), m, censored, prop.contexts.get(name, 0))
             elif winner:
                 tracker.update(prop.seq_id, n_drafted, n_accepted)
-            self.gate.won(name, m)  # what its draft was worth, sent or not: the gate must not follow the planner
+            # its draft's worth, sent or not (not the planner's cut), and whether the policy would ever send it
+            self.gate.won(name, m, judged_worth(m, prop.worth.get(name), prop.rows_price.get(name)))
 
     def stats(self) -> dict[str, SpeculatorStats]:
         return {name: spec.stats for name, spec in self.instances.items()}

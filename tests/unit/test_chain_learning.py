@@ -4,9 +4,12 @@ draft's verdict calibrates the estimate by position."""
 
 from __future__ import annotations
 
+import doctest
+
 import numpy as np
 import pytest
 
+from specray.engine import chain as chain_module
 from specray.engine.acceptance import AcceptanceTracker, judge, next_state
 from specray.engine.chain import Chain, Pricing, SeqDraftRequest, draft_value
 from specray.engine.config import ChainConfig
@@ -116,3 +119,29 @@ def test_only_sent_drafts_calibrate():
     other = "b" if sent == "a" else "a"
     assert chain.calibrations[sent].predicted.sum() > 0 and chain.calibrations[sent].realised.sum() == 0
     assert chain.calibrations[other].predicted.sum() == 0  # judged for the tracker, not scored here
+
+
+def test_a_speculator_whose_drafts_are_never_worth_sending_is_asked_only_on_probe_rounds():
+    # every verify row costs a whole plain decode: no draft is worth its verify time, however right it turns
+    # out, so once its first 64 drafts are judged (the gate's learning period: lookup_gate.py) its look-ups
+    # buy nothing and the gate asks it only now and then; priced so that drafts pay, the same right drafts
+    # keep it asked every round
+    def rounds(pricing: Pricing, n: int = 1600) -> tuple[Chain, int]:
+        chain, asked = chain_of({"s": Fixed([7, 8, 9])}), 0
+        for _ in range(n):
+            [prop] = chain.propose([SeqDraftRequest(0, ("s",), np.array([1, 2, 3], np.int32), 3)], pricing=pricing)
+            asked += "s" in prop.asked
+            prop.cut(0)  # nothing sent: the round emits one token, the draft's first
+            chain.accept(prop, 0, 0, np.array([7], np.int32))
+        return chain, asked
+
+    linear, asked = rounds(Pricing(cost=lambda n: 0.010 * n, base_tokens=1, n_decoding=1))
+    assert asked < 0.45 * 1600 and linear.gate.skipped["s"] > 800
+    assert linear.trackers["s"].prefix_probs(0, 1)[0] > 0.9  # right all along: the tracker knows, the gate too
+    cheap, asked = rounds(Pricing(cost=lambda n: 0.010 + 0.0005 * (n - 1), base_tokens=1, n_decoding=1))
+    assert asked == 1600 and not cheap.gate.skipped
+
+
+def test_chain_doctests():
+    failed, attempted = doctest.testmod(chain_module)
+    assert attempted >= 5 and failed == 0

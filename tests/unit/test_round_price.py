@@ -94,7 +94,7 @@ def test_prefill_rounds_teach_neither_the_table_nor_the_host_model():
 
 
 def test_a_speculator_whose_winnings_pay_its_look_ups_is_always_asked():
-    g = LookupGate(warmup=8, probe_every=4)
+    g = LookupGate(warmup=8, probe_every=4, max_probe_every=4)
     for i in range(200):
         for name, won in (("suffix", 2 if i % 5 == 0 else 0), ("ngram_mod", 0)):
             g.asked(name, 1, 0.00004)
@@ -108,3 +108,19 @@ def test_a_speculator_whose_winnings_pay_its_look_ups_is_always_asked():
     assert not g.skip("ngram_mod", 0.010)
     g.forget("ngram_mod")  # a rebuilt instance starts afresh
     assert not any(g.skip("ngram_mod", 0.0016) for _ in range(8))
+
+
+def test_probes_of_a_speculator_that_keeps_not_paying_back_off_and_start_over_once_it_pays():
+    g = LookupGate(warmup=4, probe_every=4, max_probe_every=16)
+    for _ in range(8):
+        g.asked("s", 1, 0.00004)
+        g.won("s", 0)
+    probes = [i for i in range(100) if not g.skip("s", 0.0016)]
+    # waits of 4, 8, then 16 gated rounds between probes (the cap)
+    assert probes[:5] == [3, 11, 27, 43, 59]
+    g.won("s", 5)  # a probe finds it paying: asked every round while it does
+    assert not any(g.skip("s", 0.0016) for _ in range(20))
+    for _ in range(400):
+        g.won("s", 0)  # then it stops paying: gated again, probed from probe_every again
+    probes = [i for i in range(30) if not g.skip("s", 0.0016)]
+    assert probes[:2] == [3, 11]
