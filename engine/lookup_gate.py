@@ -1,34 +1,34 @@
 """When a speculator's look-up costs more than its drafts win: ask it only now and then.
 
-Every speculator of a chain is asked for a draft every round, and each
-look-up costs host time (0.03-0.05 ms for the n-gram and suffix speculators
-here), whether or not its draft is the one sent. A speculator whose drafts
-seldom win (another speculator of the chain drafts the same or better) pays
-that on every token for nothing; on a GPU, where a round of a small model
-takes 1-2 ms, three such look-ups are 5-10% of the round. So each speculator's
-winnings are followed: the tokens its draft gets right per look-up (judged
-against what the target emitted, sent or not, so the gate does not follow the
-planner's cuts; an exponential average), worth the round's time per token each.
-A draft the cost policy finds worth nothing (no prefix of it pays its verify
-time at its estimated acceptance: chain.draft_value) wins nothing, however
-right it turns out: at that price it is never sent, so its look-up bought
-nothing. That rule waits until `learn` of the speculator's drafts have been
-judged, because its acceptance estimate starts from a prior: one that starts
-low would find every draft worthless and be gated. A probe is judged in
-hindsight instead (chain.judged_worth: did the tokens it got right beat the
-time of their verify rows?): a gated speculator's acceptance estimate learns
-only on probes, so a probe judged by that estimate could never see the traffic
-change (a copy task after chat); once a probe reopens the gate the estimate
-learns from every round again. Measured at 4 slots on SmolLM2 (writing prompts), the chain's
-look-ups cost 0.66 ms a round while one draft token in 256 rounds was sent;
-right-but-unsendable drafts had kept them all asked. Once it has been
+Every speculator of a chain is asked for a draft every round, and each look-up
+costs host time (0.03-0.05 ms for the n-gram and suffix speculators here),
+whether or not its draft is the one sent. A speculator whose drafts seldom win
+(another speculator of the chain drafts the same or better) pays that on every
+token for nothing; on a GPU, where a round of a small model takes 1-2 ms,
+three such look-ups are 5-10% of the round. So each speculator's winnings are
+followed: the tokens its draft gets right per look-up (judged against what the
+target emitted, sent or not, so the gate does not follow the planner's cuts;
+an exponential average), worth the round's time per token each. A draft the
+cost policy finds worth nothing (no prefix of it pays its verify time at its
+estimated acceptance: chain.draft_value) wins nothing, however right it turns
+out: at that price it is never sent, so its look-up bought nothing (measured
+at 4 slots on SmolLM2, writing prompts: the chain's look-ups cost 0.66 ms a
+round while one draft token in 256 rounds was sent; right-but-unsendable
+drafts had kept them all asked). That rule waits until `learn` of the
+speculator's drafts have been judged, because its acceptance estimate starts
+from a prior: one that starts low would find every draft worthless and be
+gated. A probe is judged in hindsight instead (chain.judged_worth: did the
+tokens it got right beat the time of their verify rows?): a gated speculator's
+acceptance estimate learns only on probes, so a probe judged by that estimate
+could never see the traffic change (a copy task after chat); once a probe
+reopens the gate the estimate learns from every round again. Once it has been
 asked `warmup` times and its winnings are worth less than its look-up, it is
-asked only now and then (so a change in the traffic is still seen): one
-gated round in `probe_every`, then, while probes find it still not paying,
-the wait doubles up to `max_probe_every` (at 8 slots under an H100-like
-decode, probes every 8th round still cost 0.3 ms a round of look-ups that
-paid nothing); a speculator found paying again starts over at
-`probe_every`. Drafts never change what is emitted, so this is lossless.
+asked only now and then (so a change in the traffic is still seen): one gated
+round in `probe_every`, then, while probes find it still not paying, the wait
+doubles up to `max_probe_every` (at 8 slots under an H100-like decode, probes
+every 8th round still cost 0.3 ms a round of look-ups that paid nothing); a
+speculator found paying again starts over at `probe_every`. Drafts never
+change what is emitted, so this is lossless.
 
 >>> g = LookupGate(warmup=4, probe_every=4, max_probe_every=8)
 >>> for _ in range(8):
