@@ -107,6 +107,10 @@ class Pricing:
     explore: float = 0.0
     _time_in_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False, repr=False)
 
+    def seconds_per_token(self) -> float:
+        """The round's plain decode time per sequence that emits a token (what a token is worth, in seconds)."""
+        return self.cost(self.base_tokens) / max(1, self.n_decoding)
+
     def time_in_tokens(self, n: int) -> np.ndarray:
         """[k-1]: tokens the round's plain rate would emit in the time k more verify rows take, k = 1..n
         (memoised: every draft of the round is priced with the same curve). Empty if the round is free."""
@@ -299,16 +303,14 @@ class Chain:
 
     # ---- sequence life -----------------------------------------------------------
     def begin(self, seq_id: int, names: tuple[str, ...], prompt: np.ndarray, grammar: str | None = None) -> None:
-        if self.tuner is not None:  # a shadow left on this slot guessed another sequence's tokens
-            self.tuner.forget(seq_id)
+        _new_sequence(self, seq_id)
         for name in names:  # `grammar`: the request's, for the speculators that read it (set_grammar)
             if hasattr(spec := self.speculator(name), "set_grammar"):
                 spec.set_grammar(seq_id, grammar)
             spec.begin(seq_id, prompt)
 
     def end(self, seq_id: int, names: tuple[str, ...]) -> None:
-        if self.tuner is not None:
-            self.tuner.forget(seq_id)
+        _new_sequence(self, seq_id)
         for name in names:
             self.instances[name].end(seq_id)
             self.trackers[name].end(seq_id)
@@ -355,8 +357,9 @@ class Chain:
                 if policy == "first":
                     idx = [i for i in idx if props[i].speculator is None]
                 spec = self.instances[name]
-                if not idx or (pricing is not None and not isinstance(spec, ModelSpeculator)
-                               and self.gate.skip(name, pricing.cost(pricing.base_tokens) / max(1, pricing.n_decoding))):
+                if idx and pricing is not None and not isinstance(spec, ModelSpeculator):  # gated: probes only
+                    idx = self.gate.ask(name, idx, [requests[i].seq_id for i in idx], pricing.seconds_per_token())
+                if not idx:
                     continue
                 n_max = {i: requests[i].n_max for i in idx}
                 if policy == "cost" and pricing is not None and isinstance(spec, ModelSpeculator):
@@ -479,6 +482,14 @@ class Chain:
 
     def stats(self) -> dict[str, SpeculatorStats]:
         return {name: spec.stats for name, spec in self.instances.items()}
+
+
+def _new_sequence(chain: Chain, seq_id: int) -> None:
+    """A slot that begins or ends: its shadows (tuning) guessed another sequence's tokens, and the look-up gate
+    probes the next sequence there as new traffic."""
+    if chain.tuner is not None:
+        chain.tuner.forget(seq_id)
+    chain.gate.end(seq_id)
 
 
 def _begin_on_running(specs: Mapping[str, Speculator],

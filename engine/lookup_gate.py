@@ -23,39 +23,36 @@ acceptance estimate learns only on probes, so a probe judged by that estimate
 could never see the traffic change (a copy task after chat); once a probe
 reopens the gate the estimate learns from every round again. Once it has been
 asked `warmup` times and its winnings are worth less than its look-up, it is
-asked only now and then (so a change in the traffic is still seen): one gated
-round in `probe_every`, then, while probes find it still not paying, the wait
-doubles up to `max_probe_every` (at 8 slots under an H100-like decode, probes
-every 8th round still cost 0.3 ms a round of look-ups that paid nothing); a
-speculator found paying again starts over at `probe_every`. Drafts never
-change what is emitted, so this is lossless.
+asked only for probes, per sequence: on a sequence's 1st, 2nd, 4th, ... gated
+round, then every `max_probe_every`-th (64). A new request is probed at once,
+so a copy task after chat is seen in its first rounds; a long one is probed
+more and more rarely (at 8 slots under an H100-like decode, probing every
+sequence one round in 8 still cost 0.3 ms a round of look-ups that paid
+nothing). Drafts never change what is emitted, so this is lossless.
 
->>> g = LookupGate(warmup=4, probe_every=4, max_probe_every=8)
+>>> g = LookupGate(warmup=4, max_probe_every=8)
 >>> for _ in range(8):
 ...     g.asked("ngram_mod", 1, 0.00004)   # 0.04 ms a look-up
 ...     g.won("ngram_mod", 0)              # its drafts are never right
->>> "".join(".P"[not g.skip("ngram_mod", 0.002)] for _ in range(20))   # 2 ms a token: P = probed
-'...P.......P.......P'
->>> g.skip("suffix", 0.002)   # not seen yet
-False
+>>> "".join("P" if g.ask("ngram_mod", [0], [5], 0.002) else "." for _ in range(20))   # P: sequence 5 probed
+'PP.P...P.......P....'
+>>> g.ask("suffix", [0, 1], [5, 6], 0.002)   # not seen yet: asked for every sequence
+[0, 1]
 """
 
 from __future__ import annotations
 
 
 class LookupGate:
-    def __init__(self, warmup: int = 64, probe_every: int = 8, ema: float = 0.02, learn: int = 64,
-                 max_probe_every: int = 64) -> None:
-        self.warmup, self.probe_every, self.ema, self.learn = warmup, probe_every, ema, learn
-        self.max_probe_every = max(probe_every, max_probe_every)
-        self._wait: dict[str, int] = {}  # gated rounds between its probes now (probe_every, doubling)
+    def __init__(self, warmup: int = 64, ema: float = 0.02, learn: int = 64, max_probe_every: int = 64) -> None:
+        self.warmup, self.ema, self.learn, self.max_probe_every = warmup, ema, learn, max_probe_every
         self.probing: set[str] = set()  # asked this round as a probe (its drafts judged in hindsight: Chain)
         self.judged: dict[str, int] = {}  # drafts of each speculator judged so far (the worth rule's wait)
         self.asks: dict[str, int] = {}  # sequences each speculator was asked for
         self.seconds: dict[str, float] = {}  # its look-up time, summed
         self._value: dict[str, float] = {}  # accepted tokens of its sent drafts per look-up, averaged
-        self._rounds: dict[str, int] = {}  # rounds it was gated in since its last probe
-        self.skipped: dict[str, int] = {}  # rounds it was not asked in (stats)
+        self._gated: dict[tuple[str, int], int] = {}  # (speculator, sequence) -> gated rounds, for its probes
+        self.skipped: dict[str, int] = {}  # look-ups not made (sequences x rounds; stats)
 
     def asked(self, name: str, n_sequences: int, seconds: float) -> None:
         self.asks[name] = self.asks.get(name, 0) + n_sequences
@@ -72,27 +69,34 @@ class LookupGate:
         self._value[name] = v + self.ema * (accepted - v)
 
     def forget(self, name: str) -> None:
-        for d in (self.asks, self.seconds, self._value, self._rounds, self.judged, self._wait):
+        for d in (self.asks, self.seconds, self._value, self.judged):
             d.pop(name, None)
+        self._gated = {k: v for k, v in self._gated.items() if k[0] != name}
         self.probing.discard(name)
 
-    def skip(self, name: str, seconds_per_token: float) -> bool:
-        """True: do not ask `name` this round (its winnings, at `seconds_per_token` each, do not pay its
-        look-up)."""
-        self.probing.discard(name)  # the last round's probe has been judged (Chain.accept runs between rounds)
+    def end(self, seq_id: int) -> None:
+        """The sequence in `seq_id` is over: the next one there is new traffic, probed from its first round."""
+        self._gated = {k: v for k, v in self._gated.items() if k[1] != seq_id}
+
+    def gated(self, name: str, seconds_per_token: float) -> bool:
+        """True once `name` has been asked `warmup` times and its winnings, at `seconds_per_token` each, do not
+        pay its look-up."""
         asks = self.asks.get(name, 0)
-        if asks < self.warmup:
-            return False
-        if self._value.get(name, 0.0) * seconds_per_token >= self.seconds[name] / asks:
-            self._wait.pop(name, None)  # paying: if it is gated again, probes start over at probe_every
-            self._rounds.pop(name, None)
-            return False
-        n = self._rounds[name] = self._rounds.get(name, 0) + 1
-        wait = self._wait.get(name, self.probe_every)
-        if n >= wait:  # a probe; the next one waits twice as long, unless this one finds it paying
-            self._rounds[name] = 0
-            self._wait[name] = min(2 * wait, self.max_probe_every)
+        return asks >= self.warmup and self._value.get(name, 0.0) * seconds_per_token < self.seconds[name] / asks
+
+    def ask(self, name: str, idx: list[int], seq_ids: list[int], seconds_per_token: float) -> list[int]:
+        """Which of the requests `idx` (for the sequences `seq_ids`) to ask `name` for this round: all while it
+        pays (`gated`); else those due a probe, on each sequence's 1st, 2nd, 4th, ... gated round, then every
+        `max_probe_every`-th."""
+        self.probing.discard(name)  # the last round's probes have been judged (Chain.accept runs between rounds)
+        if not self.gated(name, seconds_per_token):
+            return idx
+        out = []
+        for i, seq_id in zip(idx, seq_ids):
+            n = self._gated[(name, seq_id)] = self._gated.get((name, seq_id), 0) + 1
+            if (n & (n - 1) == 0 and n <= self.max_probe_every) or n % self.max_probe_every == 0:
+                out.append(i)
+        self.skipped[name] = self.skipped.get(name, 0) + len(idx) - len(out)
+        if out:
             self.probing.add(name)
-            return False
-        self.skipped[name] = self.skipped.get(name, 0) + 1
-        return True
+        return out

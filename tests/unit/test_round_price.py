@@ -94,33 +94,33 @@ def test_prefill_rounds_teach_neither_the_table_nor_the_host_model():
 
 
 def test_a_speculator_whose_winnings_pay_its_look_ups_is_always_asked():
-    g = LookupGate(warmup=8, probe_every=4, max_probe_every=4)
+    g = LookupGate(warmup=8, max_probe_every=4)
     for i in range(200):
         for name, won in (("suffix", 2 if i % 5 == 0 else 0), ("ngram_mod", 0)):
             g.asked(name, 1, 0.00004)
             g.won(name, won)
     # suffix wins 0.4 tokens a look-up: worth 0.64 ms at 1.6 ms a token, far above its 0.04 ms look-up
-    assert not any(g.skip("suffix", 0.0016) for _ in range(50))
-    skips = [g.skip("ngram_mod", 0.0016) for _ in range(40)]
-    assert skips.count(False) == 10 and g.skipped["ngram_mod"] == 30  # probed every 4th round
+    assert all(g.ask("suffix", [0, 1], [0, 1], 0.0016) == [0, 1] for _ in range(50))
+    asked = [g.ask("ngram_mod", [0], [0], 0.0016) for _ in range(40)]
+    # probed on the sequence's gated rounds 1, 2, 4, then every 4th
+    assert [i for i, a in enumerate(asked) if a] == [0, 1, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39]
+    assert g.skipped["ngram_mod"] == 28
     # on a CPU round of 10 ms a token, a speculator that wins once in 200 look-ups pays its 0.04 ms
     g.won("ngram_mod", 2)
-    assert not g.skip("ngram_mod", 0.010)
+    assert g.ask("ngram_mod", [0, 1], [0, 1], 0.010) == [0, 1]
     g.forget("ngram_mod")  # a rebuilt instance starts afresh
-    assert not any(g.skip("ngram_mod", 0.0016) for _ in range(8))
+    assert all(g.ask("ngram_mod", [0], [0], 0.0016) == [0] for _ in range(8))
 
 
-def test_probes_of_a_speculator_that_keeps_not_paying_back_off_and_start_over_once_it_pays():
-    g = LookupGate(warmup=4, probe_every=4, max_probe_every=16)
+def test_probes_are_per_sequence_back_off_and_start_at_once_for_a_new_sequence():
+    g = LookupGate(warmup=4, max_probe_every=16)
     for _ in range(8):
         g.asked("s", 1, 0.00004)
         g.won("s", 0)
-    probes = [i for i in range(100) if not g.skip("s", 0.0016)]
-    # waits of 4, 8, then 16 gated rounds between probes (the cap)
-    assert probes[:5] == [3, 11, 27, 43, 59]
-    g.won("s", 5)  # a probe finds it paying: asked every round while it does
-    assert not any(g.skip("s", 0.0016) for _ in range(20))
-    for _ in range(400):
-        g.won("s", 0)  # then it stops paying: gated again, probed from probe_every again
-    probes = [i for i in range(30) if not g.skip("s", 0.0016)]
-    assert probes[:2] == [3, 11]
+    probes = [i for i in range(100) if g.ask("s", [0], [3], 0.0016)]
+    assert probes == [0, 1, 3, 7, 15, 31, 47, 63, 79, 95]  # gated rounds 1, 2, 4, 8, 16, then every 16th
+    assert g.ask("s", [0, 1], [3, 4], 0.0016) == [1]  # a sequence seen first now is probed at once
+    g.end(3)  # the slot's next sequence is new traffic
+    assert g.ask("s", [0, 1], [3, 4], 0.0016) == [0, 1]
+    g.won("s", 5)  # a probe finds it paying: asked for every sequence while it does
+    assert all(g.ask("s", [0, 1], [3, 4], 0.0016) == [0, 1] for _ in range(20))
