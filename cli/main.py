@@ -654,6 +654,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.url or args.http:
             parser.error("--host-replay runs in-process: not with --url/--http")
+        for flag, unused in (("--plot", args.plot), ("--profile", args.profile), ("--repeats", args.repeats != 1),
+                             ("--tune-sweep", args.tune_sweep)):
+            if unused:
+                parser.error(f"{flag} is for the timed bench, not with --host-replay (it runs each prompt once)")
         if args.host_replay not in ("h100", "measured"):
             try:
                 parse_table(args.host_replay)
