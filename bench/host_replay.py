@@ -13,8 +13,8 @@ rows (a CUDA host thread spins in its stream sync likewise) and returns logits r
 recorded next token of each row's sequence. Verification then accepts exactly the draft tokens the real
 target would have (greedy: the token at a position depends only on the committed tokens before it), so every
 configuration's output must equal the recording (checked), and the drafts, the planner, the acceptance
-trackers and the bookkeeping all do what they would do against a target that fast. The cost model starts
-from the table, so the planner prices drafts at the replayed decode's cost.
+trackers and the bookkeeping all do what they would do against a target that fast. The cost model is the
+table itself (not learnt), so the planner prices drafts at the replayed decode's cost.
 
 It replays greedy decoding of attention targets only: hidden-state heads need the target's hidden rows,
 which no stand-in has (refused).
@@ -59,26 +59,6 @@ def parse_table(text: str, measured: dict[int, float] | None = None) -> dict[int
                              f"and MS > 0 (bad part {part!r})")
         table[n] = v
     return dict(sorted(table.items()))
-
-
-def table_ms(table: dict[int, float], n: int) -> float:
-    """A decode of `n` rows by the table: linear between its sizes, flat below the smallest, the last
-    segment's slope beyond the largest.
-
-    >>> t = {1: 1.6, 2: 2.5, 8: 2.5, 32: 7.0}
-    >>> table_ms(t, 1), table_ms(t, 5), round(table_ms(t, 20), 2), round(table_ms(t, 56), 2)
-    (1.6, 2.5, 4.75, 11.5)
-    """
-    sizes = sorted(table)
-    if n <= sizes[0]:
-        return table[sizes[0]]
-    for a, b in zip(sizes, sizes[1:]):
-        if n <= b:
-            return table[a] + (table[b] - table[a]) * (n - a) / (b - a)
-    if len(sizes) == 1:
-        return table[sizes[0]]
-    a, b = sizes[-2], sizes[-1]
-    return table[b] + (table[b] - table[a]) * (n - b) / (b - a)
 
 
 def spin(seconds: float) -> None:
@@ -152,8 +132,9 @@ def replay_config(engine, name: str, requests: list, truth: list[np.ndarray], ta
     from specray.engine.round_stages import breakdown
 
     by_prompt = {r.prompt_tokens.tobytes(): t for r, t in zip(requests, truth)}
-    decode = ReplayDecode(engine.model.n_vocab, engine.ctx.n_batch, engine.model.eos,
-                          lambda n: table_ms(table, n) / 1e3)
+    # one model for the wait and the planner's price: the engine's own interpolation of a decode table
+    cost = DecodeCostModel({n: ms / 1e3 for n, ms in table.items()}, learn=False)
+    decode = ReplayDecode(engine.model.n_vocab, engine.ctx.n_batch, engine.model.eos, cost.cost)
     runner = engine.runner
     start = runner.start
 
@@ -163,7 +144,7 @@ def replay_config(engine, name: str, requests: list, truth: list[np.ndarray], ta
 
     runner.start = start_expecting
     engine.ctx.decode = decode  # the instance attribute shadows the method: TargetRunner calls ctx.decode(batch)
-    engine.scheduler.cost = DecodeCostModel({n: ms / 1e3 for n, ms in table.items()})
+    engine.scheduler.cost = cost
     st = engine.scheduler.stats
     t0 = time.perf_counter()
     seqs = engine.run(requests)

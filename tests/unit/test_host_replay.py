@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from specray.bench import host_replay
-from specray.bench.host_replay import ReplayDecode, parse_table, table_ms
+from specray.bench.host_replay import ReplayDecode, parse_table
 
 
 def test_doctests():
@@ -26,12 +26,6 @@ def test_measured_needs_a_calibrated_table():
     with pytest.raises(ValueError, match="calibrat"):
         parse_table("measured", {})
     assert parse_table("measured", {1: 9.5}) == {1: 9.5}
-
-
-def test_table_times_are_monotone_in_rows_for_a_monotone_table():
-    t = parse_table("h100")
-    times = [table_ms(t, n) for n in range(1, 600)]
-    assert times == sorted(times) and times[0] == 1.6
 
 
 class _Batch:
