@@ -32,6 +32,8 @@ from specray.bench.run import default_prompts_path, load_prompts
 DEFAULT_STREAMS = [1, 8]
 DEFAULT_NUM_PROMPTS = 16
 SERVE_MODES = ("colocated", "distributed")
+#: ServeConfig.target_hop's values (--target-hops)
+TARGET_HOPS = ("auto", "actor", "compiled")
 LAYOUTS = ("fused", "split")
 #: issue 3's bar: the actor hop may cost distributed mode at most 15% at 8 streams
 TARGET_RATIO = 0.85
@@ -57,17 +59,27 @@ def select_prompts(path: str, categories: list[str] | None, per_category: int | 
     return out
 
 
-def serve_configs(engine: EngineConfig, modes: list[str], layouts: list[str] | None = None):
-    """One ServeConfig per mode (and per layout, when several are asked for): same engine, own app name and
-    route prefix (one Serve instance). None: ServeConfig's default layout."""
+def serve_configs(engine: EngineConfig, modes: list[str], layouts: list[str] | None = None,
+                  hops: list[str] | None = None):
+    """One ServeConfig per mode (and per layout, when several are asked for; and per target hop of the distributed
+    mode, when `hops` names them): same engine, own app name and route prefix (one Serve instance). None:
+    ServeConfig's default layout and hop.
+
+    >>> [c.app_name for c in serve_configs(EngineConfig(), ["colocated", "distributed"], hops=["actor", "compiled"])]
+    ['specray-bench-colocated', 'specray-bench-distributed-actor', 'specray-bench-distributed-compiled']
+    """
     from specray.deployments.config import ServeConfig
 
-    if not layouts or len(layouts) == 1:
-        extra = {"layout": layouts[0]} if layouts else {}
-        return [ServeConfig(engine=engine, mode=m, app_name=f"specray-bench-{m}", route_prefix=f"/bench-{m}",
-                            **extra) for m in modes]
-    return [ServeConfig(engine=engine, mode=m, layout=lay, app_name=f"specray-bench-{m}-{lay}",
-                        route_prefix=f"/bench-{m}-{lay}") for m in modes for lay in layouts]
+    many = bool(layouts) and len(layouts) > 1
+    out = []
+    for m in modes:
+        for lay in layouts or [None]:
+            for hop in (hops or [None]) if m == "distributed" else [None]:
+                name = m + (f"-{lay}" if many else "") + (f"-{hop}" if hop not in (None, "auto") else "")
+                extra = ({"layout": lay} if lay else {}) | ({"target_hop": hop} if hop else {})
+                out.append(ServeConfig(engine=engine, mode=m, app_name=f"specray-bench-{name}",
+                                       route_prefix=f"/bench-{name}", **extra))
+    return out
 
 
 @contextlib.contextmanager
@@ -79,12 +91,11 @@ def deployed(base_url: str, cfgs: list, progress=print):
     from specray.deployments.app import build_app_from_config
 
     urls: dict[str, str] = {}
-    modes = [cfg.mode for cfg in cfgs]
     try:
         for cfg in cfgs:
             t0 = time.perf_counter()
             serve.run(build_app_from_config(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
-            key = cfg.mode if modes.count(cfg.mode) == 1 else f"{cfg.mode}/{cfg.layout}"
+            key = cfg.app_name.removeprefix("specray-bench-")
             urls[key] = base_url.rstrip("/") + cfg.route_prefix
             progress(f"deployed {key} ({cfg.layout}) at {urls[key]} in {time.perf_counter() - t0:.1f}s")
         yield urls
@@ -315,7 +326,11 @@ def main_http_bench(args) -> int:
             raise ValueError(f"--layouts: expected a comma-separated subset of {','.join(LAYOUTS)}, got "
                              f"{args.layouts!r}")
         ecfg = engine_config(args, args.slots or max(streams), args.spec)
-        configs = serve_configs(ecfg, modes, layouts)
+        hops = [x for x in (args.target_hops or "").split(",") if x] or None
+        if hops and any(x not in TARGET_HOPS for x in hops):
+            raise ValueError(f"--target-hops: expected a comma-separated subset of {','.join(TARGET_HOPS)}, got "
+                             f"{args.target_hops!r}")
+        configs = serve_configs(ecfg, modes, layouts, hops)
         with local_serve(args.port or 0, progress, apps=len(configs)) as base, \
                 deployed(base, configs, progress) as urls:
             engine = local_engine(ecfg)

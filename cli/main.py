@@ -288,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--layouts", default=None,
                    help="with --http: comma-separated serving layouts (fused, split), one app per mode and layout, "
                         "rows labelled MODE/LAYOUT (default: ServeConfig's default layout only)")
+    h.add_argument("--target-hops", default=None,
+                   help="with --http: comma-separated target hops of the distributed app (auto, actor, compiled), one "
+                        "app each, rows labelled distributed / distributed+compiled (default: auto)")
     h.add_argument("--port", type=int, default=None, help="with --http: HTTP port (default: a free one)")
     h.add_argument("--streams", type=int, nargs="+", default=None,
                    help="concurrent client streams, one table row per mode each (default: 1 8)")
@@ -373,6 +376,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    "recorded here, else a new local Ray; the first line printed says which")
     p.add_argument("--mode", choices=["colocated", "distributed"], default=S,
                    help=f"target in the router process, or in its own actor {d(ServeConfig, 'mode')}")
+    p.add_argument("--target-hop", choices=["auto", "actor", "compiled"], default=S,
+                   help="--mode distributed: each round reaches the target actor by an actor call, or through a Ray "
+                   "Compiled Graph (shared-memory channels; they poll, so it pays where a core is left beside the "
+                   "target's threads); auto: compiled where the target's node has a spare core or a GPU "
+                   f"(README, 'Compiled target hop') {d(ServeConfig, 'target_hop')}")
     p.add_argument("--layout", choices=["fused", "split"], default=S,
                    help="fused: with one arm, the engine replica deployment serves HTTP itself (one process "
                    "fewer per streamed token: replica -> Serve's proxy -> client); split: an Ingress deployment in "

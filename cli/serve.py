@@ -19,6 +19,7 @@ _FLAG_FIELDS = {
     "port": ("port",),
     "api_key": ("api_key",),
     "mode": ("mode",),
+    "target_hop": ("target_hop",),
     "layout": ("layout",),
     "direct_ingress": ("direct_ingress",),
     "slots": ("engine", "slots"),

@@ -55,6 +55,14 @@ class ServeConfig(BaseModel):
         description="colocated: target context in the router replica's process; distributed: target (and "
         "companion) in their own Ray actors, in the replica's placement group",
     )
+    target_hop: Literal["auto", "actor", "compiled"] = Field(
+        "auto",
+        description="distributed: how each round reaches the target actor. actor: one actor call a round; "
+        "compiled: a Ray Compiled Graph (shared-memory channels, no task submission per round; "
+        "deployments/actors/target_channel.py), whose channels poll a core; auto: compiled where the target's "
+        "node has a core its threads leave free or the target decodes on a GPU, else actor (README, 'Compiled "
+        "target hop')",
+    )
     app_name: str = Field("specray", description="Serve application name")
     route_prefix: str = Field("/", description="HTTP route prefix of the app")
     host: str = Field("127.0.0.1", description="HTTP bind address (specray serve; serve run uses http_options)")
@@ -149,6 +157,8 @@ class ServeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
+        if self.target_hop == "compiled" and self.mode != "distributed":  # auto means nothing colocated
+            raise ValueError("target_hop 'compiled' needs mode 'distributed' (colocated has no target actor to hop to)")
         if not self.route_prefix.startswith("/"):
             raise ValueError(f"route_prefix must start with '/', got {self.route_prefix!r}")
         names = [a.name for a in self.arms]

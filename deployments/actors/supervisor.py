@@ -35,9 +35,10 @@ def short_error(e: BaseException) -> str:
 
 def is_actor_death(e: BaseException) -> bool:
     """Errors that mean the actor itself is gone or unreachable (not a bug in the call)."""
-    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError
 
-    return isinstance(e, (RayActorError, GetTimeoutError))
+    # RayChannelError (its timeout included): a compiled target hop (target_channel.py) whose actor died or hung
+    return isinstance(e, (RayActorError, GetTimeoutError, RayChannelError))
 
 
 class ActorSupervisor:

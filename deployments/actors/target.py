@@ -15,6 +15,7 @@ and piggybacks them on the next `step`, so a round costs one actor hop.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,8 @@ from specray.engine.target import StepItem, StepOutput, TargetRunner
 from specray.native import decode_threads
 
 
+log = logging.getLogger(__name__)
+
 #: the Ray concurrency group of the target actor's calls that use its context
 DECODE_GROUP = "context"
 
@@ -39,9 +42,9 @@ class TargetService:
     def __init__(self, engine_config: dict | EngineConfig) -> None:
         from specray.deployments.builder import open_target, target_runner  # llama.cpp stays out of module import
 
+        # the actor decides its thread count on its own node (a cluster's nodes differ from the driver's)
         from specray.deployments.builder import usable_cpus
 
-        # the actor decides its thread count on its own node (a cluster's nodes differ from the driver's)
         self.config = EngineConfig.model_validate(engine_config).with_threads(True, usable_cpus())
         self.model, self.ctx = open_target(self.config)
         self.runner, self.memory = target_runner(self.config, self.model, self.ctx)
@@ -56,9 +59,12 @@ class TargetService:
             self.hidden_transport = make_transport(self.config.hidden.transport,
                                                    inline_below=self.config.hidden.inline_below_bytes)
         self._lock = threading.Lock()  # the context is not thread-safe; ping/counters don't need it
+        self._wake = threading.Event()  # ends a compiled graph's park (target_channel.py)
         self.calls = 0
 
     def info(self) -> dict:
+        from specray.deployments.builder import usable_cpus
+
         return {
             "n_ctx": self.ctx.n_ctx,
             "n_ctx_seq": getattr(self.ctx, "n_ctx_seq", self.ctx.n_ctx),
@@ -67,6 +73,7 @@ class TargetService:
             "n_seq_max": self.ctx.n_seq_max,
             "n_vocab": self.model.n_vocab,
             "threads": self.config.threads,
+            "cpus": usable_cpus(),  # this node's, for the target hop's auto choice (target_channel.py)
             "model": self.config.model,
             "model_description": self.model.description,
             "memory": self.memory.to_dict(),  # kind and rollback mode (engine/rollback.py)
@@ -124,6 +131,26 @@ class TargetService:
                 out.hidden = self.hidden_transport.export(out.hidden)
             self.calls += 1
         return out, time.perf_counter() - t0
+
+    def channel(self, msg: tuple):
+        """The one method of the compiled graph (target_channel.py), on Ray's compiled-graph thread, which then
+        does every decode: ("step", items, starts, releases, acks) | ("calibrate",) | ("park",). A park holds the
+        thread in a plain wait until `wake`: between executions Ray 2.60's graph loop polls its input channel,
+        a whole core while the router is idle."""
+        op, args = msg[0], msg[1:]
+        if op == "step":
+            return self.step(*args)
+        if op == "calibrate":
+            return self.calibrate_cost()
+        if op == "park":
+            self._wake.wait()
+            self._wake.clear()
+            return None
+        raise ValueError(f"unknown target channel op {op!r}")
+
+    def wake(self) -> None:
+        """Ends a park (default group: it runs beside the parked graph thread)."""
+        self._wake.set()
 
     def counters(self) -> dict:
         r = self.runner
@@ -193,23 +220,54 @@ class RemoteTarget:
 
     `epoch` is the generation of the actor (ActorSupervisor) it talks to."""
 
-    def __init__(self, actor, epoch: int = 1, timeout_s: float | None = None) -> None:
+    def __init__(self, actor, epoch: int = 1, timeout_s: float | None = None, hop: str = "actor") -> None:
         self.actor = actor
         self.epoch = epoch
         self.timeout_s = timeout_s  # a step that takes longer counts as a hung actor (GetTimeoutError)
+        self.mode = hop  # "actor": one actor call a round; "compiled": a Ray compiled graph (target_channel.py)
+        self.channel = self._open_channel()
         self._starts: list[tuple] = []  # TargetRunner.start's arguments
         self._releases: list[tuple[int, int]] = []  # (slot, KV cells it keeps for the prompt cache)
         self._hidden_acks: list = []  # CUDA-IPC hidden-row buffers the companion is done with
         self.hop = HopStats()
 
+    def _open_channel(self):
+        if self.mode != "compiled":
+            return None
+        from .target_channel import CompiledChannel
+
+        return CompiledChannel(self.actor, self.timeout_s)
+
     def reset(self, actor, epoch: int) -> None:
         """Talk to a new actor from now on; what was buffered for the old one is dropped
         (the new actor's KV cache is empty)."""
+        self.close()
         self.actor = actor
         self.epoch = epoch
+        self.channel = self._open_channel()
         self._starts = []
         self._releases = []
         self._hidden_acks = []
+
+    def close(self) -> None:
+        """Tear down the compiled graph, if any (before the actor is killed or replaced)."""
+        channel, self.channel = self.channel, None
+        if channel is not None:
+            try:
+                channel.close()
+            except Exception as e:  # the actor is gone either way; a new graph goes to the new one
+                log.warning("tearing down the target's compiled graph failed: %s", e)
+
+    def calibrate(self) -> dict:
+        """The target's cost table (TargetRunner.calibrate_cost), on the thread that will do the rounds."""
+        if self.channel is not None:
+            return self.channel.call(("calibrate",))
+        return ray.get(self.actor.calibrate_cost.remote(), timeout=self.timeout_s)
+
+    def park(self) -> None:
+        """The router goes idle (compiled graph: free the core its actor thread would poll with)."""
+        if self.channel is not None:
+            self.channel.park()
 
     def ack_hidden(self, acks: list) -> None:
         """Hidden-row buffers the companion is done with; they go to the target with the next step."""
@@ -233,11 +291,20 @@ class RemoteTarget:
         releases, self._releases = self._releases, []
         acks, self._hidden_acks = self._hidden_acks, []
         t0 = time.perf_counter()
-        ref = self.actor.step.remote(items, starts, releases, acks) if acks else self.actor.step.remote(
-            items, starts, releases)
-        out, inside = ray.get(ref, timeout=self.timeout_s)
+        if self.channel is not None:
+            rows = sum(len(it.tokens) for it in items)
+            out, inside = self.channel.call(("step", items, starts, releases, acks), rows)
+            self.channel.wait.observe(rows, inside)
+        else:
+            ref = self.actor.step.remote(items, starts, releases, acks) if acks else self.actor.step.remote(
+                items, starts, releases)
+            out, inside = ray.get(ref, timeout=self.timeout_s)
         self.hop.add(max(0.0, time.perf_counter() - t0 - inside))
         return out
+
+    def hop_stats(self) -> dict:
+        """/v1/stats `hop`: the router-side time of a round call outside the actor, and how it travels."""
+        return self.hop.to_dict() | {"mode": self.mode} | (self.channel.info() if self.channel is not None else {})
 
     def flush(self) -> None:
         """Apply buffered releases now (e.g. when the router goes idle)."""

@@ -78,7 +78,8 @@ class RouterCore:
 
     def _build(self, actors) -> None:
         cfg = self.cfg
-        self.parts = build_engine(cfg.engine, actors=actors, step_timeout_s=cfg.target_step_timeout_s, served=True)
+        self.parts = build_engine(cfg.engine, actors=actors, step_timeout_s=cfg.target_step_timeout_s, served=True,
+                                  target_hop=cfg.target_hop)
         self.placement = actors.placement() if actors is not None else None
         self.rel = ReliabilityStats()
         self.slots = Slots(self.parts.scheduler, self.rel)
@@ -208,6 +209,7 @@ class RouterCore:
             while not self._inbox and not can_step and not self._stopping:
                 if self.remote is not None and self.remote.pending() and self.faults.target_state() == "up":
                     break  # idle: flush buffered releases to the actor first
+                self.faults.park_target()
                 # a lost target is noticed by the supervisor (which wakes us); the timeout is a backstop
                 self._cv.wait(timeout=None if not self.faults.supervised else 1.0)
                 if self.faults.target_replaced():
@@ -245,4 +247,5 @@ class RouterCore:
             self._cv.notify()
         self._thread.join(timeout=5)
         if self.parts.actors is not None:
+            self.parts.remote.close()  # a compiled graph goes before its actor
             self.parts.actors.close()

@@ -93,6 +93,15 @@ class Faults:
             if is_actor_death(e):
                 self.actors.target.mark_down(e, self.parts.remote.epoch)
 
+    def park_target(self) -> None:
+        """Idle, distributed with a compiled target hop: park the actor's graph thread (target_channel.py)."""
+        if self.actors is None or self.actors.target.state != UP or self.parts.remote.epoch != self.actors.target.epoch:
+            return
+        try:
+            self.parts.remote.park()
+        except Exception as e:
+            log.warning("parking the target actor's compiled graph failed: %s", short_error(e))
+
     def start_watchdog(self, interval_s: float, ping_timeout_s: float, stopping) -> threading.Thread | None:
         """Ping the actors every interval_s until stopping() (distributed only)."""
         if self.actors is None or interval_s <= 0:

@@ -88,7 +88,7 @@ def round_snapshot(core) -> dict:
     if parts.draft_model is not None:  # distributed: placement.companion.draft (actors/launch.py)
         d["draft"] = {"where": "in-process"} | parts.draft_model.effective_settings()
     if parts.remote is not None:
-        d["hop"] = parts.remote.hop.to_dict()
+        d["hop"] = parts.remote.hop_stats()
         d["placement"] = core.placement
         d["pending_releases"] = len(parts.remote._releases)
     return d

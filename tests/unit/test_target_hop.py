@@ -1,0 +1,67 @@
+"""The compiled target hop's settings and pure parts (no Ray): the config field and its flag, the auto choice,
+the wait before a read, and the bench's --target-hops. tests/serve/test_compiled_hop.py runs the graph."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+from pydantic import ValidationError
+
+from specray.bench.http_compare import serve_configs
+from specray.cli.main import build_parser, main
+from specray.cli.serve import config_from_args
+from specray.deployments.actors import target_channel
+from specray.deployments.actors.supervisor import is_actor_death
+from specray.deployments.config import load_serve_config
+from specray.engine.config import EngineConfig
+
+
+def test_doctests():
+    failed, attempted = doctest.testmod(target_channel)
+    assert attempted > 0 and failed == 0
+
+
+def test_the_field_defaults_to_auto_and_compiled_needs_the_distributed_mode():
+    assert load_serve_config({}).target_hop == "auto"
+    assert load_serve_config({"mode": "distributed", "target_hop": "compiled"}).target_hop == "compiled"
+    with pytest.raises(ValidationError, match="needs mode 'distributed'"):
+        load_serve_config({"mode": "colocated", "target_hop": "compiled"})
+    with pytest.raises(ValidationError, match="target_hop"):
+        load_serve_config({"target_hop": "teleport"})
+
+
+def test_the_serve_flag_sets_it():
+    p = build_parser()
+    cfg = config_from_args(p.parse_args(["serve", "--mode", "distributed", "--target-hop", "compiled"]))
+    assert cfg.target_hop == "compiled"
+    assert config_from_args(p.parse_args(["serve"])).target_hop == "auto"
+    with pytest.raises(SystemExit):
+        p.parse_args(["serve", "--target-hop", "teleport"])
+
+
+def test_expected_wait_sleeps_a_share_of_the_shortest_recent_step_of_as_many_rows():
+    w = target_channel.ExpectedWait(share=0.5, keep=2)
+    w.observe(3, 0.010)
+    w.observe(3, 0.004)
+    w.observe(3, 0.008)  # the 0.010 falls out of the window; the shortest of the last two is 0.004
+    assert w.before(3) == pytest.approx(0.002)
+    assert w.before(4) == 0.0
+
+
+def test_a_compiled_hop_whose_actor_died_or_hung_counts_as_actor_death():
+    from ray.exceptions import RayChannelError, RayChannelTimeoutError
+
+    assert is_actor_death(RayChannelError("channel closed"))
+    assert is_actor_death(RayChannelTimeoutError("no answer"))
+    assert not is_actor_death(ValueError("a bug"))
+
+
+def test_bench_deploys_one_distributed_app_per_target_hop(capsys):
+    cfgs = serve_configs(EngineConfig(), ["distributed"], hops=["auto", "compiled"])
+    assert [(c.target_hop, c.route_prefix) for c in cfgs] == [("auto", "/bench-distributed"),
+                                                              ("compiled", "/bench-distributed-compiled")]
+    # colocated has no target actor: one app whatever the hops
+    assert [c.mode for c in serve_configs(EngineConfig(), ["colocated"], hops=["actor", "compiled"])] == ["colocated"]
+    rc = main(["bench", "--http", "--serve-modes", "distributed", "--target-hops", "actor,teleport"])
+    assert rc != 0 and "--target-hops" in capsys.readouterr().err
