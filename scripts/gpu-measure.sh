@@ -11,15 +11,17 @@
 # cost curve and round overhead; writes ~1.6 GB to $SYNTH_DIR, default /tmp, in ~1-2 min; SYNTH_PARAMS and
 # SYNTH_TYPE change its size and weight type), `hidden` (MTP and
 # EAGLE-3 with target and companion actors on one GPU, the round's transfer share per transport; needs Ray:
-# prepare.sh --ray), `gemma` (Gemma 3 270M at 1, 4 and 8 slots and llama-server on it; prepare.sh --gemma).
-# Each of those four also runs alone (`bash scripts/gpu-measure.sh synth`); the full run ends with them.
+# prepare.sh --ray), `gemma` (Gemma 3 270M at 1, 4 and 8 slots and llama-server on it; prepare.sh --gemma),
+# `hop` (distributed over HTTP: the target actor reached by an actor call vs a Ray Compiled Graph, and the
+# in-process engine; needs Ray). Each of those also runs alone (`bash scripts/gpu-measure.sh synth`); the full
+# run ends with them.
 # Needs: $SPECRAY_GPU_MODELS (the models), $LLAMA_SERVER (built from the same llama.cpp sources).
 # Installed with `setup.sh --wheelhouse` instead of the recipe: PY=.venv/bin/python (no env.sh needed but for
 # the models and llama-server).
 set -uo pipefail
 case "${1:-}" in
-  ""|quick|pricing|waiting|imports|synth|hidden|gemma) ;;
-  *) echo "gpu-measure.sh: unknown step '$1' (quick, pricing, waiting, imports, synth, hidden, gemma)" >&2; exit 2 ;;
+  ""|quick|pricing|waiting|imports|synth|hidden|gemma|hop) ;;
+  *) echo "gpu-measure.sh: unknown step '$1' (quick, pricing, waiting, imports, synth, hidden, gemma, hop)" >&2; exit 2 ;;
 esac
 OUT=${OUT:?set OUT to the folder for the results}
 M=${MODEL:-$(ls "$SPECRAY_GPU_MODELS"/*.gguf | grep -i smol | head -1)}
@@ -108,6 +110,16 @@ hidden_step() {  # MTP and EAGLE-3 (synthetic) with target and companion actors 
   log "hidden rows: rc $?: $(grep -c -E '^(mtp|eagle3) ' "$OUT/hidden.txt") rows"
 }
 
+hop_step() {  # distributed over HTTP, plain decoding: actor call vs compiled graph per round, and in-process
+  has_ray || { log "hop: skipped, no Ray on this machine (prepare.sh --ray)"; return; }
+  log "hop: actor vs compiled target hop"
+  PYTHONPATH="$PRELOAD${PYTHONPATH:+:$PYTHONPATH}" timeout 540 "$PY" -c \
+    'import sys, llama_cpp; llama_cpp.llama_backend_init(); from specray.cli.main import main; sys.exit(main())' bench --http \
+    --serve-modes distributed --target-hops actor,compiled --model "$M" --threads "$THREADS" --spec none \
+    --streams 1 4 8 --num-prompts 8 --max-tokens "$MAX_TOKENS" --json "$OUT/hop.json" > "$OUT/hop.txt" 2> "$OUT/hop.err"
+  log "hop: rc $?"
+}
+
 if [ "${1:-}" = pricing ]; then
   for s in 1 4; do
     log "pricing s$s"
@@ -155,8 +167,8 @@ gemma_step() {  # Gemma 3 270M at 1, 4 and 8 slots, and llama-server on it with 
 }
 
 case "${1:-}" in
-  imports|synth|hidden|gemma) "${1}_step"; log "done"; exit 0 ;;
-  waiting) imports_step; synth_step; hidden_step; gemma_step; log "done"; exit 0 ;;
+  imports|synth|hidden|gemma|hop) "${1}_step"; log "done"; exit 0 ;;
+  waiting) imports_step; synth_step; hidden_step; hop_step; gemma_step; log "done"; exit 0 ;;
 esac
 
 # 1. the import-order crash, the recipe's install as it is against one folder
@@ -182,5 +194,6 @@ bench s1_profile 1 2 --configs ngram_mod,suffix,ngram_cache --no-llama-baseline 
 # 7. what issue 32 still waited for: the synthetic 1.5B target, hidden rows on the GPU (Ray), Gemma
 synth_step
 hidden_step
+hop_step
 gemma_step
 log "done"
