@@ -31,6 +31,16 @@ def test_the_field_defaults_to_auto_and_compiled_needs_the_distributed_mode():
         load_serve_config({"target_hop": "teleport"})
 
 
+def test_hidden_state_heads_keep_the_actor_call():
+    # their rows' object refs reach the companion only through an actor call's return (target_channel.py)
+    with pytest.raises(ValidationError, match="cannot carry the hidden-state heads' rows"):
+        load_serve_config({"mode": "distributed", "target_hop": "compiled", "engine": {"hidden": {"mtp": True}}})
+    hidden = {"cpus": 16, "threads": 1, "n_gpu_layers": 33, "hidden_transport": {"transport": "cuda_ipc"}}
+    assert target_channel.resolve_target_hop("auto", hidden) == "actor"
+    with pytest.raises(ValueError, match="cannot carry"):
+        target_channel.resolve_target_hop("compiled", hidden)
+
+
 def test_the_serve_flag_sets_it():
     p = build_parser()
     cfg = config_from_args(p.parse_args(["serve", "--mode", "distributed", "--target-hop", "compiled"]))
