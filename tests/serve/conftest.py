@@ -7,6 +7,7 @@ so greedy text must be identical, solo or with 8 concurrent streams.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -140,6 +141,18 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 #: same engine as ENGINE (so `reference` outputs apply), with a queue limit the overload test can reach
 REL_ENGINE = ENGINE | {"max_queue": 24}
 REL_MAX_BODY = 64 * 1024
+
+
+@contextlib.contextmanager
+def deployed_app(ray_serve: str, name: str, args: dict):
+    """deploy() for a module's fixture: yields the base URL, deletes the app afterwards."""
+    from ray import serve
+
+    base = deploy(ray_serve, name, args)
+    try:
+        yield base
+    finally:
+        serve.delete(name)
 
 
 def deploy(ray_serve: str, name: str, args: dict) -> str:

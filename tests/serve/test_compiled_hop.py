@@ -16,23 +16,18 @@ import ray
 
 from specray.deployments.actors.launch import ACTOR_NAMESPACE
 
-from .conftest import COMPLETION_PROMPTS, CONCURRENT_MAX_TOKENS, ENGINE, MAX_TOKENS, concurrent_prompts, deploy
+from .conftest import COMPLETION_PROMPTS, CONCURRENT_MAX_TOKENS, ENGINE, MAX_TOKENS, concurrent_prompts, deployed_app
 
 pytestmark = [pytest.mark.serve, pytest.mark.model]
 
 
 @pytest.fixture(scope="module")
 def app(ray_serve):
-    from ray import serve
-
     # calibrated: the cost table is measured through the graph, on the thread that then decodes every round
-    base = deploy(ray_serve, "compiled", {"mode": "distributed", "target_hop": "compiled",
-                                          "engine": ENGINE | {"calibrate": True}, "watchdog_interval_s": 0.5,
-                                          "actor_ping_timeout_s": 5.0})
-    try:
+    with deployed_app(ray_serve, "compiled", {"mode": "distributed", "target_hop": "compiled",
+                                              "engine": ENGINE | {"calibrate": True}, "watchdog_interval_s": 0.5,
+                                              "actor_ping_timeout_s": 5.0}) as base:
         yield base
-    finally:
-        serve.delete("compiled")
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from .conftest import (
     ENGINE,
     MAX_TOKENS,
     concurrent_prompts,
-    deploy,
+    deployed_app,
     kv_is_only_the_cache,
 )
 
@@ -43,14 +43,9 @@ N_CTX_SEQ = ENGINE["n_ctx"] // ENGINE["slots"]
 
 @pytest.fixture(scope="module")
 def faults(ray_serve):
-    from ray import serve
-
-    base = deploy(ray_serve, "faults", {"mode": "distributed", "engine": ENGINE, "prompt_overflow": "truncate",
-                                        "watchdog_interval_s": 0.5, "actor_ping_timeout_s": 5.0})
-    try:
+    with deployed_app(ray_serve, "faults", {"mode": "distributed", "engine": ENGINE, "prompt_overflow": "truncate",
+                                            "watchdog_interval_s": 0.5, "actor_ping_timeout_s": 5.0}) as base:
         yield base
-    finally:
-        serve.delete("faults")
 
 
 @pytest.fixture(scope="module")
