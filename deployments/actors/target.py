@@ -42,9 +42,9 @@ class TargetService:
     def __init__(self, engine_config: dict | EngineConfig) -> None:
         from specray.deployments.builder import open_target, target_runner  # llama.cpp stays out of module import
 
-        # the actor decides its thread count on its own node (a cluster's nodes differ from the driver's)
         from specray.deployments.builder import usable_cpus
 
+        # the actor decides its thread count on its own node (a cluster's nodes differ from the driver's)
         self.config = EngineConfig.model_validate(engine_config).with_threads(True, usable_cpus())
         self.model, self.ctx = open_target(self.config)
         self.runner, self.memory = target_runner(self.config, self.model, self.ctx)
@@ -225,26 +225,27 @@ class RemoteTarget:
         self.epoch = epoch
         self.timeout_s = timeout_s  # a step that takes longer counts as a hung actor (GetTimeoutError)
         self.mode = hop  # "actor": one actor call a round; "compiled": a Ray compiled graph (target_channel.py)
-        self.channel = self._open_channel()
+        self.channel = self._open_channel(actor)
         self._starts: list[tuple] = []  # TargetRunner.start's arguments
         self._releases: list[tuple[int, int]] = []  # (slot, KV cells it keeps for the prompt cache)
         self._hidden_acks: list = []  # CUDA-IPC hidden-row buffers the companion is done with
         self.hop = HopStats()
 
-    def _open_channel(self):
+    def _open_channel(self, actor):
         if self.mode != "compiled":
             return None
         from .target_channel import CompiledChannel
 
-        return CompiledChannel(self.actor, self.timeout_s)
+        return CompiledChannel(actor, self.timeout_s)
 
     def reset(self, actor, epoch: int) -> None:
         """Talk to a new actor from now on; what was buffered for the old one is dropped
-        (the new actor's KV cache is empty)."""
+        (the new actor's KV cache is empty). If its graph cannot be compiled this raises, and the proxy
+        stays on the old epoch (the caller marks the new actor down)."""
         self.close()
+        self.channel = self._open_channel(actor)
         self.actor = actor
         self.epoch = epoch
-        self.channel = self._open_channel()
         self._starts = []
         self._releases = []
         self._hidden_acks = []

@@ -60,7 +60,12 @@ class Faults:
             self.rel.failed_target_lost += len(running)
             self.slots.fail(running, error_item(503, msg, "target_unavailable"), out)
         if sup.state == UP:  # a fresh actor: nothing of the old one's KV cache exists there
-            remote.reset(sup.handle, sup.epoch)
+            try:
+                remote.reset(sup.handle, sup.epoch)  # compiled hop: a new graph to the new actor
+            except Exception as e:
+                log.warning("the new target actor's compiled graph failed: %s", short_error(e))
+                sup.mark_down(e, sup.epoch)
+                return False
             self.parts.scheduler.forget_prompt_cache(clear_kv=False)
             return True
         queue = self.parts.scheduler.queue

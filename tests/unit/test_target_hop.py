@@ -75,3 +75,15 @@ def test_bench_deploys_one_distributed_app_per_target_hop(capsys):
     assert [c.mode for c in serve_configs(EngineConfig(), ["colocated"], hops=["actor", "compiled"])] == ["colocated"]
     rc = main(["bench", "--http", "--serve-modes", "distributed", "--target-hops", "actor,teleport"])
     assert rc != 0 and "--target-hops" in capsys.readouterr().err
+
+
+def test_a_graph_that_cannot_be_compiled_to_a_new_actor_leaves_the_proxy_on_the_old_one():
+    from specray.deployments.actors.target import RemoteTarget
+
+    old = object()
+    r = RemoteTarget(old, epoch=1, hop="actor")
+    r.mode = "compiled"  # as if the first graph had been compiled; the new actor has no `channel` method
+    with pytest.raises(AttributeError):
+        r.reset(object(), 2)
+    # Faults.sync_target marks the new actor down; the proxy still names the old epoch, so it retries with the next
+    assert r.epoch == 1 and r.actor is old and r.channel is None
