@@ -161,8 +161,9 @@ class ServeConfig(BaseModel):
         if self.target_hop == "compiled" and self.mode != "distributed":  # auto means nothing colocated
             raise ValueError("target_hop 'compiled' needs mode 'distributed' (colocated has no target actor to hop to)")
         if self.target_hop == "compiled" and self.engine.hidden.enabled:  # target_channel.resolve_target_hop
-            raise ValueError("target_hop 'compiled' cannot carry the hidden-state heads' rows (mtp, eagle3, dflash): "
-                             "use target_hop 'actor' or 'auto'")
+            from specray.deployments.actors.target_channel import NO_HIDDEN_ROWS
+
+            raise ValueError(NO_HIDDEN_ROWS)
         if not self.route_prefix.startswith("/"):
             raise ValueError(f"route_prefix must start with '/', got {self.route_prefix!r}")
         names = [a.name for a in self.arms]

@@ -22,6 +22,11 @@ import collections
 import time
 
 
+#: why target_hop 'compiled' is refused with hidden-state heads (resolve_target_hop; ServeConfig says it first)
+NO_HIDDEN_ROWS = ("target_hop 'compiled' cannot carry the hidden-state heads' rows (mtp, eagle3, dflash): "
+                  "use target_hop 'actor' or 'auto'")
+
+
 def resolve_target_hop(setting: str, info: dict) -> str:
     """The hop a replica uses (ServeConfig.target_hop), from the target actor's `info()`: "auto" takes the
     compiled graph where the actor's node has a core its llama.cpp threads leave free, or the target decodes
@@ -44,8 +49,7 @@ def resolve_target_hop(setting: str, info: dict) -> str:
     """
     hidden = info.get("hidden_transport") is not None
     if setting == "compiled" and hidden:
-        raise ValueError("target_hop 'compiled' cannot carry the hidden-state heads' rows (mtp, eagle3, dflash): "
-                         "use target_hop 'actor' or 'auto'")
+        raise ValueError(NO_HIDDEN_ROWS)
     if setting != "auto":
         return setting
     if hidden:
