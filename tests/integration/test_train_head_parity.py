@@ -107,6 +107,20 @@ def test_torch_head_matches_llama_cpp_eagle3_graph(smollm2, tmp_path, draft_voca
         # the rollout's step 1 is the causal pass (on its own fc rows, so within the fc tolerance)
         assert float((steps[0][0] - h_t[0]).abs().max()) <= 1e-3 * float(h_t.abs().max())
 
+        # the speculator's own call (PairHead.decode): a catch-up run whose last pair alone is read. Its output
+        # must be the last pair's: with llama.cpp choosing a subset of the batch as outputs it was the first
+        # pairs' (a trained head drafted token 198 on every chat prompt)
+        for n in (2, 5, L):
+            head.seq_rm(0, 0)
+            top, _, hid = head.decode([(0, toks[1 : n + 1], 0, g[:n])])
+            want = h_t[0, n - 1].numpy()
+            # a 2-pair batch takes other kernels than the 47-pair one above: 1.2e-3 of the largest value measured;
+            # another pair's row is off by the same order as the row itself
+            assert np.abs(hid[0] - want).max() <= 5e-3 * np.abs(want).max(), n
+            assert int(top[0]) == int(np.argmax(ours1[n - 1])), n
+        head.seq_rm(0, 0)
+        run(toks[1:], 0, g)
+
         # a 3-step draft from seed s, as the speculator runs it: the KV keeps pairs 0..s, then each step's pair
         s = T - 4
         head.ctx.seq_rm(0, s + 1)
