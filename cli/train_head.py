@@ -12,7 +12,8 @@ FLAGS = {
     "curve_png": "--curve", "seed": "--seed", "threads": "--threads", "weight_type": "--weight-type",
     "shape.draft_vocab": "--draft-vocab", "shape.target_layers": "--target-layers",
     "gen.max_tokens": "--max-tokens", "gen.sampled": "--sampled", "gen.temperature": "--temperature",
-    "gen.slots": "--gen-slots", "gen.minutes": "--gen-minutes", "gen.max_len": "--max-len",
+    "gen.slots": "--gen-slots", "gen.self_prompts": "--self-prompts", "gen.minutes": "--gen-minutes",
+    "gen.max_len": "--max-len", "gen.learn_prompts": "--learn-prompts",
     "gen.max_prompt": "--max-prompt-tokens",
     "optim.epochs": "--epochs", "optim.minutes": "--minutes", "optim.lr": "--lr", "optim.warmup": "--warmup",
     "optim.lm_head_lr_scale": "--lm-head-lr-scale",
@@ -82,12 +83,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                           "(default 1)")
     d.add_argument("--temperature", type=float, default=0.8, help="temperature of sampled answers (default 0.8)")
     d.add_argument("--gen-slots", type=int, default=8, help="answers generated at once (default 8)")
+    d.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                   help="first have the target write N user messages of its own (its chat template up to a user "
+                        "turn, sampled at --temperature; Magpie), then answer them with the file's prompts: chat "
+                        "prompts with no data set and none of the measured ones (default 0)")
     d.add_argument("--gen-minutes", type=float, default=None,
                    help="stop generating answers after this long (default: all of them); the order is shuffled, "
                         "so a cut still covers every category")
     d.add_argument("--max-prompt-tokens", type=int, default=384, metavar="N",
                    help="skip prompts longer than N tokens, 0: none (a long prompt is decoded twice for one "
                         "answer; default 384)")
+    d.add_argument("--learn-prompts", action="store_true",
+                   help="the head also learns on the prompts' positions (the target's top token after text it did "
+                        "not write, as EAGLE trained on a fixed data set), and a prompt over --max-prompt-tokens is "
+                        "kept without an answer instead of skipped: a prefill's worth of data, not a generation's")
     d.add_argument("--max-len", type=int, default=1024, help="tokens per training sequence; a longer prompt keeps "
                                                              "its end (default 1024)")
     h = p.add_argument_group("head and training")
@@ -139,7 +148,8 @@ def config_from_args(args):
         "threads": args.threads,
         "shape": {"draft_vocab": args.draft_vocab, "target_layers": args.target_layers},
         "gen": {"max_tokens": args.max_tokens, "sampled": args.sampled, "temperature": args.temperature,
-                "slots": args.gen_slots, "minutes": args.gen_minutes, "max_len": args.max_len,
+                "slots": args.gen_slots, "self_prompts": args.self_prompts, "minutes": args.gen_minutes,
+                "max_len": args.max_len, "learn_prompts": args.learn_prompts,
                 "max_prompt": args.max_prompt_tokens or None},
         "optim": {"epochs": args.epochs, "minutes": args.minutes, "lr": args.lr, "warmup": args.warmup,
                   "lm_head_lr_scale": args.lm_head_lr_scale,

@@ -31,9 +31,14 @@ class GenConfig(BaseModel):
     sampled: int = Field(1, ge=0, description="sampled answers per prompt, besides the greedy one")
     temperature: float = Field(0.8, gt=0, description="temperature of the sampled answers")
     slots: int = Field(8, ge=1, description="sequences the engine generates at once")
+    self_prompts: int = Field(0, ge=0, description="user messages the target writes itself before answering "
+                              "(train/self_prompts.py: chat prompts with no data set), answered like the file's")
     minutes: float | None = Field(None, gt=0, description="stop generating after this long (None: every answer)")
     max_prompt: int | None = Field(384, ge=1, description="skip prompts longer than this many tokens (None: keep "
                                    "all): a long prompt costs its tokens twice for one answer")
+    learn_prompts: bool = Field(False, description="the head also learns on the prompts' positions (the "
+                                "target's top token after each prompt token), and a prompt over max_prompt is kept "
+                                "without an answer: more data per minute, text the target did not write")
     max_len: int = Field(1024, ge=16, description="tokens per training sequence at most: longer prompts lose their "
                          "beginning (the rows were computed on the whole prompt)")
 
@@ -55,7 +60,9 @@ class OptimConfig(BaseModel):
     ttt_steps: int = Field(3, ge=1, le=8, description="rollout steps (EAGLE-3's training-time test): the head "
                            "feeds its own output rows back, as when it drafts")
     step_decay: float = Field(0.8, gt=0, le=1, description="loss weight of rollout step k is step_decay^(k-1)")
-    val_fraction: float = Field(0.05, ge=0, lt=0.5, description="sequences held out for the curve's validation")
+    val_fraction: float = Field(0.05, ge=0, lt=0.5, description="prompts held out for the curve's validation, "
+                                "with all their answers (a greedy and a sampled answer to one prompt share most "
+                                "of their text: split by answer, validation would score text it trained on)")
     eval_every: int = Field(25, ge=1, description="optimiser steps between validation points")
     checkpoint_every: float = Field(120.0, gt=0, description="seconds between checkpoints")
     init: str = Field("target", pattern="^(target|random)$",

@@ -48,8 +48,9 @@ def make_batches(lengths: list[int], batch_tokens: int, seed: int) -> list[list[
     return batches
 
 
-def collate(samples: list[Sample], t2d: np.ndarray):
-    """(feats [B, T, W] float32, tokens [B, T], draft-row labels [B, T] (-1: none), answer mask [B, T])."""
+def collate(samples: list[Sample], t2d: np.ndarray, prompts: bool = False):
+    """(feats [B, T, W] float32, tokens [B, T], draft-row labels [B, T] (-1: none), mask [B, T] of the positions
+    that count: the answer's, or with `prompts` every position)."""
     b, t = len(samples), max(len(s.tokens) for s in samples)
     w = samples[0].feats.shape[1]
     feats = torch.zeros(b, t, w)
@@ -61,7 +62,7 @@ def collate(samples: list[Sample], t2d: np.ndarray):
         feats[i, :n] = torch.from_numpy(s.feats.astype(np.float32))
         tokens[i, :n] = torch.from_numpy(s.tokens.astype(np.int64))
         labels[i, :n] = torch.from_numpy(t2d[s.labels])
-        mask[i, s.answer_from : n] = True
+        mask[i, 0 if prompts else s.answer_from : n] = True
     return feats, tokens, labels, mask
 
 
@@ -92,8 +93,9 @@ class Trainer:
     """Trains `model` on `train` samples, validating on `val`; `work_dir` holds its checkpoint."""
 
     def __init__(self, model: Eagle3Module, train: list[Sample], val: list[Sample], t2d: np.ndarray,
-                 cfg: OptimConfig, work_dir: str, seed: int, progress=print) -> None:
+                 cfg: OptimConfig, work_dir: str, seed: int, progress=print, learn_prompts: bool = False) -> None:
         self.m, self.train, self.val, self.t2d, self.cfg = model, train, val, t2d, cfg
+        self.learn_prompts = learn_prompts  # training batches count prompt positions too; validation never does
         self.seed, self.progress = seed, progress
         self.ckpt = os.path.join(work_dir, "checkpoint.pt")
         head = [model.lm_head]
@@ -173,7 +175,7 @@ class Trainer:
                 s.epoch, s.batch_in_epoch = s.epoch + 1, 0
                 continue
             t0 = time.monotonic()
-            batch = collate([self.train[i] for i in batches[s.batch_in_epoch]], self.t2d)
+            batch = collate([self.train[i] for i in batches[s.batch_in_epoch]], self.t2d, self.learn_prompts)
             for g in self.opt.param_groups:
                 g["lr"] = self.lr() * g["scale"]
             loss, _ = rollout_loss(self.m, *batch, c.ttt_steps, c.step_decay)

@@ -44,14 +44,12 @@ def train_head(cfg: TrainConfig, progress=print) -> dict:
     samples = load_samples(data_dir)
     if len(samples) < 2:
         raise ValueError(f"only {len(samples)} answers in {data_dir}: give more prompts or a longer --gen-minutes")
-    rng = random.Random(cfg.seed)
-    order = list(range(len(samples)))
-    rng.shuffle(order)
-    n_val = max(1, round(cfg.optim.val_fraction * len(samples))) if cfg.optim.val_fraction else 0
-    val = [samples[i] for i in order[:n_val]]
-    train = [samples[i] for i in order[n_val:]]
+    val, train = split_by_prompt(samples, cfg.optim.val_fraction, cfg.seed)
     n_tokens = sum(len(s.tokens) - s.answer_from for s in train)
-    progress(f"train-head: {len(train)} training answers ({n_tokens} answer tokens), {len(val)} for validation")
+    if cfg.gen.learn_prompts:
+        progress(f"train-head: learning on prompt positions too: {sum(len(s.tokens) for s in train)} in all")
+    progress(f"train-head: {len(train)} training answers ({n_tokens} answer tokens), {len(val)} for validation "
+             f"(answers to prompts never trained on)")
 
     # the draft vocabulary: the target's top tokens of the training answers, most frequent first
     counts = np.zeros(n_vocab, dtype=np.int64)
@@ -72,7 +70,7 @@ def train_head(cfg: TrainConfig, progress=print) -> dict:
     d = dims_for(tw, cfg.shape, n_vocab, len(d2t) if d2t is not None else n_vocab)
     model = build_head(tw, d, d2t, cfg.optim.init, cfg.seed)
     t2d = to_draft_rows(model.d2t.numpy(), n_vocab)
-    trainer = Trainer(model, train, val, t2d, cfg.optim, cfg.work_dir, cfg.seed, progress)
+    trainer = Trainer(model, train, val, t2d, cfg.optim, cfg.work_dir, cfg.seed, progress, cfg.gen.learn_prompts)
     trainer.resume()
     torch.manual_seed(cfg.seed + trainer.state.step)
     state = trainer.run()
@@ -98,6 +96,22 @@ def train_head(cfg: TrainConfig, progress=print) -> dict:
     with open(os.path.join(cfg.work_dir, "summary.json"), "w") as f:
         json.dump({**summary, "curve": state.curve}, f, indent=1)
     return summary
+
+
+def split_by_prompt(samples: list, fraction: float, seed: int) -> tuple[list, list]:
+    """(validation, training) samples: `fraction` of the prompts (at least one when fraction > 0, and one left to
+    train on), each with all its answers, picked by `seed`.
+
+    >>> from types import SimpleNamespace as S
+    >>> val, train = split_by_prompt([S(prompt=p) for p in (0, 0, 1, 1, 2, 2)], 0.3, 0)
+    >>> sorted({s.prompt for s in val}), len(val) + len(train), {s.prompt for s in val} & {s.prompt for s in train}
+    ([0], 6, set())
+    """
+    prompts = sorted({s.prompt for s in samples})
+    random.Random(seed).shuffle(prompts)
+    n_val = min(max(1, round(fraction * len(prompts))), len(prompts) - 1) if fraction else 0
+    held = set(prompts[:n_val])
+    return [s for s in samples if s.prompt in held], [s for s in samples if s.prompt not in held]
 
 
 def _eog_ids(target: str) -> tuple[int, ...]:

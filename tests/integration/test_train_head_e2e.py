@@ -32,11 +32,15 @@ def trained(tmp_path_factory):
     picked = {}
     for q in spec_bench_questions():
         picked.setdefault(q["category"], q)
-    prompts.write_text("\n".join(json.dumps(q) for q in list(picked.values())[:4]) + "\n")
+    first = list(picked.values())[0]
+    # too long to answer under --max-prompt-tokens 200: kept as its prompt's rows only (--learn-prompts)
+    long_ = {"category": first["category"], "turns": [" ".join([first["turns"][0]] * 12)]}
+    prompts.write_text("\n".join(json.dumps(q) for q in list(picked.values())[:4] + [long_]) + "\n")
     cats = ",".join(list(picked)[:3])  # the 4th category is left out
     out = str(d / "head.gguf")
     argv = ["train-head", "--prompts", str(prompts), "--categories", cats, "--out", out, "--max-tokens", "32",
-            "--sampled", "1", "--gen-slots", "3", "--epochs", "3", "--batch-tokens", "1024", "--eval-every", "2",
+            "--sampled", "1", "--gen-slots", "3", "--self-prompts", "2", "--learn-prompts", "--max-prompt-tokens",
+            "200", "--epochs", "3", "--batch-tokens", "1024", "--eval-every", "2",
             "--draft-vocab", "512", "--max-len", "384", "--curve", str(d / "curve.png"), "--seed", "3",
             "--threads", "1", "--torch-threads", "1"]
     assert main(argv) == 0
@@ -51,7 +55,10 @@ def test_train_head_writes_an_eagle3_gguf_and_resumes(trained, capsys):
     argv, out, d = trained
     work = out + ".work"
     summary = json.loads(open(os.path.join(work, "summary.json")).read())
-    assert summary["answers"] == 6 and summary["draft_vocab"] == 512  # 3 prompts, greedy + 1 sampled each
+    # 3 prompts of the file and 2 the target wrote itself, greedy + 1 sampled answer each, and the long prompt's rows
+    assert summary["answers"] == 11 and summary["draft_vocab"] == 512
+    own = [json.loads(line) for line in open(os.path.join(work, "data", "self_prompts.jsonl"))]
+    assert len(own) == 2 and all(o["category"] == "self" and len(o["content"]) >= 16 for o in own)
     assert summary["steps"] > 0 and len(summary["curve"]) >= 2
     first, last = summary["curve"][0], summary["curve"][-1]
     assert last["val_loss"] < first["val_loss"]  # it learnt something, even from six short answers
@@ -65,7 +72,7 @@ def test_train_head_writes_an_eagle3_gguf_and_resumes(trained, capsys):
     capsys.readouterr()
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "all 6 answers already in" in err and "resumed from" in err
+    assert "all 12 answers already in" in err and "resumed from" in err
     assert sorted(glob.glob(os.path.join(work, "data", "shard-*.npz"))) == shards
     assert os.path.getmtime(out) >= mtime
     assert json.loads(open(os.path.join(work, "summary.json")).read())["steps"] == summary["steps"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 
-@pytest.mark.parametrize("module", ["vocab", "data", "curve"])
+@pytest.mark.parametrize("module", ["vocab", "data", "curve", "self_prompts", "run"])
 def test_docstring_examples(module):
     import importlib
 
@@ -127,6 +127,21 @@ def test_rollout_loss_counts_answer_positions_only_and_learns():
     assert loss.item() < 0.7 * first
 
 
+def test_collate_counts_prompt_positions_only_when_asked():
+    pytest.importorskip("torch")
+    from specray.train.data import Sample
+    from specray.train.loop import collate
+
+    def sample(n, answer_from):
+        return Sample(np.arange(n, dtype=np.int32), np.zeros((n, 6), np.float16), np.arange(n, dtype=np.int32),
+                      answer_from)
+
+    batch = [sample(5, 2), sample(3, 3)]  # the second: a prompt kept with no answer
+    t2d = np.arange(8)
+    assert collate(batch, t2d)[3].tolist() == [[False, False, True, True, True], [False] * 5]
+    assert collate(batch, t2d, prompts=True)[3].tolist() == [[True] * 5, [True, True, True, False, False]]
+
+
 def test_batches_stay_within_the_token_budget():
     pytest.importorskip("torch")
     from specray.train.loop import make_batches
@@ -167,6 +182,48 @@ def test_prompts_by_category(tmp_path):
     assert [x.category for x in read_prompts(str(p), skip_first=0, exclude=["a"])] == ["b", "c"]
     with pytest.raises(ValueError, match="no category z .*it has: a, b, c"):
         read_prompts(str(p), exclude=["z"])
+
+
+class _ChatML:
+    name = "chatml-stub"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        text = "<|im_start|>system\nBe helpful.<|im_end|>\n" + "".join(
+            f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def test_self_prompts_start_where_a_user_message_goes_and_resume_from_their_file(tmp_path):
+    from specray.train.self_prompts import query_prefix, read_self_prompts, write_self_prompts
+
+    assert query_prefix(_ChatML()) == "<|im_start|>system\nBe helpful.<|im_end|>\n<|im_start|>user\n"
+
+    class NoPlace(_ChatML):
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            return "<|im_start|>user\nfixed<|im_end|>\n"
+
+    with pytest.raises(ValueError, match="does not show where a user message goes"):
+        query_prefix(NoPlace())
+    path = tmp_path / "own.jsonl"
+    path.write_text(json.dumps({"category": "self", "content": "Write a haiku about rain."}) + "\n")
+    # a file already there is read back, not written again (the engine is never used)
+    got = write_self_prompts(None, 5, str(path), seed=0, temperature=1.0)
+    assert got == read_self_prompts(str(path))
+    assert [(p.category, p.messages) for p in got] == [
+        ("self", [{"role": "user", "content": "Write a haiku about rain."}])]
+
+
+def test_validation_holds_out_whole_prompts():
+    from types import SimpleNamespace
+
+    from specray.train.run import split_by_prompt
+
+    samples = [SimpleNamespace(prompt=p, kind=k) for p in range(40) for k in range(2)]
+    val, train = split_by_prompt(samples, 0.1, 3)
+    assert len(val) == 8 and len(train) == 72
+    assert not {s.prompt for s in val} & {s.prompt for s in train}
+    assert split_by_prompt(samples[:2], 0.1, 0) == ([], samples[:2])  # one prompt: all of it trains
+    assert split_by_prompt(samples, 0.0, 0) == ([], samples)
 
 
 def test_train_head_flags_errors_name_the_flag(tmp_path, capsys):
