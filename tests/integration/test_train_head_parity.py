@@ -110,7 +110,7 @@ def test_torch_head_matches_llama_cpp_eagle3_graph(smollm2, tmp_path, draft_voca
         # the speculator's own call (PairHead.decode): a catch-up run whose last pair alone is read. Its output
         # must be the last pair's: with llama.cpp choosing a subset of the batch as outputs it was the first
         # pairs' (a trained head drafted token 198 on every chat prompt)
-        for n in (2, 5, L):
+        for n in (2, 5, L):  # L: a catch-up, its pairs before the last decoded first with no outputs
             head.seq_rm(0, 0)
             top, _, hid = head.decode([(0, toks[1 : n + 1], 0, g[:n])])
             want = h_t[0, n - 1].numpy()
