@@ -159,7 +159,10 @@ class DFlashHead(SlotBackend):
             n = n_common if self.top_k else n
             toks = np.full(n + 1, self.mask, dtype=np.int32)
             toks[0] = anchor
-            b.add_tokens(seq_id, toks, pos, first_output=1 if not self.top_k else n + 1)
+            # every token outputs (the anchor's row is dropped below), or none (the lattice): with a subset,
+            # llama.cpp returned the block's first n rows in place of rows 1..n, each draft a position early
+            # (measured on the synthetic draft: the subset's top tokens were the full block's shifted by one)
+            b.add_tokens(seq_id, toks, pos, first_output=0 if not self.top_k else n + 1)
             lens.append(n + 1)
         self._process()
         if self.top_k:
@@ -171,12 +174,12 @@ class DFlashHead(SlotBackend):
                 out[i] = (toks[: blocks[i][3]], probs[: blocks[i][3]])
                 o += n
             return
-        logits = self.ctx.logits(sum(n - 1 for n in lens))
+        logits = self.ctx.logits(sum(lens))
         top, prob = top_token_probs(logits)
         o = 0
         for i, n in zip(group, lens):
-            out[i] = (top[o : o + n - 1].copy(), prob[o : o + n - 1].copy())
-            o += n - 1
+            out[i] = (top[o + 1 : o + n].copy(), prob[o + 1 : o + n].copy())
+            o += n
 
     # ---- costs ---------------------------------------------------------------------------------------
     def inject_costs(self) -> dict[int, float]:

@@ -66,6 +66,30 @@ def test_dflash_drafts_load_and_declare_what_they_read():
             m.close()
 
 
+def test_a_block_drafts_from_the_rows_after_its_anchor(smollm2):
+    """Draft k of a block is the output of block token k + 1 (a mask after the anchor). Asked for the outputs of
+    tokens 1..n only, this llama.cpp handed back those of tokens 0..n-1: every draft a position early."""
+    from specray.native.dflash_backend import DFlashHead
+
+    head = DFlashHead(dflash_draft(), smollm2, slots=1, n_ctx=512, calibrate=False)
+    try:
+        rows = np.random.default_rng(0).standard_normal((20, head.width)).astype(np.float32)
+        head.inject([(0, 0, rows)])
+        n = 7
+        (toks, _), = head.draft_blocks([(0, 20, 123, n)])
+        head.kv_remove(0, 20)
+        block = np.full(n + 1, head.mask, dtype=np.int32)
+        block[0] = 123
+        head.batch.clear()
+        head.batch.add_tokens(0, block, 20, first_output=0)
+        head.batch.process()
+        every = head.ctx.logits(n + 1).argmax(axis=1)
+        assert toks.tolist() == every[1:].tolist() and toks.tolist() != every[:-1].tolist()
+    finally:
+        head.close()
+        head.model.close()
+
+
 @pytest.mark.parametrize("slots,kind", [(1, "dflash"), (4, "dflash"), (4, "dflash2")])
 def test_dflash_lossless_rows_routed_and_window_kept(smollm2, slots, kind):
     prompts = spec_bench_prompts(N_PROMPTS)
