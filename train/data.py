@@ -101,8 +101,9 @@ def generate(cfg: TrainConfig, prompts: list[TrainPrompt], layers: tuple[int, ..
     seq_cells = max_prompt + cfg.gen.max_tokens + 64  # a prompt and its answer
     # flash attention: in one unified KV cache a row attends every slot's cells unless it is on (llama.cpp's CPU
     # kernel skips masked cells), and long prompts in 8 slots made generation 10x slower without it (measured).
-    # No speculation: with a dozen sequences decoding at once a verify row costs about what a sequence's next
-    # token does, and a plain round of 16 rows already makes 3x the tokens per second of one sequence here
+    # Plain decoding: 8 slots of sampled 256-token answers made 120 tok/s here, 128 with the default chain
+    # (a wash: a verify row costs nearly a sequence's next token at 8 rows), and 16-48 slots 87-100 (each row
+    # of the flash-attention kernel walks the whole unified cache)
     eng = LocalEngine(EngineConfig(model=cfg.target, slots=cfg.gen.slots, n_ctx=cfg.gen.slots * seq_cells,
                                    threads=cfg.threads, prompt_cache=False, flash_attn=True,
                                    chain=ChainConfig(speculators=[])))
