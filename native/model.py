@@ -226,7 +226,10 @@ class Model:
     def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> np.ndarray:
         """Template-formatted prompt tokens (`tools`: functions the model may call, chat_template.render_chat).
         The template carries its own BOS where needed."""
-        text = self.apply_chat_template(messages, tools=tools)
+        return self.template_tokens(self.apply_chat_template(messages, tools=tools))
+
+    def template_tokens(self, text: str) -> np.ndarray:
+        """Tokens of chat-template text (special tokens parsed; a BOS added only where the text lacks one)."""
         return self.tokenize(text, add_special=self.add_bos and not self._text_has_bos(text), parse_special=True)
 
     def _special_text(self, token: int) -> str:

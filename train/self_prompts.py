@@ -71,8 +71,7 @@ def write_self_prompts(eng, n: int, path: str, *, seed: int, temperature: float,
         return read_self_prompts(path)
     model = eng.model
     prefix = query_prefix(model)
-    tokens = model.tokenize(prefix, add_special=model.add_bos and not model._text_has_bos(prefix),
-                            parse_special=True)
+    tokens = model.template_tokens(prefix)
     out: list[str] = []
     seen: set[str] = set()
     t0, k, tries = time.monotonic(), 0, 0
