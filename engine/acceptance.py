@@ -44,6 +44,7 @@ out before the draft did) is n successes and no failure.
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -61,7 +62,7 @@ CELL_CAP = 4096.0
 
 def _logit(p: float) -> float:
     p = min(max(p, _EPS), 1 - _EPS)
-    return float(np.log(p / (1 - p)))
+    return math.log(p / (1 - p))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -179,21 +180,31 @@ class AcceptanceTracker:
         g = self.global_rate()
         m = min(length, len(self.pos_trials))
         w = self.position_weight
-        prof = np.full(length, g)
-        prof[:m] = (self.pos_acc[:m] + w * g) / (self.pos_trials[:m] + w)
-        return prof
+        prof = (self.pos_acc[:m] + w * g) / (self.pos_trials[:m] + w)
+        return prof if m == length else np.concatenate([prof, np.full(length - m, g)])
 
     def conditional(self, seq_id: int, length: int, context: int = 0) -> np.ndarray:
-        """P(token j accepted | 0..j-1 accepted) for seq_id's next draft, j = 0..length-1."""
+        """P(token j accepted | 0..j-1 accepted) for seq_id's next draft, j = 0..length-1: the pooled profile,
+        pulled toward the (state, context) cell's rates, then shifted in logit space by how the sequence's own
+        rate differs from the global one. The shift is applied as odds times exp(shift), which is the logit
+        shift's sigmoid without a log and an exp per position: this runs for every draft scored, every round
+        (33 -> about 15 us a call, small arrays on a 2-core EPYC), where np.clip alone cost 4.6 us.
+
+        >>> t = AcceptanceTracker()
+        >>> for _ in range(20): t.update(0, 4, 2)
+        >>> t.conditional(0, 4).round(3)
+        array([0.984, 0.984, 0.033, 0.198])
+        """
         prof = self.position_profile(length)
         ctx = min(max(int(context), 0), self.n_contexts - 1)
         st = self.state(seq_id)
         b = pos_buckets(length)
         acc, trials = self.state_acc[st, ctx][b], self.state_trials[st, ctx][b]
         w = self.state_weight
-        cond = np.clip((acc + w * prof) / (trials + w), _EPS, 1 - _EPS)
-        shift = _logit(self.rate(seq_id)) - _logit(self.global_rate())
-        return 1.0 / (1.0 + np.exp(-(np.log(cond / (1 - cond)) + shift)))
+        cond = np.minimum(np.maximum((acc + w * prof) / (trials + w), _EPS), 1 - _EPS)
+        # sigmoid(logit(c) + shift) = c k / (c k + 1 - c), k = exp(shift)
+        ck = cond * math.exp(_logit(self.rate(seq_id)) - _logit(self.global_rate()))
+        return ck / (ck + (1.0 - cond))
 
     def prefix_probs(self, seq_id: int, length: int, context: int = 0) -> np.ndarray:
         """P(first j+1 draft tokens all accepted), j = 0..length-1."""

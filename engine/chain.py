@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,10 +105,14 @@ class Pricing:
     # included), so its acceptance keeps being measured (ChainConfig.model_explore); saved up, then spent
     explore: float = 0.0
     _time_in_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False, repr=False)
+    _seconds_per_token: float | None = field(default=None, init=False, repr=False)
 
     def seconds_per_token(self) -> float:
-        """The round's plain decode time per sequence that emits a token (what a token is worth, in seconds)."""
-        return self.cost(self.base_tokens) / max(1, self.n_decoding)
+        """The round's plain decode time per sequence that emits a token (what a token is worth, in seconds;
+        memoised: the look-up gate asks for it once per speculator, every round)."""
+        if self._seconds_per_token is None:
+            self._seconds_per_token = self.cost(self.base_tokens) / max(1, self.n_decoding)
+        return self._seconds_per_token
 
     def time_in_tokens(self, n: int) -> np.ndarray:
         """[k-1]: tokens the round's plain rate would emit in the time k more verify rows take, k = 1..n
@@ -132,18 +135,15 @@ class ChainChange:
     resumed: int  # running sequences whose speculators were begun anew on their history
 
 
-@contextmanager
-def _blame(name: str) -> Iterator[None]:
+def _blame(e: Exception, name: str) -> None:
     """Tag an exception raised while `name` works with `.speculator = name`, so whoever catches it (the
     scheduler) can disable that speculator instead of losing every draft of every round to it. The innermost
-    tag wins: a nested call knows better which speculator failed."""
-    try:
-        yield
-    except Exception as e:
-        if getattr(e, "speculator", None) is None:
-            e.speculator = name
-            e.add_note(f"(raised by speculator {name!r})")
-        raise
+    tag wins: a nested call knows better which speculator failed. (Called from `except` clauses: a `try`
+    costs nothing until it raises, where a context manager's enter and exit ran for every speculator, every
+    round.)"""
+    if getattr(e, "speculator", None) is None:
+        e.speculator = name
+        e.add_note(f"(raised by speculator {name!r})")
 
 
 #: a speculator's own context buckets (Speculator.draft_context) kept apart by the acceptance estimate;
@@ -209,10 +209,13 @@ def score_drafts(chain: "Chain", props: list[Proposal], unscored: list[tuple[int
         others = [o for n, o in p.drafts.items() if n != name]
         agree = 0 if not others else (1 if any(o[0] == d[0] for o in others) else 2)
         p.contexts[name] = min(p.contexts[name], CONTEXT_OWN_BUCKETS - 1) * 3 + agree
-        with _blame(name):  # called from a model speculator's turn too: blame the draft's own speculator
+        try:  # called from a model speculator's turn too: blame the draft's own speculator
             raw, pp = chain.estimate(name, p.seq_id, len(d), p.contexts[name])
             score = (chain.trackers[name].rate(p.seq_id) * len(d) if policy == "expected"
                      else draft_value(pp, pricing))
+        except Exception as e:
+            _blame(e, name)
+            raise
         if pricing is not None and policy == "cost":
             p.worth[name] = score
             if name in chain.gate.probing:
@@ -352,7 +355,7 @@ class Chain:
         best_score = [-1.0] * len(requests)
         unscored: list[tuple[int, str]] = []  # drafts to score once every free speculator has drafted
         for name in names_in_order:
-            with _blame(name):  # a failure is the speculator's: the scheduler disables it
+            try:  # a failure is the speculator's: the scheduler disables it
                 idx = [i for i in pending if name in requests[i].chain]
                 if policy == "first":
                     idx = [i for i in idx if props[i].speculator is None]
@@ -371,9 +374,7 @@ class Chain:
                 exploring = name in self._exploring
                 self._exploring.discard(name)
                 t0 = time.perf_counter()
-                estimate = None if self.tuner is None else (  # for shadow look-ups (tuning) only
-                    lambda sid, n, name=name, spec=spec: self.estimate(
-                        name, sid, n, min(spec.draft_context(sid), CONTEXT_OWN_BUCKETS - 1) * 3)[1])
+                estimate = None if self.tuner is None else _shadow_estimate(self, name, spec)
                 drafts = draft_tuned(spec, name, [requests[i] for i in idx], [n_max[i] for i in idx], self.tuner,
                                      pricing, estimate)
                 dt = time.perf_counter() - t0
@@ -397,6 +398,9 @@ class Chain:
                                 name, props[i].seq_id, len(d), props[i].contexts[name])
                         continue
                     unscored.append((i, name))
+            except Exception as e:
+                _blame(e, name)
+                raise
         score_drafts(self, props, unscored, best_score, policy, pricing)
         return props
 
@@ -482,6 +486,12 @@ class Chain:
 
     def stats(self) -> dict[str, SpeculatorStats]:
         return {name: spec.stats for name, spec in self.instances.items()}
+
+
+def _shadow_estimate(chain: Chain, name: str, spec: Speculator) -> Callable[[int, int], np.ndarray]:
+    """The calibrated acceptance estimate of a shadow look-up's draft (tuning): (seq_id, length) -> prefix probs,
+    in the speculator's own context bucket (a shadow has no other speculators' drafts to agree with)."""
+    return lambda sid, n: chain.estimate(name, sid, n, min(spec.draft_context(sid), CONTEXT_OWN_BUCKETS - 1) * 3)[1]
 
 
 def _new_sequence(chain: Chain, seq_id: int) -> None:

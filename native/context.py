@@ -77,6 +77,7 @@ class Context:
         exact: bool = False,
         ctx_type: int = 0,
         n_rs_seq: int = 0,
+        outputs_per_seq: int | None = None,
     ) -> None:
         lib.ensure_backend()
         self.model = model
@@ -103,6 +104,9 @@ class Context:
         # some architectures have it: llama.cpp clamps the request to 0 for the others (read back below)
         params.n_rs_seq = n_rs_seq
         params.ctx_type = ctx_type  # 1 = LLAMA_CONTEXT_TYPE_MTP: runs the model's NextN head (native/mtp_backend.py)
+        if outputs_per_seq is not None:  # outputs one sequence may have in a batch under backend sampling (1 else)
+            params.n_outputs_max_per_seq = outputs_per_seq
+        self._samplers: dict[int, object] = {}  # seq_id -> its backend sampler chain (set_greedy_backend)
         self.ptr = llama_cpp.llama_init_from_model(model.ptr, params)
         if not self.ptr:
             raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max}, cache "
@@ -177,6 +181,33 @@ class Context:
             self._logits_addr = addr
         return view[:n_outputs]
 
+    # ---- backend sampling ----------------------------------------------------
+    def set_greedy_backend(self, seq_id: int, on: bool) -> None:
+        """llama.cpp picks seq_id's top token per output row inside the decode graph (an argmax node per row;
+        `sampled_tokens` reads them) instead of the host reading full vocabulary rows. While every output row of
+        a batch has one, llama.cpp copies no logits at all. Changes the graph: set it between requests, not rounds.
+        More than one output row of a sequence per batch needs `outputs_per_seq` at construction."""
+        old = self._samplers.pop(seq_id, None)
+        if on:
+            chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+            if not llama_cpp.llama_set_sampler(self.ptr, seq_id, chain):
+                llama_cpp.llama_sampler_free(chain)
+                raise RuntimeError(f"llama.cpp cannot run a greedy sampler for sequence {seq_id} on this backend")
+            self._samplers[seq_id] = chain
+        elif old is not None:
+            llama_cpp.llama_set_sampler(self.ptr, seq_id, None)
+        if old is not None:  # the context held it until the line above replaced or dropped it
+            llama_cpp.llama_sampler_free(old)
+
+    def sampled_tokens(self, batch_indices) -> np.ndarray:
+        """The backend sampler's token at each batch index (rows of sequences with `set_greedy_backend`)."""
+        get = llama_cpp.llama_get_sampled_token_ith
+        out = np.fromiter((get(self.ptr, int(i)) for i in batch_indices), dtype=np.int32)
+        if (out < 0).any():
+            raise DecodeError("llama.cpp returned no sampled token for a row (no backend sampler on its sequence?)")
+        return out
+
     # ---- KV cache per sequence ----------------------------------------------
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove seq_id's cells with positions in [p0, p1) (-1 = open end)."""
@@ -232,6 +263,9 @@ class Context:
         if getattr(self, "ptr", None):
             llama_cpp.llama_free(self.ptr)
             self.ptr = None
+        for chain in getattr(self, "_samplers", {}).values():  # after the context that used them
+            llama_cpp.llama_sampler_free(chain)
+        self._samplers = {}
 
     def __del__(self) -> None:  # pragma: no cover
         try:

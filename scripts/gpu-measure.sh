@@ -13,15 +13,16 @@
 # EAGLE-3 with target and companion actors on one GPU, the round's transfer share per transport; needs Ray:
 # prepare.sh --ray), `gemma` (Gemma 3 270M at 1, 4 and 8 slots and llama-server on it; prepare.sh --gemma),
 # `hop` (distributed over HTTP: the target actor reached by an actor call vs a Ray Compiled Graph, and the
-# in-process engine; needs Ray). Each of those also runs alone (`bash scripts/gpu-measure.sh synth`); the full
-# run ends with them.
+# in-process engine; needs Ray), `sampling` (greedy top tokens picked inside the decode graph against the host's
+# argmax over the logits rows it copies: scripts/measure_backend_sampling.py). Each of those also runs alone
+# (`bash scripts/gpu-measure.sh synth`); the full run ends with them.
 # Needs: $SPECRAY_GPU_MODELS (the models), $LLAMA_SERVER (built from the same llama.cpp sources).
 # Installed with `setup.sh --wheelhouse` instead of the recipe: PY=.venv/bin/python (no env.sh needed but for
 # the models and llama-server).
 set -uo pipefail
 case "${1:-}" in
-  ""|quick|pricing|waiting|imports|synth|hidden|gemma|hop) ;;
-  *) echo "gpu-measure.sh: unknown step '$1' (quick, pricing, waiting, imports, synth, hidden, gemma, hop)" >&2; exit 2 ;;
+  ""|quick|pricing|waiting|imports|synth|hidden|gemma|hop|sampling) ;;
+  *) echo "gpu-measure.sh: unknown step '$1' (quick, pricing, waiting, imports, synth, hidden, gemma, hop, sampling)" >&2; exit 2 ;;
 esac
 OUT=${OUT:?set OUT to the folder for the results}
 M=${MODEL:-$(ls "$SPECRAY_GPU_MODELS"/*.gguf | grep -i smol | head -1)}
@@ -154,6 +155,13 @@ lls() {  # lls NAME NP [llama-server flags]: llama-server from the same sources,
   log "llama-server $name: rc $?"
   kill "$pid"; wait "$pid" 2>/dev/null
 }
+sampling_step() {  # greedy top tokens picked inside the decode graph vs the host's argmax over copied logits rows
+  log "backend sampling"
+  "$PY" -c 'import llama_cpp; llama_cpp.llama_backend_init(); import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name="__main__")' \
+    scripts/measure_backend_sampling.py --model "$M" --slots 1 4 8 --rows 1 4 --reps 40 --threads "$THREADS" \
+    --json "$OUT/sampling.json" > "$OUT/sampling.txt" 2>&1
+  log "backend sampling: rc $? $(tail -1 "$OUT/sampling.txt")"
+}
 CONFIGS=(none ngram_mod ngram_mod,suffix,ngram_cache)
 gemma_step() {  # Gemma 3 270M at 1, 4 and 8 slots, and llama-server on it with and without ngram-mod drafts
   local G
@@ -167,8 +175,8 @@ gemma_step() {  # Gemma 3 270M at 1, 4 and 8 slots, and llama-server on it with 
 }
 
 case "${1:-}" in
-  imports|synth|hidden|gemma|hop) "${1}_step"; log "done"; exit 0 ;;
-  waiting) imports_step; synth_step; hidden_step; hop_step; gemma_step; log "done"; exit 0 ;;
+  imports|synth|hidden|gemma|hop|sampling) "${1}_step"; log "done"; exit 0 ;;
+  waiting) imports_step; sampling_step; synth_step; hidden_step; hop_step; gemma_step; log "done"; exit 0 ;;
 esac
 
 # 1. the import-order crash, the recipe's install as it is against one folder
@@ -192,6 +200,7 @@ bench s8 8 8 --configs "${CONFIGS[@]}" --verify-shape both
 # 6. where the host time goes with the default chain (cProfile of the measured rounds)
 bench s1_profile 1 2 --configs ngram_mod,suffix,ngram_cache --no-llama-baseline --profile "$OUT/s1_profile.prof.txt"
 # 7. what issue 32 still waited for: the synthetic 1.5B target, hidden rows on the GPU (Ray), Gemma
+sampling_step
 synth_step
 hidden_step
 hop_step

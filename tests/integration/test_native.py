@@ -151,3 +151,37 @@ def test_overfull_batch_is_refused(smollm2):
     ctx.batch.clear()
     with pytest.raises(DecodeError, match="empty batch"):
         ctx.decode()
+
+
+def test_backend_greedy_sampling_picks_the_host_argmax_per_output_row(smollm2):
+    """set_greedy_backend: llama.cpp's argmax inside the graph, several output rows per sequence (a verify's), a
+    batch mixing sequences with and without a sampler (raw logits are then copied for all), and the sampler
+    taken off again; each row's token equals np.argmax over the same decode's logits (a run without samplers)."""
+    ctx = Context(smollm2, n_ctx=1024, n_seq_max=3, n_batch=64, outputs_per_seq=4)
+    prompts = [smollm2.tokenize(t) for t in ("The capital of France is", "1, 2, 3, 4,", "def add(a, b):")]
+    rows = np.array([[11, 198, 42, 7], [20, 21, 22, 23], [1030, 19, 504, 3000]], dtype=np.int32)
+    b = ctx.batch
+
+    def verify(samplers: set[int]) -> tuple[np.ndarray, np.ndarray | None]:
+        for s in range(3):
+            ctx.clear_seq(s)
+            ctx.set_greedy_backend(s, s in samplers)
+            b.clear(); b.add_seq(s, prompts[s], 0, 0); ctx.decode()  # noqa: E702
+        b.clear()
+        for s in range(3):
+            b.add_seq(s, rows[s], len(prompts[s]), 4)
+        logits = ctx.decode()
+        picked = ctx.sampled_tokens([4 * s + j for s in sorted(samplers) for j in range(4)]) if samplers else None
+        return (np.argmax(logits, axis=1).astype(np.int32) if len(samplers) < 3 else None), picked
+
+    host, _ = verify(set())
+    _, all_backend = verify({0, 1, 2})
+    np.testing.assert_array_equal(all_backend, host)
+    mixed_host, mixed = verify({1})  # seq 1 sampled in the graph, 0 and 2 read from logits in the same decode
+    np.testing.assert_array_equal(mixed, host[4:8])
+    np.testing.assert_array_equal(mixed_host[[0, 1, 2, 3, 8, 9, 10, 11]], host[[0, 1, 2, 3, 8, 9, 10, 11]])
+    host_again, _ = verify(set())  # samplers off again: back to logits only
+    np.testing.assert_array_equal(host_again, host)
+    with pytest.raises(DecodeError, match="no sampled token"):
+        ctx.sampled_tokens([0])
+    ctx.close()
