@@ -15,6 +15,7 @@ embedding row together, and read back the head's logits and output rows.
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import llama_cpp
 import numpy as np
@@ -25,6 +26,8 @@ from . import ext, lib
 from .context import Context, DecodeError
 from .model import Model
 from .slot_backend import SlotBackend, top_token_probs
+
+log = logging.getLogger("specray.companion")
 
 #: architectures whose trunk graph outputs h_nextn (src/models/*.cpp setting res->t_h_nextn)
 NEXTN_ARCHS = frozenset({
@@ -190,14 +193,40 @@ class PairBatch:
 
 
 #: a head decode with more pairs than this before its runs' last ones decodes them first, with no outputs
+#: (all-or-none mode, where the head's graph cannot output a subset: PairHead)
 PRE_BATCH_PAIRS = 8
+#: relative L2 distance between a subset output's logits row and the same row of an all-outputs batch above
+#: which the head's graph is taken to mishandle output subsets (the fault gives another token's row: ~1)
+SUBSET_TOLERANCE = 1e-2
+
+
+def _rel_dist(a: np.ndarray, b: np.ndarray) -> float:
+    """|b - a| / |a| over a's finite entries (a reduced draft vocabulary leaves -inf outside it); inf where the
+    two rows are not finite in the same places.
+
+    >>> _rel_dist(np.array([3.0, 4.0, -np.inf]), np.array([3.0, 4.5, -np.inf]))
+    0.1
+    """
+    fin = np.isfinite(a)
+    if not np.array_equal(fin, np.isfinite(b)):
+        return float("inf")
+    return float(np.linalg.norm(b[fin] - a[fin]) / max(float(np.linalg.norm(a[fin])), 1e-12))
 
 
 class PairHead(SlotBackend):
     """A head context fed (token, row) pairs, one sequence per slot (the HiddenBackend of hidden_base.py).
 
     Its own output row per output pair (h_nextn of the head: masked, outputs only) is what the next draft step
-    feeds back."""
+    feeds back.
+
+    Output subsets. The vendored llama.cpp's eagle3 graph applied no output-id selection: given a batch whose
+    outputs were a subset of its pairs, it returned the rows of the batch's first pairs (a catch-up draft was
+    the system prompt's next token, 198 on every SmolLM2 chat prompt; 80% of served drafts agreed with the
+    trained torch module, 98% with every pair outputting). native/patches/llama-eagle3-output-rows.patch fixes
+    that graph. The MTP graph (the synthetic target's) gets the logits right but its output rows, which the next
+    draft step feeds back, wrong, and is not patched. So at start a head decodes one probe both ways
+    (`subset_outputs_ok`) and, where they differ (MTP; EAGLE-3 on a build without the patch, such as a plain
+    PyPI wheel), every batch has all of its pairs output, or none."""
 
     taps: tuple[Tap, ...] = ()
 
@@ -208,49 +237,76 @@ class PairHead(SlotBackend):
         ext.llama_set_embeddings_nextn(ctx.ptr, True, True)  # the head's own output row, for output pairs
         self.n_out_embd = int(ext.llama_model_n_embd_out(model.ptr))
         self.pairs = 0
+        self.subset_outputs = False
+        self.subset_outputs_ok()  # a few ms: two 4-pair decodes on slot 0, which starts empty
+
+    def subset_outputs_ok(self, slot: int = 0, n: int = 4) -> bool:
+        """Whether this head's graph outputs a subset of a batch's pairs right: `n` pairs on `slot` (left empty
+        again), once with every pair outputting and once with only the last, must give the last pair the same
+        logits row and output row. Sets `subset_outputs`, which decode() then uses."""
+        rng = np.random.default_rng(0)
+        toks = (np.arange(n, dtype=np.int32) * 37 + 11) % min(self.model.n_vocab, 1000)
+        rows = rng.standard_normal((n, self.width)).astype(ROW_DTYPE)
+        got = []
+        for outputs in (n, 1):
+            self.ctx.clear_seq(slot)
+            self.batch.clear()
+            self.batch.add_pairs(slot, toks, 0, rows, outputs)
+            self.batch.process()
+            hid = np.ctypeslib.as_array(ext.llama_get_embeddings_nextn(self.ctx.ptr), shape=(outputs, self.n_out_embd))
+            got.append((self.ctx.logits(outputs)[-1].astype(np.float64), hid[-1].astype(np.float64)))
+        self.ctx.clear_seq(slot)
+        self.batch.clear()
+        dist = max(_rel_dist(a, b) for a, b in zip(*got))  # the logits row and the head's own output row
+        self.subset_outputs = dist <= SUBSET_TOLERANCE
+        if not self.subset_outputs:  # right drafts all the same, at the cost of LM-head rows nobody reads
+            log.info("%s: this llama.cpp build's head graph gives a subset of outputs the wrong rows (relative "
+                     "distance %.3g): every head batch outputs all of its pairs or none (specray's build patches "
+                     "the eagle3 graph; the MTP graphs are not patched)", self.model.name, dist)
+        return self.subset_outputs
 
     def encode(self, rows: np.ndarray) -> np.ndarray:
         return rows
 
     def decode(self, runs: list[tuple[int, np.ndarray, int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Each run's last pair is read; every batch has all of its pairs output, or none. A batch whose outputs
-        are a subset of its pairs (llama.cpp's output-id selection) gave the first pairs' outputs in place of
-        the last ones with this vendored llama.cpp's eagle3 graph: a head's catch-up draft was the system
-        prompt's next token, 198 on every SmolLM2 chat prompt, and so was every draft after a round that kept a
-        draft token (two pairs to decode). Measured against the torch module of a trained head: 80% of served
-        drafts agreed with it, 98% after. A catch-up (more than PRE_BATCH_PAIRS pairs before the runs' last)
-        decodes those pairs first with no outputs, so it pays no LM-head rows; a steady draft's extra pair or
-        two output in the one batch, cheaper than a second decode call."""
+        """Each run's last pair is read. With `subset_outputs` the runs go in one batch where only those pairs
+        output (the LM head computes their rows alone). Without (the graph mishandles subsets): every batch has
+        all of its pairs output or none; a catch-up (more than PRE_BATCH_PAIRS pairs before the runs' last)
+        decodes those pairs first with no outputs, a steady draft's extra pair or two output and are dropped."""
+        if self.subset_outputs:
+            return self._feed(runs, "last")
         lead = sum(len(toks) - 1 for _, toks, _, _ in runs)
         if lead > PRE_BATCH_PAIRS:
-            self._feed([(s, t[:-1], p, r[:-1]) for s, t, p, r in runs if len(t) > 1], outputs=False)
+            self._feed([(s, t[:-1], p, r[:-1]) for s, t, p, r in runs if len(t) > 1], "none")
             runs = [(s, t[-1:], p + len(t) - 1, r[-1:]) for s, t, p, r in runs]
-        return self._feed(runs, outputs=True)
+        return self._feed(runs, "all")
 
     def _feed(self, runs: list[tuple[int, np.ndarray, int, np.ndarray]],
-              outputs: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              outputs: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Decode the runs' pairs, as many batches as n_batch needs. `outputs`: "all" (every pair), "last" (each
+        run's last pair) or "none"; returns each run's last pair's top token, its probability and output row."""
         top = np.zeros(len(runs), dtype=np.int32)
         prob = np.zeros(len(runs), dtype=np.float64)
         hid = np.zeros((len(runs), self.n_out_embd), dtype=ROW_DTYPE)
         b = self.batch
         b.clear()
-        owners: list[tuple[int, int]] = []  # (run, batch index of its last pair)
+        owners: list[tuple[int, int]] = []  # (run, its last pair's row in the batch's outputs)
 
         def flush() -> None:
             if b.n_tokens == 0:
                 return
-            n = b.n_tokens
+            n, n_out = b.n_tokens, b.n_outputs
             b.process()
             self.n_decodes += 1
             self.pairs += n
             if owners:
                 ri = [r for r, _ in owners]
                 at = [i for _, i in owners]
-                logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx.ptr), shape=(n, self.model.n_vocab))
+                logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx.ptr), shape=(n_out, self.model.n_vocab))
                 t, p = top_token_probs(logits[at])
                 top[ri], prob[ri] = t, p
                 hid[ri] = np.ctypeslib.as_array(ext.llama_get_embeddings_nextn(self.ctx.ptr),
-                                                shape=(n, self.n_out_embd))[at]
+                                                shape=(n_out, self.n_out_embd))[at]
             owners.clear()
             b.clear()
 
@@ -262,10 +318,11 @@ class PairHead(SlotBackend):
                     flush()
                     room = self.n_batch
                 take = min(room, n - off)
-                b.add_pairs(seq_id, toks[off : off + take], pos0 + off, rows[off : off + take],
-                            take if outputs else 0)
-                if outputs and off + take == n:
-                    owners.append((ri, b.n_tokens - 1))
+                last = off + take == n
+                k = take if outputs == "all" else (1 if outputs == "last" and last else 0)
+                b.add_pairs(seq_id, toks[off : off + take], pos0 + off, rows[off : off + take], k)
+                if outputs != "none" and last:
+                    owners.append((ri, b.n_outputs - 1))  # outputs are rows in batch order
                 off += take
         flush()
         return top, prob, hid

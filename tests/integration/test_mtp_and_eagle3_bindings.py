@@ -95,3 +95,32 @@ def test_layer_inputs_and_eagle3_target_layers(smollm2):
             HiddenOutput(ctx, (30,))
     finally:
         ctx.close()
+
+
+def test_head_batches_output_a_subset_of_their_pairs_only_where_the_graph_gets_them_right(mtp_model, smollm2):
+    """A head decodes in one batch where only each run's last pair outputs only where its start-up probe found
+    the graph right about output subsets. specray's build patches the eagle3 graph
+    (native/patches/llama-eagle3-output-rows.patch; unpatched it failed the probe at a relative distance of 1.46):
+    its one-batch decode gives what all-or-none batches give, for a catch-up (a long run) and steady runs of 1-2
+    pairs together. The MTP graph gets the logits right but the output rows wrong (the batch's first pairs'):
+    its probe fails, and forcing subsets shows why."""
+    from specray.native.eagle3_backend import Eagle3Head
+    from specray.native.mtp_backend import MtpHead
+
+    rng = np.random.default_rng(3)
+    for head, probe in ((Eagle3Head(eagle3_draft(), smollm2, slots=3, n_ctx=512, calibrate=False), True),
+                        (MtpHead(mtp_model, slots=3, n_ctx=512, calibrate=False), False)):
+        assert head.subset_outputs is probe, type(head).__name__
+        runs = [(s, (np.arange(n, dtype=np.int32) * 13 + 5 * s + 7) % 900,
+                 0, rng.standard_normal((n, head.width)).astype(np.float32)) for s, n in enumerate((40, 1, 2))]
+        got = {}
+        for subset in (True, False):
+            for s in range(3):
+                head.ctx.clear_seq(s)
+            head.subset_outputs = subset
+            got[subset] = head.decode(runs)
+        np.testing.assert_array_equal(got[True][0], got[False][0])  # top tokens: both graphs select logits
+        np.testing.assert_allclose(got[True][1], got[False][1], rtol=1e-3)  # their probabilities
+        rows_agree = np.allclose(got[True][2], got[False][2], rtol=1e-3, atol=1e-3)  # the fed-back output rows
+        assert rows_agree is probe, type(head).__name__
+        head.close()
