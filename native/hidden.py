@@ -222,11 +222,12 @@ class PairHead(SlotBackend):
     Output subsets. The vendored llama.cpp's eagle3 graph applied no output-id selection: given a batch whose
     outputs were a subset of its pairs, it returned the rows of the batch's first pairs (a catch-up draft was
     the system prompt's next token, 198 on every SmolLM2 chat prompt; 80% of served drafts agreed with the
-    trained torch module, 98% with every pair outputting). native/patches/llama-eagle3-output-rows.patch fixes
-    that graph. The MTP graph (the synthetic target's) gets the logits right but its output rows, which the next
-    draft step feeds back, wrong, and is not patched. So at start a head decodes one probe both ways
-    (`subset_outputs_ok`) and, where they differ (MTP; EAGLE-3 on a build without the patch, such as a plain
-    PyPI wheel), every batch has all of its pairs output, or none."""
+    trained torch module, 98% with every pair outputting). The MTP graphs got the logits right but the output
+    rows, which the next draft step feeds back, wrong the same way (they set the row tensor before selecting
+    the outputs, and the masked copy-out took its first rows). specray's build fixes both
+    (native/patches/llama-eagle3-output-rows.patch, llama-nextn-masked-rows.patch). A build without them (a
+    plain PyPI wheel) still gives right drafts: at start a head decodes one probe both ways
+    (`subset_outputs_ok`) and, where they differ, every batch has all of its pairs output, or none."""
 
     taps: tuple[Tap, ...] = ()
 
@@ -260,9 +261,9 @@ class PairHead(SlotBackend):
         dist = max(_rel_dist(a, b) for a, b in zip(*got))  # the logits row and the head's own output row
         self.subset_outputs = dist <= SUBSET_TOLERANCE
         if not self.subset_outputs:  # right drafts all the same, at the cost of LM-head rows nobody reads
-            log.info("%s: this llama.cpp build's head graph gives a subset of outputs the wrong rows (relative "
-                     "distance %.3g): every head batch outputs all of its pairs or none (specray's build patches "
-                     "the eagle3 graph; the MTP graphs are not patched)", self.model.name, dist)
+            log.warning("%s: this llama.cpp build's head graph gives a subset of outputs the wrong rows (relative "
+                        "distance %.3g): every head batch outputs all of its pairs or none, which costs LM-head "
+                        "rows (specray's build has the fix: scripts/build-llama-cpp.sh)", self.model.name, dist)
         return self.subset_outputs
 
     def encode(self, rows: np.ndarray) -> np.ndarray:

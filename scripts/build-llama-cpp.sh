@@ -10,7 +10,9 @@
 #    llamafile's sgemm, so one build serves both the fast path and the
 #    batch-invariant exact mode, and a one-weight-row-by-many-columns Q8_0/Q4_1
 #    kernel that makes a few-token speculative verify cheaper (bitwise the same
-#    results; SPECRAY_GGML_COLS=0 turns it off).
+#    results; SPECRAY_GGML_COLS=0 turns it off), and makes EAGLE-3 and MTP head
+#    batches output the rows of the pairs that asked (a subset got the first
+#    pairs' rows: README, "Outputs, subsets and all-or-none").
 # The built wheel is cached in $SPECRAY_WHEEL_CACHE (default
 # ~/.cache/specray/wheels) keyed by version + flags + patches, so only the first
 # install on a machine pays the ~7-10 minute compile. With CUDA (scripts/gpu-flags.sh: detected, or
