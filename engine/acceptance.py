@@ -187,8 +187,9 @@ class AcceptanceTracker:
         """P(token j accepted | 0..j-1 accepted) for seq_id's next draft, j = 0..length-1: the pooled profile,
         pulled toward the (state, context) cell's rates, then shifted in logit space by how the sequence's own
         rate differs from the global one. The shift is applied as odds times exp(shift), which is the logit
-        shift's sigmoid without a log and an exp per position: this runs for every draft scored, every round
-        (33 -> about 15 us a call, small arrays on a 2-core EPYC), where np.clip alone cost 4.6 us.
+        shift's sigmoid without a log and an exp per position, and np.minimum/np.maximum stand in for np.clip:
+        this runs for every draft scored, every round (prefix_probs of 1-8 tokens, warm, 2-core EPYC: 10.7 ->
+        7.4 us; the values move by rounding only).
 
         >>> t = AcceptanceTracker()
         >>> for _ in range(20): t.update(0, 4, 2)
