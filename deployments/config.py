@@ -60,9 +60,8 @@ class ServeConfig(BaseModel):
         description="distributed: how each round reaches the target actor. actor: one actor call a round; "
         "compiled: a Ray Compiled Graph (shared-memory channels, no task submission per round; "
         "deployments/actors/target_channel.py), whose channels poll a core; auto: compiled where the target's "
-        "node has a core its threads leave free or the target decodes on a GPU, else actor; always actor with "
-        "hidden-state heads, whose rows' object refs a graph's channel does not keep alive (README, 'Compiled "
-        "target hop')",
+        "node has a core its threads leave free or the target decodes on a GPU, else actor (README, 'Compiled target "
+        "hop')",
     )
     app_name: str = Field("specray", description="Serve application name")
     route_prefix: str = Field("/", description="HTTP route prefix of the app")
@@ -160,10 +159,6 @@ class ServeConfig(BaseModel):
     def _check(self) -> ServeConfig:
         if self.target_hop == "compiled" and self.mode != "distributed":  # auto means nothing colocated
             raise ValueError("target_hop 'compiled' needs mode 'distributed' (colocated has no target actor to hop to)")
-        if self.target_hop == "compiled" and self.engine.hidden.enabled:  # target_channel.resolve_target_hop
-            from specray.deployments.actors.target_channel import NO_HIDDEN_ROWS
-
-            raise ValueError(NO_HIDDEN_ROWS)
         if not self.route_prefix.startswith("/"):
             raise ValueError(f"route_prefix must start with '/', got {self.route_prefix!r}")
         names = [a.name for a in self.arms]

@@ -26,6 +26,7 @@ target through the router, see CudaIpcTransport).
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import os
@@ -72,6 +73,12 @@ class ObjectStoreHandle:
     nbytes: int
     n_rows: int
     export_seconds: float
+    pin_id: str = ""  # the exporting transport, which holds the ref until the companion's ack (below)
+
+    @property
+    def ack(self) -> tuple[str, int, int]:
+        """Read: the target may drop its pin (the same 3-tuple shape as a CUDA buffer's ack)."""
+        return (self.pin_id, -1, self.round_id)
 
 
 @dataclass(frozen=True)
@@ -300,14 +307,26 @@ class InlineTransport:
 
 class ObjectStoreTransport(InlineTransport):
     """ray.put on the target; the companion gets the reference. Records under `inline_below` bytes go by value
-    (a put costs a fixed ~1.5 ms here, a small copy through the router far less)."""
+    (a put costs a fixed ~1.5 ms here, a small copy through the router far less).
+
+    The target holds each ref it put until the companion's ack (its `open_handle` read the record) comes
+    back through the router, at most `max_pinned` of them (the oldest go first; a companion that never asks
+    must not fill the object store). An actor call's return would keep the object alive anyway: Ray
+    registers the router as a borrower of a ref nested in it. A compiled graph's channel does not, so
+    without the pin the object was freed as soon as the step's answer left the target, and the companion
+    found its rows gone (`target_hop: compiled`, tests/serve/test_hidden_distributed.py)."""
 
     name = "object_store"
 
-    def __init__(self, inline_below: int = 0) -> None:
+    def __init__(self, inline_below: int = 0, max_pinned: int = 64) -> None:
         super().__init__()
         self.inline_below = inline_below
         self.inlined = 0
+        self.max_pinned = max_pinned
+        self.pin_id = f"refs-{uuid.uuid4().hex[:12]}"
+        self._pinned: collections.OrderedDict[int, Any] = collections.OrderedDict()  # round -> ref
+        self.unpinned_early = 0  # dropped at the cap before their ack
+        self._pin_lock = threading.Lock()  # acks arrive with step calls, possibly on another actor thread
 
     def export(self, record: HiddenRows):
         if record.nbytes < self.inline_below:
@@ -318,11 +337,29 @@ class ObjectStoreTransport(InlineTransport):
     def _export_ref(self, record: HiddenRows) -> ObjectStoreHandle:
         t0 = time.perf_counter()
         ref = self._put(record)
+        with self._pin_lock:
+            self._pinned[record.round_id] = ref
+            while len(self._pinned) > self.max_pinned:
+                self._pinned.popitem(last=False)
+                self.unpinned_early += 1
         dt = time.perf_counter() - t0
         self.stats.exported += 1
         self.stats.exported_bytes += record.nbytes
         self.stats.export_seconds += dt
-        return ObjectStoreHandle(ref, record.round_id, record.nbytes, record.n_rows, dt)
+        return ObjectStoreHandle(ref, record.round_id, record.nbytes, record.n_rows, dt, self.pin_id)
+
+    def acknowledge(self, acks) -> None:
+        """Acks from the companion, via the router: (pin_id, -1, round) unpins that round's ref."""
+        with self._pin_lock:
+            for owner, _, key in acks:
+                if owner == self.pin_id:
+                    self._pinned.pop(key, None)
+
+    def info(self) -> dict:
+        return super().info() | {"pinned": len(self._pinned), "unpinned_early": self.unpinned_early}
+
+    def close(self) -> None:
+        self._pinned.clear()
 
     def _put(self, record: HiddenRows):
         import ray
@@ -366,7 +403,9 @@ class CudaIpcTransport(ObjectStoreTransport):
                              _meta_of(record), record.n_rows, record.width, dt)
 
     def acknowledge(self, acks) -> None:
-        """Acks (pool_id, buffer, generation) from the companion, via the router: those buffers are free."""
+        """Acks (pool_id, buffer, generation) from the companion, via the router: those buffers are free (and
+        the acks of rounds that went through the object store unpin their refs)."""
+        super().acknowledge(acks)
         with self._lock:
             for pool_id, buffer, generation in acks:
                 if pool_id == self.pool.pool_id:
@@ -376,6 +415,7 @@ class CudaIpcTransport(ObjectStoreTransport):
         return super().info() | {"buffers": len(self.pool.buffers), "busy": self.pool.busy, "grown": self.pool.grown}
 
     def close(self) -> None:
+        super().close()
         self.pool.close()
 
 
@@ -403,7 +443,7 @@ class HiddenReceiver:
         self.stats = TransportStats()
         self._runtime = runtime
         self._mapped: dict[tuple[str, int], tuple[bytes, int]] = {}  # (pool, buffer) -> (ipc handle, device ptr)
-        self.acks: list[tuple[str, int, int]] = []  # CUDA buffers done with, for the target (via the router)
+        self.acks: list[tuple[str, int, int]] = []  # buffers and pinned refs done with, for the target (via the router)
 
     def _cuda(self):
         if self._runtime is None:
@@ -416,6 +456,8 @@ class HiddenReceiver:
             record = handle
         elif isinstance(handle, ObjectStoreHandle):
             record = self._get(handle.ref)
+            if handle.pin_id:
+                self.acks.append(handle.ack)  # read: the target may drop its pin
         elif isinstance(handle, CudaIpcHandle):
             record = self._open_ipc(handle)
         else:

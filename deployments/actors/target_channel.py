@@ -22,19 +22,14 @@ import collections
 import time
 
 
-#: why target_hop 'compiled' is refused with hidden-state heads (resolve_target_hop; ServeConfig says it first)
-NO_HIDDEN_ROWS = ("target_hop 'compiled' cannot carry the hidden-state heads' rows (mtp, eagle3, dflash): "
-                  "use target_hop 'actor' or 'auto'")
-
-
 def resolve_target_hop(setting: str, info: dict) -> str:
     """The hop a replica uses (ServeConfig.target_hop), from the target actor's `info()`: "auto" takes the
     compiled graph where the actor's node has a core its llama.cpp threads leave free, or the target decodes
     on a GPU; there the channels' polling costs nothing the decode needs. On 2 cores with 2 threads the graph's
     shorter hop was paid back in slower decodes (README, "Compiled target hop"), so auto keeps the actor call.
-    Hidden-state heads keep it too: their rows' object refs, put by the target, reach the companion only when an
-    actor call's return carries them (Ray registers the router as a borrower; a graph's channel does not: run
-    through a graph, tests/serve/test_hidden_distributed.py's MTP test found its rows lost in the companion).
+    Hidden-state heads go either way: the target pins the object refs of their rows until the companion has
+    read them (row_transport.ObjectStoreTransport), which a graph's channel, unlike an actor call's return,
+    does not do for it.
 
     >>> resolve_target_hop("auto", {"cpus": 2, "threads": 2, "n_gpu_layers": 0})
     'actor'
@@ -45,15 +40,10 @@ def resolve_target_hop(setting: str, info: dict) -> str:
     >>> resolve_target_hop("actor", {"cpus": 16, "threads": 1, "n_gpu_layers": 0})
     'actor'
     >>> resolve_target_hop("auto", {"cpus": 16, "threads": 1, "hidden_transport": {"transport": "object_store"}})
-    'actor'
+    'compiled'
     """
-    hidden = info.get("hidden_transport") is not None
-    if setting == "compiled" and hidden:
-        raise ValueError(NO_HIDDEN_ROWS)
     if setting != "auto":
         return setting
-    if hidden:
-        return "actor"
     spare = (info.get("cpus") or 0) > (info.get("threads") or 0)
     return "compiled" if spare or (info.get("n_gpu_layers") or 0) > 0 else "actor"
 

@@ -45,7 +45,7 @@ class Distributed:
     """Target actor + supervised companion actor + the router's scheduler, built as RouterCore builds them
     (actors.launch.start_actors, builder.build_engine)."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, target_hop: str = "actor") -> None:
         from specray.deployments.actors.launch import start_actors
         from specray.deployments.builder import build_engine
         from specray.deployments.config import ServeConfig
@@ -53,7 +53,7 @@ class Distributed:
         serve_cfg = ServeConfig(mode="distributed", engine=cfg, target_cpus=0.4, companion_cpus=0.1,
                                 actor_restart_attempts=2, actor_start_timeout_s=600, companion_call_timeout_s=300)
         self.actors = start_actors(serve_cfg, tag=f"hidden-test-{uuid.uuid4().hex[:6]}")
-        parts = build_engine(cfg, actors=self.actors)
+        parts = build_engine(cfg, actors=self.actors, target_hop=target_hop)
         self.target, self.target_info = self.actors.target.handle, self.actors.target.info
         self.client, self.remote, self.vocab = self.actors.companion, parts.remote, parts.model
         self.chain, self.scheduler = parts.chain, parts.scheduler
@@ -62,6 +62,7 @@ class Distributed:
         self.chain.hidden = lambda h: (self.handles.append(h), deliver(h))
 
     def close(self) -> None:
+        self.remote.close()  # a compiled graph goes before its actor (RouterCore.close's order)
         self.actors.close()
 
 
@@ -122,13 +123,17 @@ def check_transport(d: Distributed, name: str) -> dict:
     assert c["hidden_transport_opened"] == t["exported"] and c["hidden_transport_opened_bytes"] == t["exported_bytes"]
     assert c[f"{name}_mismatched"] == c[f"{name}_unsynced"] == c[f"{name}_lost"] == c[f"{name}_failures"] == 0
     assert c["hidden_unsynced"] == 0
+    # every ref stayed pinned on the target until read; the acks of the last flush are still with the router
+    assert t["unpinned_early"] == 0 and t["pinned"] <= FLUSH_RECORDS
     return c
 
 
-def test_mtp_distributed_object_store_lossless_and_routed(ray_serve):
+@pytest.mark.parametrize("hop", ["actor", "compiled"])
+def test_mtp_distributed_object_store_lossless_and_routed(ray_serve, hop):
     cfg = engine_config(mtp_target("noisy"), "mtp", mtp=True, transport="object_store")
-    d = Distributed(cfg)
+    d = Distributed(cfg, target_hop=hop)
     try:
+        assert d.remote.mode == hop
         assert d.client.sup.info["speculators"] == ["mtp"]
         assert d.target_info["hidden_transport"]["transport"] == "object_store"
         reqs = requests(d.vocab, spec_bench_prompts(6), ("mtp",), 32)
@@ -170,9 +175,10 @@ def test_eagle3_distributed_object_store_lossless(ray_serve, smollm2):
         d.close()
 
 
-def test_mtp_app_over_http_forced_acceptance(ray_serve):
-    """The whole distributed app, --mtp with a head that copies the target's block: same text as in-process,
-    and the response's speculative block shows the drafts were used."""
+@pytest.mark.parametrize("hop", ["actor", "compiled"])
+def test_mtp_app_over_http_forced_acceptance(ray_serve, hop):
+    """The whole distributed app, --mtp with a head that copies the target's block, through either target hop:
+    same text as in-process, and the response's speculative block shows the drafts were used."""
     from ray import serve
 
     from specray.deployments.app import build_app
@@ -186,7 +192,7 @@ def test_mtp_app_over_http_forced_acceptance(ray_serve):
     want = [ref.generate(messages=[{"role": "user", "content": p}], max_tokens=24).text for p in prompts]
     ref.close()
     args = {"mode": "distributed", "engine": engine, "replica_cpus": 0.2, "target_cpus": 0.4, "companion_cpus": 0.1,
-            "ingress_cpus": 0.1, "app_name": "specray-mtp", "route_prefix": "/mtp"}
+            "ingress_cpus": 0.1, "app_name": "specray-mtp", "route_prefix": "/mtp", "target_hop": hop}
     t0 = time.perf_counter()
     serve.run(build_app(args), name="specray-mtp", route_prefix="/mtp")
     print(f"\nmtp app deployed in {time.perf_counter() - t0:.1f}s")
@@ -206,6 +212,7 @@ def test_mtp_app_over_http_forced_acceptance(ray_serve):
         import httpx
 
         st = httpx.get(f"{ray_serve}/mtp/v1/stats", timeout=60).json()
+        assert st["hop"]["mode"] == hop
         assert st["companion"]["mtp_mismatched"] == 0 and st["companion"]["hidden_transport_opened"] > 0
         # every record the target exported reached the companion, but for the last rounds' (they wait in the
         # proxy for its next call; at most FLUSH_RECORDS)
