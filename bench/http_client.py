@@ -128,7 +128,8 @@ def describe(url: str, api_key: str | None = None) -> dict:
     models = get_json(url, "/v1/models", api_key).get("data") or [{}]
     return {"url": url.rstrip("/"), "mode": st.get("mode"), "model": models[0].get("id"), "chain": st.get("chain"),
             "slots": st.get("slots"), "n_ctx": st.get("n_ctx"), "owned_by": models[0].get("owned_by"),
-            "layout": (st.get("ingress") or {}).get("layout"), "target_hop": (st.get("hop") or {}).get("mode")}
+            "layout": (st.get("ingress") or {}).get("layout"), "target_hop": (st.get("hop") or {}).get("mode"),
+            "companion_hop": ((st.get("companion") or {}).get("hop") or {}).get("mode")}
 
 
 def server_kind(info: dict) -> str:
@@ -139,9 +140,12 @@ def server_kind(info: dict) -> str:
     ['colocated', 'llama-server', 'other']
     >>> server_kind({"mode": "distributed", "target_hop": "compiled"})
     'distributed+compiled'
+    >>> server_kind({"mode": "distributed", "target_hop": "actor", "companion_hop": "compiled"})
+    'distributed+companion-compiled'
     """
     if info.get("mode"):
-        return info["mode"] + ("+compiled" if info.get("target_hop") == "compiled" else "")
+        return (info["mode"] + ("+compiled" if info.get("target_hop") == "compiled" else "")
+                + ("+companion-compiled" if info.get("companion_hop") == "compiled" else ""))
     return "llama-server" if info.get("owned_by") == "llamacpp" else "other"
 
 

@@ -22,7 +22,7 @@ import sys
 import time
 from collections import OrderedDict
 
-from specray.engine.config import ChainConfig, EngineConfig, parse_chain
+from specray.engine.config import ChainConfig, EngineConfig, HiddenStateConfig, parse_chain
 
 from specray.bench import http_client as http_bench
 from specray.bench.stages import table as stage_table
@@ -32,7 +32,7 @@ from specray.bench.run import default_prompts_path, load_prompts
 DEFAULT_STREAMS = [1, 8]
 DEFAULT_NUM_PROMPTS = 16
 SERVE_MODES = ("colocated", "distributed")
-#: ServeConfig.target_hop's values (--target-hops)
+#: ServeConfig.target_hop's and companion_hop's values (--target-hops, --companion-hops)
 TARGET_HOPS = ("auto", "actor", "compiled")
 LAYOUTS = ("fused", "split")
 #: issue 3's bar: the actor hop may cost distributed mode at most 15% at 8 streams
@@ -60,25 +60,32 @@ def select_prompts(path: str, categories: list[str] | None, per_category: int | 
 
 
 def serve_configs(engine: EngineConfig, modes: list[str], layouts: list[str] | None = None,
-                  hops: list[str] | None = None):
-    """One ServeConfig per mode (and per layout, when several are asked for; and per target hop of the distributed
-    mode, when `hops` names them): same engine, own app name and route prefix (one Serve instance). None:
-    ServeConfig's default layout and hop.
+                  hops: list[str] | None = None, companion_hops: list[str] | None = None):
+    """One ServeConfig per mode (and per layout, when several are asked for; and per target hop and companion
+    hop of the distributed mode, when `hops` / `companion_hops` name them): same engine, own app name and route
+    prefix (one Serve instance). None: ServeConfig's default layout and hops.
 
     >>> [c.app_name for c in serve_configs(EngineConfig(), ["colocated", "distributed"], hops=["actor", "compiled"])]
     ['specray-bench-colocated', 'specray-bench-distributed-actor', 'specray-bench-distributed-compiled']
+    >>> [c.app_name for c in serve_configs(EngineConfig(), ["distributed"], companion_hops=["actor", "compiled"])]
+    ['specray-bench-distributed-cactor', 'specray-bench-distributed-ccompiled']
     """
     from specray.deployments.config import ServeConfig
 
     many = bool(layouts) and len(layouts) > 1
+    dist = m_hops = None
     out = []
     for m in modes:
+        dist = m == "distributed"
         for lay in layouts or [None]:
-            for hop in (hops or [None]) if m == "distributed" else [None]:
-                name = m + (f"-{lay}" if many else "") + (f"-{hop}" if hop not in (None, "auto") else "")
-                extra = ({"layout": lay} if lay else {}) | ({"target_hop": hop} if hop else {})
-                out.append(ServeConfig(engine=engine, mode=m, app_name=f"specray-bench-{name}",
-                                       route_prefix=f"/bench-{name}", **extra))
+            for hop in (hops or [None]) if dist else [None]:
+                for m_hops in (companion_hops or [None]) if dist else [None]:
+                    name = (m + (f"-{lay}" if many else "") + (f"-{hop}" if hop not in (None, "auto") else "")
+                            + (f"-c{m_hops}" if m_hops not in (None, "auto") else ""))
+                    extra = (({"layout": lay} if lay else {}) | ({"target_hop": hop} if hop else {})
+                             | ({"companion_hop": m_hops} if m_hops else {}))
+                    out.append(ServeConfig(engine=engine, mode=m, app_name=f"specray-bench-{name}",
+                                           route_prefix=f"/bench-{name}", **extra))
     return out
 
 
@@ -284,6 +291,10 @@ def engine_config(args, slots: int, chain_label: str | None) -> EngineConfig:
         from specray.engine.config import DraftModelConfig
 
         extra["draft"] = DraftModelConfig.from_flags(args)
+    hidden = HiddenStateConfig(mtp=getattr(args, "mtp", False), eagle3_model=getattr(args, "eagle3_model", None),
+                               dflash_model=getattr(args, "dflash_model", None))
+    if hidden.enabled:  # the hidden-state heads (--mtp, --eagle3-model, --dflash-model), as the in-process bench
+        extra["hidden"] = hidden
     return EngineConfig(model=args.model, chat_template=args.chat_template, n_ctx=args.n_ctx, slots=slots,
                         threads=args.threads, exact=args.exact, flash_attn=getattr(args, "flash_attn", None),
                         chain=chain, prompt_cache=False, **extra)
@@ -330,7 +341,11 @@ def main_http_bench(args) -> int:
         if hops and any(x not in TARGET_HOPS for x in hops):
             raise ValueError(f"--target-hops: expected a comma-separated subset of {','.join(TARGET_HOPS)}, got "
                              f"{args.target_hops!r}")
-        configs = serve_configs(ecfg, modes, layouts, hops)
+        c_hops = [x for x in (args.companion_hops or "").split(",") if x] or None
+        if c_hops and any(x not in TARGET_HOPS for x in c_hops):
+            raise ValueError(f"--companion-hops: expected a comma-separated subset of {','.join(TARGET_HOPS)}, got "
+                             f"{args.companion_hops!r}")
+        configs = serve_configs(ecfg, modes, layouts, hops, c_hops)
         with local_serve(args.port or 0, progress, apps=len(configs)) as base, \
                 deployed(base, configs, progress) as urls:
             engine = local_engine(ecfg)

@@ -291,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--target-hops", default=None,
                    help="with --http: comma-separated target hops of the distributed app (auto, actor, compiled), one "
                         "app each, rows labelled distributed / distributed+compiled (default: auto)")
+    h.add_argument("--companion-hops", default=None,
+                   help="with --http: comma-separated companion hops (auto, actor, compiled), one distributed app "
+                        "for each target hop and each of these; a compiled one adds +companion-compiled to the "
+                        "row label (default: auto)")
     h.add_argument("--port", type=int, default=None, help="with --http: HTTP port (default: a free one)")
     h.add_argument("--streams", type=int, nargs="+", default=None,
                    help="concurrent client streams, one table row per mode each (default: 1 8)")
@@ -381,6 +385,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    "Compiled Graph (shared-memory channels; they poll, so it pays where a core is left beside the "
                    "target's threads); auto: compiled where the target's node has a spare core or a GPU "
                    f"(README, 'Compiled target hop') {d(ServeConfig, 'target_hop')}")
+    p.add_argument("--companion-hop", choices=["auto", "actor", "compiled"], default=S,
+                   help="--mode distributed: the same for each round's draft call to the companion actor (draft "
+                   "model, mtp, eagle3, dflash); auto: compiled where the node has a core beyond the target's and "
+                   f"the companion's threads, or the target decodes on a GPU {d(ServeConfig, 'companion_hop')}")
     p.add_argument("--layout", choices=["fused", "split"], default=S,
                    help="fused: with one arm, the engine replica deployment serves HTTP itself (one process "
                    "fewer per streamed token: replica -> Serve's proxy -> client); split: an Ingress deployment in "

@@ -20,6 +20,7 @@ _FLAG_FIELDS = {
     "api_key": ("api_key",),
     "mode": ("mode",),
     "target_hop": ("target_hop",),
+    "companion_hop": ("companion_hop",),
     "layout": ("layout",),
     "direct_ingress": ("direct_ingress",),
     "slots": ("engine", "slots"),

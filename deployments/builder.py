@@ -178,17 +178,17 @@ def usable_cpus() -> int:
 
 
 def build_engine(config: EngineConfig, *, actors=None, model=None, step_timeout_s: float | None = None,
-                 served: bool = False, target_hop: str = "actor") -> EngineParts:
+                 served: bool = False, target_hop: str = "actor", companion_hop: str = "actor") -> EngineParts:
     """Assemble an engine. Without `actors`, everything runs in this process (`model`: an already loaded
     target to reuse). With `actors` (a started actors.launch.Actors), the target and the model speculators
     run in them (they decide their own thread counts where they run). `served`: behind the HTTP pipeline
     (a replica), which decides the default thread count. The cost model is measured at start when
-    config.calibrate (where the target decodes). `target_hop`: how rounds reach the target actor
-    (ServeConfig.target_hop)."""
+    config.calibrate (where the target decodes). `target_hop`, `companion_hop`: how rounds reach the target
+    and the companion actors (ServeConfig.target_hop, companion_hop)."""
     config = config.with_threads(served, usable_cpus())
     if actors is None:
         return _build_local(config, model)
-    return _build_remote(config, actors, step_timeout_s, target_hop)
+    return _build_remote(config, actors, step_timeout_s, target_hop, companion_hop)
 
 
 def _build_local(config: EngineConfig, model) -> EngineParts:
@@ -216,18 +216,20 @@ def _build_local(config: EngineConfig, model) -> EngineParts:
     return parts
 
 
-def _build_remote(config: EngineConfig, actors, step_timeout_s: float | None, target_hop: str) -> EngineParts:
+def _build_remote(config: EngineConfig, actors, step_timeout_s: float | None, target_hop: str,
+                  companion_hop: str) -> EngineParts:
     from specray.native.grammar import GrammarCompiler
     from specray.native.model import Model
 
     from .actors.companion import companion_speculator_factory
     from .actors.target import RemoteTarget
-    from .actors.target_channel import resolve_target_hop
+    from .actors.target_channel import resolve_companion_hop, resolve_target_hop
 
     info = actors.target.info
     # this process only tokenizes and detokenizes: the vocabulary without weights
     model = Model(config.model, chat_template=config.chat_template, vocab_only=True)
     hop = resolve_target_hop(target_hop, info)
+    actors.companion.use_hop(resolve_companion_hop(companion_hop, info, actors.companion.sup.info or {}))
     remote = RemoteTarget(actors.target.handle, epoch=actors.target.epoch, timeout_s=step_timeout_s, hop=hop)
     cost = DecodeCostModel()
     if config.calibrate:

@@ -63,6 +63,12 @@ class ServeConfig(BaseModel):
         "node has a core its threads leave free or the target decodes on a GPU, else actor (README, 'Compiled target "
         "hop')",
     )
+    companion_hop: Literal["auto", "actor", "compiled"] = Field(
+        "auto",
+        description="distributed: how each round's draft call reaches the companion actor (draft model, mtp, "
+        "eagle3, dflash), as target_hop: actor, compiled, or auto: compiled where the node has a core beyond the "
+        "target's and the companion's threads or the target decodes on a GPU, else actor",
+    )
     app_name: str = Field("specray", description="Serve application name")
     route_prefix: str = Field("/", description="HTTP route prefix of the app")
     host: str = Field("127.0.0.1", description="HTTP bind address (specray serve; serve run uses http_options)")
@@ -159,6 +165,8 @@ class ServeConfig(BaseModel):
     def _check(self) -> ServeConfig:
         if self.target_hop == "compiled" and self.mode != "distributed":  # auto means nothing colocated
             raise ValueError("target_hop 'compiled' needs mode 'distributed' (colocated has no target actor to hop to)")
+        if self.companion_hop == "compiled" and self.mode != "distributed":
+            raise ValueError("companion_hop 'compiled' needs mode 'distributed' (colocated has no companion actor)")
         if not self.route_prefix.startswith("/"):
             raise ValueError(f"route_prefix must start with '/', got {self.route_prefix!r}")
         names = [a.name for a in self.arms]

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 
 import llama_cpp
 import numpy as np
 
 from specray.engine.hidden_rows import ROW_DTYPE, TAP_NEXTN, Tap
 
-from . import ext, lib
+from . import decode_threads, ext, lib
 from .context import Context, DecodeError
 from .model import Model
 from .slot_backend import SlotBackend, top_token_probs
@@ -174,6 +175,8 @@ class PairBatch:
     def process(self, encode: bool = False) -> None:
         lib.set_llamafile(not self.ctx.exact)
         kind = llama_cpp.LLAMA_PROCESS_TYPE_ENCODE if encode else llama_cpp.LLAMA_PROCESS_TYPE_DECODE
+        if threading.get_ident() != decode_threads.last_ident:  # as Context.decode: OpenMP's pools are per thread
+            decode_threads.note()
         rc = llama_cpp.llama_process(self.ctx.ptr, kind, self.ptr)
         self.ctx.n_decodes += 1
         if rc != 0:

@@ -49,7 +49,23 @@ class CompanionService:
     def __init__(self, engine_config: dict | EngineConfig) -> None:
         from specray.deployments.builder import usable_cpus
 
+        from specray.deployments.actors.decode_thread import DecodeThread
+
         self.config = EngineConfig.model_validate(engine_config).with_threads(True, usable_cpus())
+        self.cpus = usable_cpus()
+        # every call that touches a context runs on this one thread, the set-up's decodes included: a
+        # compiled graph's calls arrive on a thread of Ray's (decode_thread.py)
+        self._decoder = DecodeThread("specray-companion-decode")
+        self._wake = threading.Event()  # ends a compiled graph's park (target_channel.py)
+        self._decoder.run(self._build)
+        self.speculators: dict[str, object] = {}  # DraftSpeculator per parameter set (a chain's params)
+        self._lock = threading.Lock()  # the draft context is not thread-safe
+        self.calls = 0
+        self.rounds = 0
+        self.inside_seconds = 0.0
+        self.unsynced = 0
+
+    def _build(self) -> None:
         self.draft_model = None
         self.target_vocab = None
         cfg = self.config
@@ -70,12 +86,6 @@ class CompanionService:
             if self.target_vocab is None:
                 self.target_vocab = Model(cfg.model, chat_template=cfg.chat_template, vocab_only=True)
             self.hidden = HiddenCompanion(cfg, self.target_vocab)
-        self.speculators: dict[str, object] = {}  # DraftSpeculator per parameter set (a chain's params)
-        self._lock = threading.Lock()  # the draft context is not thread-safe
-        self.calls = 0
-        self.rounds = 0
-        self.inside_seconds = 0.0
-        self.unsynced = 0
 
     def ping(self) -> str:
         return "ok"
@@ -87,7 +97,8 @@ class CompanionService:
              "gpu_ids": [str(g) for g in ray.get_gpu_ids()] if ctx else [],
              "speculators": (["draft"] if self.draft_model is not None else [])
              + (self.hidden.names if self.hidden is not None else []),
-             "model_speculators_known": sorted(MODEL_SPECULATORS), "draft": None}
+             "model_speculators_known": sorted(MODEL_SPECULATORS), "draft": None,
+             "cpus": self.cpus, "threads": self.threads()}
         if self.draft_model is not None:
             d["draft"] = self.draft_model.info()
             d["draft_decode_costs"] = self.draft_model.backend.decode_costs()
@@ -97,16 +108,45 @@ class CompanionService:
             d["hidden_inject_costs"] = self.hidden.inject_costs()
         return d
 
+    def threads(self) -> int:
+        """The most CPU threads one of its contexts decodes with (0: no model)."""
+        cfg, t = self.config, []
+        if cfg.draft.model:
+            t.append(cfg.draft.threads or cfg.threads)
+        if cfg.hidden.enabled:
+            t.append(cfg.hidden.threads or cfg.threads)
+        return max(t, default=0)
+
     def hidden_round(self, payload: dict) -> dict:
         """One router round for a hidden-state speculator (mtp, eagle3, dflash): see
         companion_hidden.HiddenCompanion."""
         if self.hidden is None:
             raise ValueError("the companion has no hidden-state heads (engine.hidden)")
-        return self.hidden.round(payload)
+        return self._decoder.run(self.hidden.round, payload)
 
     def hidden_state(self, name: str, seq_ids: list[int]) -> dict:
         """Inspection (tests): per sequence, what the `name` head mirrors and the rows it received."""
-        return self.hidden.state(name, seq_ids) if self.hidden is not None else {}
+        return self._decoder.run(self.hidden.state, name, seq_ids) if self.hidden is not None else {}
+
+    def channel(self, msg: tuple):
+        """The one method of a compiled graph (companion_hop: compiled; target_channel.py), on Ray's graph
+        thread: ("round", payload) | ("hidden_round", payload) | ("park",). A park holds the thread in a
+        plain wait until `wake`: between executions Ray 2.60's graph loop polls its input channel, a whole core
+        while the router is idle."""
+        op = msg[0]
+        if op == "round":
+            return self.round(msg[1])
+        if op == "hidden_round":
+            return self.hidden_round(msg[1])
+        if op == "park":
+            self._wake.wait()
+            self._wake.clear()
+            return None
+        raise ValueError(f"unknown companion channel op {op!r}")
+
+    def wake(self) -> None:
+        """Ends a park (on the actor's main thread, beside the parked graph thread)."""
+        self._wake.set()
 
     def _speculator(self, params: dict):
         key = repr(sorted(params.items()))
@@ -118,6 +158,9 @@ class CompanionService:
         return spec
 
     def round(self, payload: dict) -> dict:
+        return self._decoder.run(self._round, payload)
+
+    def _round(self, payload: dict) -> dict:
         """One router round: sequences ended and begun, tokens committed since the last call, then drafts.
 
         payload: params (DraftParams dict), ends [seq], begins [seq], shifts [(seq, n_keep, n_discard)] (context
@@ -148,6 +191,9 @@ class CompanionService:
     def positions(self, seq_ids: list[int], sync: bool = False) -> dict:
         """Per sequence: the draft KV cache's largest position (-1 if empty), its tokens, the committed
         target tokens it mirrors. sync=True first decodes what was mirrored but not decoded yet."""
+        return self._decoder.run(self._positions, seq_ids, sync)
+
+    def _positions(self, seq_ids: list[int], sync: bool) -> dict:
         with self._lock:
             out = {}
             for spec in self.speculators.values():
@@ -175,7 +221,9 @@ class CompanionService:
                 d[f"draft_{k}"] = d.get(f"draft_{k}", 0) + getattr(c, k)
         if self.hidden is not None:
             d |= self.hidden.counters()
-        return d
+        from specray.native import decode_threads
+
+        return d | {"decode_threads": len(decode_threads.live())}
 
 
 CompanionActor = ray.remote(CompanionService)

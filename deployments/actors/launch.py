@@ -47,6 +47,7 @@ class Actors:
 
     def close(self) -> None:
         self.target.close()
+        self.companion.close_channel()  # a compiled graph goes before its actor
         self.companion.sup.close()
 
 

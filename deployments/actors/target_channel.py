@@ -1,4 +1,5 @@
-"""The router's compiled-graph link to the target actor (`ServeConfig.target_hop: compiled`).
+"""The router's compiled-graph links to the target actor (`ServeConfig.target_hop: compiled`) and to the
+companion (`companion_hop: compiled`, companion_client.py): any actor with `channel(msg)` and `wake()`.
 
 An actor call submits a task each way: about 1.7 ms a round-trip on this 2-core machine, idle, and 3.5 ms
 p50 in a loaded distributed replica. A Ray Compiled Graph (`ray.dag`, `experimental_compile`) keeps one task
@@ -46,6 +47,32 @@ def resolve_target_hop(setting: str, info: dict) -> str:
         return setting
     spare = (info.get("cpus") or 0) > (info.get("threads") or 0)
     return "compiled" if spare or (info.get("n_gpu_layers") or 0) > 0 else "actor"
+
+
+def resolve_companion_hop(setting: str, target_info: dict, companion_info: dict) -> str:
+    """The companion's hop (ServeConfig.companion_hop): "auto" takes the compiled graph where the node has a
+    core beyond the target's and the companion's llama.cpp threads (the companion's graph thread polls through
+    every target decode between its calls; the router parks it only when idle), or the target decodes on a
+    GPU. A companion without a model makes no round calls: actor.
+
+    >>> resolve_companion_hop("auto", {"threads": 1, "n_gpu_layers": 0}, {"cpus": 2, "threads": 1})
+    'actor'
+    >>> resolve_companion_hop("auto", {"threads": 1, "n_gpu_layers": 0}, {"cpus": 4, "threads": 2})
+    'compiled'
+    >>> resolve_companion_hop("auto", {"threads": 16, "n_gpu_layers": 33}, {"cpus": 16, "threads": 16})
+    'compiled'
+    >>> resolve_companion_hop("auto", {"threads": 1, "n_gpu_layers": 33}, {"cpus": 16, "threads": 0})
+    'actor'
+    >>> resolve_companion_hop("compiled", {"threads": 2}, {"cpus": 2, "threads": 2})
+    'compiled'
+    """
+    if setting != "auto":
+        return setting
+    threads = companion_info.get("threads") or 0
+    if not threads:
+        return "actor"
+    spare = (companion_info.get("cpus") or 0) > (target_info.get("threads") or 0) + threads
+    return "compiled" if spare or (target_info.get("n_gpu_layers") or 0) > 0 else "actor"
 
 
 class ExpectedWait:

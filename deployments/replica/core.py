@@ -79,7 +79,7 @@ class RouterCore:
     def _build(self, actors) -> None:
         cfg = self.cfg
         self.parts = build_engine(cfg.engine, actors=actors, step_timeout_s=cfg.target_step_timeout_s, served=True,
-                                  target_hop=cfg.target_hop)
+                                  target_hop=cfg.target_hop, companion_hop=cfg.companion_hop)
         self.placement = actors.placement() if actors is not None else None
         self.rel = ReliabilityStats()
         self.slots = Slots(self.parts.scheduler, self.rel)

@@ -99,8 +99,11 @@ class Faults:
                 self.actors.target.mark_down(e, self.parts.remote.epoch)
 
     def park_target(self) -> None:
-        """Idle, distributed with a compiled target hop: park the actor's graph thread (target_channel.py)."""
-        if self.actors is None or self.actors.target.state != UP or self.parts.remote.epoch != self.actors.target.epoch:
+        """Idle, distributed with compiled hops: park the actors' graph threads (target_channel.py)."""
+        if self.actors is None:
+            return
+        self.actors.companion.park()
+        if self.actors.target.state != UP or self.parts.remote.epoch != self.actors.target.epoch:
             return
         try:
             self.parts.remote.park()

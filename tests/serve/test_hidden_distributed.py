@@ -177,7 +177,8 @@ def test_eagle3_distributed_object_store_lossless(ray_serve, smollm2):
 
 @pytest.mark.parametrize("hop", ["actor", "compiled"])
 def test_mtp_app_over_http_forced_acceptance(ray_serve, hop):
-    """The whole distributed app, --mtp with a head that copies the target's block, through either target hop:
+    """The whole distributed app, --mtp with a head that copies the target's block, through actor calls or
+    compiled graphs to both actors:
     same text as in-process, and the response's speculative block shows the drafts were used."""
     from ray import serve
 
@@ -192,7 +193,8 @@ def test_mtp_app_over_http_forced_acceptance(ray_serve, hop):
     want = [ref.generate(messages=[{"role": "user", "content": p}], max_tokens=24).text for p in prompts]
     ref.close()
     args = {"mode": "distributed", "engine": engine, "replica_cpus": 0.2, "target_cpus": 0.4, "companion_cpus": 0.1,
-            "ingress_cpus": 0.1, "app_name": "specray-mtp", "route_prefix": "/mtp", "target_hop": hop}
+            "ingress_cpus": 0.1, "app_name": "specray-mtp", "route_prefix": "/mtp", "target_hop": hop,
+            "companion_hop": hop}
     t0 = time.perf_counter()
     serve.run(build_app(args), name="specray-mtp", route_prefix="/mtp")
     print(f"\nmtp app deployed in {time.perf_counter() - t0:.1f}s")
@@ -212,7 +214,8 @@ def test_mtp_app_over_http_forced_acceptance(ray_serve, hop):
         import httpx
 
         st = httpx.get(f"{ray_serve}/mtp/v1/stats", timeout=60).json()
-        assert st["hop"]["mode"] == hop
+        assert st["hop"]["mode"] == st["companion"]["hop"]["mode"] == hop
+        assert st["companion"]["decode_threads"] == 1  # the head's probes at start and every round: one thread
         assert st["companion"]["mtp_mismatched"] == 0 and st["companion"]["hidden_transport_opened"] > 0
         # every record the target exported reached the companion, but for the last rounds' (they wait in the
         # proxy for its next call; at most FLUSH_RECORDS)

@@ -88,3 +88,38 @@ def test_a_graph_that_cannot_be_compiled_to_a_new_actor_leaves_the_proxy_on_the_
         r.reset(object(), 2)
     # Faults.sync_target marks the new actor down; the proxy still names the old epoch, so it retries with the next
     assert r.epoch == 1 and r.actor is old and r.channel is None
+
+
+def test_the_http_bench_serves_the_hidden_state_heads_it_is_given():
+    # `bench --http --spec eagle3 --eagle3-model H` used to deploy apps without the head: every replica then
+    # failed to start ("speculator 'eagle3' needs an EAGLE-3 draft model")
+    from specray.bench.http_compare import engine_config
+
+    args = build_parser().parse_args(["bench", "--http", "--eagle3-model", "head.gguf", "--mtp"])
+    hidden = engine_config(args, 4, "eagle3").hidden
+    assert hidden.eagle3_model == "head.gguf" and hidden.mtp and not hidden.dflash_model
+    assert not engine_config(build_parser().parse_args(["bench", "--http"]), 4, None).hidden.enabled
+
+
+def test_the_companion_hop_field_flag_and_bench_apps(capsys):
+    assert load_serve_config({}).companion_hop == "auto"
+    with pytest.raises(ValidationError, match="companion_hop 'compiled' needs mode 'distributed'"):
+        load_serve_config({"mode": "colocated", "companion_hop": "compiled"})
+    p = build_parser()
+    args = p.parse_args(["serve", "--mode", "distributed", "--companion-hop", "compiled"])
+    assert config_from_args(args).companion_hop == "compiled"
+    assert config_from_args(p.parse_args(["serve"])).companion_hop == "auto"
+    cfgs = serve_configs(EngineConfig(), ["distributed"], hops=["compiled"], companion_hops=["actor", "compiled"])
+    assert [(c.target_hop, c.companion_hop) for c in cfgs] == [("compiled", "actor"), ("compiled", "compiled")]
+    rc = main(["bench", "--http", "--serve-modes", "distributed", "--companion-hops", "teleport"])
+    assert rc != 0 and "--companion-hops" in capsys.readouterr().err
+
+
+def test_the_companion_client_refuses_an_unknown_hop():
+    from specray.deployments.actors.companion_client import CompanionClient
+
+    client = CompanionClient(sup=None)
+    client.use_hop("compiled")
+    assert client.hop == "compiled" and client.hop_stats() == {"mode": "compiled", "compiles": 0}
+    with pytest.raises(ValueError, match="companion hop"):
+        client.use_hop("teleport")
