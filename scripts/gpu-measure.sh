@@ -13,7 +13,7 @@
 # EAGLE-3 with target and companion actors on one GPU, the round's transfer share per transport; needs Ray:
 # prepare.sh --ray), `gemma` (Gemma 3 270M at 1, 4 and 8 slots and llama-server on it; prepare.sh --gemma),
 # `hop` (distributed over HTTP: the target actor reached by an actor call vs a Ray Compiled Graph, and the
-# in-process engine; needs Ray), `sampling` (greedy top tokens picked inside the decode graph against the host's
+# in-process engine; then the companion's draft calls the same two ways; needs Ray), `sampling` (greedy top tokens picked inside the decode graph against the host's
 # argmax over the logits rows it copies: scripts/measure_backend_sampling.py). Each of those also runs alone
 # (`bash scripts/gpu-measure.sh synth`); the full run ends with them.
 # Needs: $SPECRAY_GPU_MODELS (the models), $LLAMA_SERVER (built from the same llama.cpp sources).
@@ -119,6 +119,14 @@ hop_step() {  # distributed over HTTP, plain decoding: actor call vs compiled gr
     --serve-modes distributed --target-hops actor,compiled --model "$M" --threads "$THREADS" --spec none \
     --streams 1 4 8 --num-prompts 8 --max-tokens "$MAX_TOKENS" --json "$OUT/hop.json" > "$OUT/hop.txt" 2> "$OUT/hop.err"
   log "hop: rc $?"
+  # the companion's round calls: a draft model (the target itself, every round drafting: --policy first)
+  log "hop: actor vs compiled companion hop"
+  PYTHONPATH="$PRELOAD${PYTHONPATH:+:$PYTHONPATH}" timeout 540 "$PY" -c \
+    'import sys, llama_cpp; llama_cpp.llama_backend_init(); from specray.cli.main import main; sys.exit(main())' bench --http \
+    --serve-modes distributed --target-hops compiled --companion-hops actor,compiled --model "$M" --threads "$THREADS" \
+    --spec draft --draft-model "$M" --policy first --n-max 3 --streams 1 4 --num-prompts 8 --max-tokens "$MAX_TOKENS" \
+    --json "$OUT/hop_companion.json" > "$OUT/hop_companion.txt" 2> "$OUT/hop_companion.err"
+  log "hop (companion): rc $?"
 }
 
 if [ "${1:-}" = pricing ]; then
