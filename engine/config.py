@@ -207,8 +207,9 @@ class HiddenStateConfig(BaseModel):
         "companion call: two copies through the router, a baseline); co-located mode always passes them "
         "in-process without a copy")
     inline_below_bytes: int = Field(
-        0, ge=0, description="object_store / cuda_ipc: a round's rows smaller than this go by value instead (a "
-        "ray.put costs ~1.5 ms however small the object; 0: never)")
+        96 * 1024, ge=0, description="object_store / cuda_ipc: a round's rows smaller than this go by value "
+        "instead (a ray.put costs 1.3-2.6 ms here however small the record, and Ray passes results and arguments "
+        "under 100 KiB by value itself; 0: never)")
     n_ctx: int | None = Field(
         None, ge=64, description="head context cells shared by all slots (None: the target's n_ctx + 16 per slot)")
     threads: int | None = Field(None, ge=1, description="CPU threads of the head contexts (None: the engine's)")

@@ -83,6 +83,20 @@ class HiddenRows:
     def __len__(self) -> int:
         return len(self.seq_ids)
 
+    def owned(self) -> "HiddenRows":
+        """The record with arrays of its own (views into a buffer someone else must reuse are copied).
+
+        >>> import numpy as np
+        >>> buf = np.zeros(6, dtype=np.float32)
+        >>> r = HiddenRows(0, (), (3,), np.zeros(1, np.int32), np.zeros(1, np.int32), np.array([0, 2]),
+        ...                np.zeros(2, np.int32), buf.reshape(2, 3))
+        >>> o = r.owned(); buf[:] = 1
+        >>> float(o.rows.sum()), o.rows.base is None
+        (0.0, True)
+        """
+        return HiddenRows(self.round_id, self.taps, self.tap_widths, np.array(self.seq_ids), np.array(self.pos0),
+                          np.array(self.offsets), np.array(self.tokens), np.array(self.rows))
+
     def columns(self, taps: tuple[Tap, ...]) -> slice:
         """The column range of `taps` (which must be consecutive taps of this record, in order)."""
         starts = np.concatenate([[0], np.cumsum(self.tap_widths)]).astype(int)

@@ -25,6 +25,7 @@ import numpy as np
 import ray
 
 from specray.engine.config import EngineConfig
+from specray.engine.hidden_rows import HiddenRows
 from specray.engine.sampling import SamplingParams
 from specray.engine.target import StepItem, StepOutput, TargetRunner
 from specray.native import decode_threads
@@ -296,6 +297,11 @@ class RemoteTarget:
             rows = sum(len(it.tokens) for it in items)
             out, inside = self.channel.call(("step", items, starts, releases, acks), rows)
             self.channel.wait.observe(rows, inside)
+            if isinstance(out.hidden, HiddenRows):
+                # rows sent by value arrive as views of the channel's buffer, and the companion's proxy keeps
+                # them for up to FLUSH_RECORDS rounds: held, they block the channel's next answer (every
+                # round then timed out); copied, the buffer is free again
+                out.hidden = out.hidden.owned()
         else:
             ref = self.actor.step.remote(items, starts, releases, acks) if acks else self.actor.step.remote(
                 items, starts, releases)

@@ -32,7 +32,8 @@ def engine_config(slots: int, transport: str, kind: str = "dflash") -> EngineCon
     return EngineConfig(model="smollm2-135m", slots=slots, n_ctx=512 * slots, exact=True, calibrate=False,
                         chain=ChainConfig(speculators=[], policy="first", n_max=8,
                                           params={"dflash": {"n_max": 6, "audit": True}}),
-                        hidden=HiddenStateConfig(dflash_model=dflash_draft(kind), transport=transport))
+                        hidden=HiddenStateConfig(dflash_model=dflash_draft(kind), transport=transport,
+                                                 inline_below_bytes=0))  # every record by its transport
 
 
 @pytest.mark.parametrize("transport,slots,kind", [("object_store", 4, "dflash"), ("inline", 1, "dflash"),

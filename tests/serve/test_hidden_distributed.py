@@ -130,7 +130,8 @@ def check_transport(d: Distributed, name: str) -> dict:
 
 @pytest.mark.parametrize("hop", ["actor", "compiled"])
 def test_mtp_distributed_object_store_lossless_and_routed(ray_serve, hop):
-    cfg = engine_config(mtp_target("noisy"), "mtp", mtp=True, transport="object_store")
+    cfg = engine_config(mtp_target("noisy"), "mtp", mtp=True, transport="object_store",
+                        inline_below_bytes=0)
     d = Distributed(cfg, target_hop=hop)
     try:
         assert d.remote.mode == hop
@@ -158,8 +159,33 @@ def test_mtp_distributed_object_store_lossless_and_routed(ray_serve, hop):
         d.close()
 
 
+def test_rows_by_value_through_the_compiled_hop(ray_serve):
+    """Small rounds' rows go by value (inline_below_bytes' default); through a compiled graph they arrive as views
+    of the channel's buffer, which the proxy kept until its next companion call: the channel then could not take
+    the next step's answer, and every round timed out. Run without the per-round inspection (which flushes)."""
+    from specray.engine.hidden_rows import HiddenRows
+
+    cfg = engine_config(mtp_target("noisy"), "mtp", mtp=True, transport="object_store")
+    assert cfg.hidden.inline_below_bytes > 0  # the default
+    d = Distributed(cfg, target_hop="compiled")
+    try:
+        reqs = requests(d.vocab, spec_bench_prompts(4), ("mtp",), 32)
+        base = baseline(cfg, reqs)
+        seqs = [d.scheduler.submit(r) for r in reqs]
+        rounds = 0
+        while d.scheduler.has_work():
+            d.scheduler.step()
+            rounds += 1
+        assert [s.generated for s in seqs] == base
+        assert sum(s.spec_by_name["mtp"].accepted for s in seqs) > 0
+        assert rounds > 2 and d.handles and all(isinstance(h, HiddenRows) for h in d.handles)
+    finally:
+        d.close()
+
+
 def test_eagle3_distributed_object_store_lossless(ray_serve, smollm2):
-    cfg = engine_config("smollm2-135m", "eagle3", eagle3_model=eagle3_draft(), transport="object_store")
+    cfg = engine_config("smollm2-135m", "eagle3", eagle3_model=eagle3_draft(), transport="object_store",
+                        inline_below_bytes=0)
     d = Distributed(cfg)
     try:
         assert d.client.sup.info["speculators"] == ["eagle3"]
