@@ -42,6 +42,7 @@ class CompanionClient:
         self._channel = None  # target_channel.CompiledChannel to the companion of epoch _channel_epoch
         self._channel_epoch: int | None = None
         self.compiles = 0
+        self._inflight: list[Pending] = []  # submitted round calls whose answers are not read yet, oldest first
 
     def use_hop(self, hop: str) -> None:
         """'actor' or 'compiled' (ServeConfig.companion_hop, resolved). A compiled graph is made for each
@@ -71,6 +72,7 @@ class CompanionClient:
 
     def park(self) -> None:
         """The router is idle: park the companion's graph thread (it would poll a core)."""
+        self._settle_all()  # a graph's results are read in order: the park's comes after theirs
         ch = self._channel
         if ch is not None and self.up and self._channel_epoch == self.sup.epoch:
             try:
@@ -94,6 +96,7 @@ class CompanionClient:
         """companion.method(*args, **kwargs), or `default` if the companion is down or the call fails."""
         import ray
 
+        self._settle_all()
         sup = self.sup
         if sup.state != UP:
             self.skipped += 1
@@ -106,11 +109,43 @@ class CompanionClient:
             return ray.get(getattr(handle, method).remote(*args, **kwargs),
                            timeout=self.timeout_s if timeout is None else timeout)
         except Exception as e:  # any failure: its state may be broken, so it is replaced
-            self.errors += 1
-            if self._channel_epoch == epoch:
-                self.close_channel()
-            sup.mark_down(e, epoch)
+            self._failed(e, epoch)
             return default
+
+    def submit(self, method: str, payload: dict) -> "Pending | None":
+        """Start a round call (CHANNEL_METHODS) without waiting for it: its answer is read by `Pending.result`,
+        at the latest before the next call or park (the companion runs calls in order either way). None if the
+        companion is down or the call could not be sent."""
+        if method not in CHANNEL_METHODS:
+            raise ValueError(f"only round calls go without waiting, not {method!r}")
+        sup = self.sup
+        if sup.state != UP:
+            self.skipped += 1
+            return None
+        handle, epoch = sup.handle, sup.epoch
+        self.calls += 1
+        try:
+            if self.hop == "compiled":
+                ref = self._channel_to(handle, epoch).submit((method, payload))
+            else:
+                ref = getattr(handle, method).remote(payload)
+        except Exception as e:
+            self._failed(e, epoch)
+            return None
+        p = Pending(self, ref, epoch)
+        self._inflight.append(p)
+        return p
+
+    def _settle_all(self) -> None:
+        while self._inflight:
+            self._inflight[0].result()
+
+    def _failed(self, e: BaseException, epoch: int) -> None:
+        """A call failed: its state may be broken, so the companion is replaced."""
+        self.errors += 1
+        if self._channel_epoch == epoch:
+            self.close_channel()
+        self.sup.mark_down(e, epoch)
 
     def _compiled_call(self, handle, epoch: int, method: str, payload: dict):
         ch = self._channel_to(handle, epoch)
@@ -133,3 +168,26 @@ class CompanionClient:
 
     def snapshot(self) -> dict:
         return self.sup.snapshot()
+
+
+class Pending:
+    """A round call sent by `CompanionClient.submit`; `result()` waits for its answer once (None: it failed, and
+    the companion is being replaced)."""
+
+    def __init__(self, client: CompanionClient, ref, epoch: int) -> None:
+        self.client, self.ref, self.epoch = client, ref, epoch
+        self.done = False
+        self.value = None
+
+    def result(self):
+        if not self.done:
+            import ray
+
+            self.done = True
+            try:
+                self.value = ray.get(self.ref, timeout=self.client.timeout_s)
+            except Exception as e:
+                self.client._failed(e, self.epoch)
+            finally:
+                self.client._inflight.remove(self)
+        return self.value

@@ -14,7 +14,8 @@ sequence, positions and token ids, then drafts all slots in one batched head
 decode per step (dflash: one block decode for all of them). A context shift
 of a sequence travels as a "shift" event: `dflash` moves its feature window,
 mtp and eagle3 stop drafting for that sequence (their rows of the moved cells
-cannot be made again). If no draft is asked for a while, the buffer is flushed every
+cannot be made again). If no draft is asked for a while, the buffer is flushed (without waiting for the
+answer, read before the next call) every
 `FLUSH_RECORDS` records so the object store does not hold many rounds' rows.
 """
 
@@ -167,6 +168,7 @@ class CompanionHiddenProxy(CompanionProxy):
         self.flushes = 0
         self._events: list[tuple] = []
         self._records = 0
+        self._pending = None  # a flush sent without waiting (CompanionClient.Pending), read before the next call
 
     # ---- events ------------------------------------------------------------------------------------------
     def _begin(self, seq_id: int, prompt: np.ndarray) -> None:
@@ -186,15 +188,40 @@ class CompanionHiddenProxy(CompanionProxy):
         self._events.append(("rows", handle))
         self._records += 1
         if self._records >= FLUSH_RECORDS:
-            self.flush()
+            self._flush_behind()
+
+    def _flush_behind(self) -> None:
+        """Send what is buffered without waiting for the answer: the companion opens the records while the
+        target decodes the next round; the answer (acks) is read before the next call."""
+        self._settle()
+        payload = self._payload([])
+        self._events, self._records = [], 0
+        self.flushes += 1
+        self.calls += 1
+        self._pending = self.client.submit("hidden_round", payload)
+        if self._pending is None:
+            self.failed_calls += 1
+
+    def _settle(self) -> None:
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        res = p.result()
+        if res is None:
+            self.failed_calls += 1
+        elif res.get("acks") and self.ack_sink is not None:
+            self.ack_sink(res["acks"])
 
     def process(self, seq_id: int, tokens: np.ndarray, pos: int) -> None:
         if self._current(seq_id):
             self._events.append(("commit", seq_id, int(pos), np.asarray(tokens, dtype=TOKEN_DTYPE).copy()))
 
+    def _payload(self, requests: list) -> dict:
+        return {"name": self.name, "params": self.params.model_dump(), "events": self._events, "requests": requests}
+
     def _send(self, requests: list) -> dict | None:
-        payload = {"name": self.name, "params": self.params.model_dump(), "events": self._events,
-                   "requests": requests}
+        self._settle()
+        payload = self._payload(requests)
         self._events, self._records = [], 0
         res = self._call("hidden_round", payload)
         if res is not None and res.get("acks") and self.ack_sink is not None:

@@ -134,6 +134,11 @@ class CompiledChannel:
             self.slept_s += nap
         return ray.get(ref, timeout=self._timeout_s)
 
+    def submit(self, msg: tuple):
+        """Run `msg` without waiting: the ref to `ray.get` (results are read in the order they were sent)."""
+        self.unpark()
+        return self._dag.execute(msg)
+
     def park(self) -> None:
         """The router is idle: hold the actor's graph thread in a plain wait until the next call."""
         if self._parked is None:

@@ -45,7 +45,7 @@ class Distributed:
     """Target actor + supervised companion actor + the router's scheduler, built as RouterCore builds them
     (actors.launch.start_actors, builder.build_engine)."""
 
-    def __init__(self, cfg: EngineConfig, target_hop: str = "actor") -> None:
+    def __init__(self, cfg: EngineConfig, target_hop: str = "actor", companion_hop: str = "actor") -> None:
         from specray.deployments.actors.launch import start_actors
         from specray.deployments.builder import build_engine
         from specray.deployments.config import ServeConfig
@@ -53,7 +53,7 @@ class Distributed:
         serve_cfg = ServeConfig(mode="distributed", engine=cfg, target_cpus=0.4, companion_cpus=0.1,
                                 actor_restart_attempts=2, actor_start_timeout_s=600, companion_call_timeout_s=300)
         self.actors = start_actors(serve_cfg, tag=f"hidden-test-{uuid.uuid4().hex[:6]}")
-        parts = build_engine(cfg, actors=self.actors, target_hop=target_hop)
+        parts = build_engine(cfg, actors=self.actors, target_hop=target_hop, companion_hop=companion_hop)
         self.target, self.target_info = self.actors.target.handle, self.actors.target.info
         self.client, self.remote, self.vocab = self.actors.companion, parts.remote, parts.model
         self.chain, self.scheduler = parts.chain, parts.scheduler
@@ -159,16 +159,24 @@ def test_mtp_distributed_object_store_lossless_and_routed(ray_serve, hop):
         d.close()
 
 
-def test_rows_by_value_through_the_compiled_hop(ray_serve):
+@pytest.mark.parametrize("companion_hop", ["actor", "compiled"])
+def test_rows_by_value_and_flushes_behind_through_compiled_hops(ray_serve, monkeypatch, companion_hop):
     """Small rounds' rows go by value (inline_below_bytes' default); through a compiled graph they arrive as views
     of the channel's buffer, which the proxy kept until its next companion call: the channel then could not take
-    the next step's answer, and every round timed out. Run without the per-round inspection (which flushes)."""
+    the next step's answer, and every round timed out. Run without the per-round inspection (which flushes
+    synchronously). A flush after every record (FLUSH_RECORDS 1) goes without waiting, between the rounds'
+    draft calls: its answer must be read in order, through either companion hop."""
+    import ray
+
+    from specray.deployments.actors import companion_hidden
     from specray.engine.hidden_rows import HiddenRows
 
+    monkeypatch.setattr(companion_hidden, "FLUSH_RECORDS", 1)
     cfg = engine_config(mtp_target("noisy"), "mtp", mtp=True, transport="object_store")
     assert cfg.hidden.inline_below_bytes > 0  # the default
-    d = Distributed(cfg, target_hop="compiled")
+    d = Distributed(cfg, target_hop="compiled", companion_hop=companion_hop)
     try:
+        assert d.client.hop == companion_hop
         reqs = requests(d.vocab, spec_bench_prompts(4), ("mtp",), 32)
         base = baseline(cfg, reqs)
         seqs = [d.scheduler.submit(r) for r in reqs]
@@ -179,6 +187,11 @@ def test_rows_by_value_through_the_compiled_hop(ray_serve):
         assert [s.generated for s in seqs] == base
         assert sum(s.spec_by_name["mtp"].accepted for s in seqs) > 0
         assert rounds > 2 and d.handles and all(isinstance(h, HiddenRows) for h in d.handles)
+        proxy = d.chain.speculator("mtp")
+        assert proxy.flushes > 0 and proxy.failed_calls == 0 and proxy.flush()
+        c = ray.get(d.client.sup.handle.counters.remote())
+        assert c["hidden_transport_opened"] == len(d.handles)  # every record reached the companion, in order
+        assert c["mtp_mismatched"] == c["mtp_unsynced"] == c["mtp_lost"] == c["hidden_unsynced"] == 0
     finally:
         d.close()
 

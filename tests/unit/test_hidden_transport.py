@@ -237,6 +237,20 @@ class FakeClient:
         drafts = [np.array([7, 8], np.int32) for _ in payload["requests"]]
         return {"drafts": drafts, "unsynced": [], "inside_s": 0.0, "step_costs": {1: 0.001}, "acks": self.acks}
 
+    def submit(self, method, payload):
+        """Sent now, answered when read (CompanionClient.Pending)."""
+        answer = self.call(method, payload)
+        client = self
+
+        class Pending:
+            def result(self):
+                client.read += 1
+                return answer
+
+        return Pending()
+
+    read = 0
+
 
 def test_router_proxy_keeps_event_order_sends_once_per_round_and_returns_acks():
     from specray.deployments.actors.companion_hidden import FLUSH_RECORDS, CompanionHiddenProxy
@@ -260,3 +274,7 @@ def test_router_proxy_keeps_event_order_sends_once_per_round_and_returns_acks():
     for i in range(FLUSH_RECORDS):  # rounds without drafts: flushed, the object store holds few rounds
         proxy.take_hidden(f"h{i}")
     assert len(client.payloads) == 2 and client.payloads[1]["requests"] == [] and proxy.flushes == 1
+    # the flush went without waiting: its answer (acks) is read before the next call, in order
+    assert client.read == 0 and len(got_acks) == 1
+    proxy.draft([DraftRequest(0, np.array([3, 4, 5], np.int32), 4)])
+    assert client.read == 1 and len(client.payloads) == 3 and len(got_acks) == 3
