@@ -223,13 +223,16 @@ def _build_remote(config: EngineConfig, actors, step_timeout_s: float | None, ta
 
     from .actors.companion import companion_speculator_factory
     from .actors.target import RemoteTarget
-    from .actors.target_channel import resolve_companion_hop, resolve_target_hop
+    from .actors.target_channel import companion_has_room, resolve_companion_hop, resolve_target_hop
 
     info = actors.target.info
     # this process only tokenizes and detokenizes: the vocabulary without weights
     model = Model(config.model, chat_template=config.chat_template, vocab_only=True)
     hop = resolve_target_hop(target_hop, info)
-    actors.companion.use_hop(resolve_companion_hop(companion_hop, info, actors.companion.sup.info or {}))
+    companion_info = actors.companion.sup.info or {}
+    actors.companion.use_hop(resolve_companion_hop(companion_hop, info, companion_info))
+    behind = config.hidden.flush_behind
+    actors.companion.flush_behind = companion_has_room(info, companion_info) if behind is None else behind
     remote = RemoteTarget(actors.target.handle, epoch=actors.target.epoch, timeout_s=step_timeout_s, hop=hop)
     cost = DecodeCostModel()
     if config.calibrate:

@@ -210,6 +210,11 @@ class HiddenStateConfig(BaseModel):
         96 * 1024, ge=0, description="object_store / cuda_ipc: a round's rows smaller than this go by value "
         "instead (a ray.put costs 1.3-2.6 ms here however small the record, and Ray passes results and arguments "
         "under 100 KiB by value itself; 0: never)")
+    flush_behind: bool | None = Field(
+        None, description="distributed mode: the router's flush of buffered rows (every 16 records without a draft "
+        "request) goes without waiting for the companion, which replays them while the target decodes; None: where "
+        "the node has a core beyond the target's and the companion's threads, or the target decodes on a GPU (on "
+        "this 2-core box the replay competed with the decode: no gain measured)")
     n_ctx: int | None = Field(
         None, ge=64, description="head context cells shared by all slots (None: the target's n_ctx + 16 per slot)")
     threads: int | None = Field(None, ge=1, description="CPU threads of the head contexts (None: the engine's)")

@@ -43,6 +43,7 @@ class CompanionClient:
         self._channel_epoch: int | None = None
         self.compiles = 0
         self._inflight: list[Pending] = []  # submitted round calls whose answers are not read yet, oldest first
+        self.flush_behind = False  # hidden-row flushes go without waiting (engine.hidden.flush_behind, resolved)
 
     def use_hop(self, hop: str) -> None:
         """'actor' or 'compiled' (ServeConfig.companion_hop, resolved). A compiled graph is made for each

@@ -169,6 +169,9 @@ class CompanionHiddenProxy(CompanionProxy):
         self._events: list[tuple] = []
         self._records = 0
         self._pending = None  # a flush sent without waiting (CompanionClient.Pending), read before the next call
+        # flushes go without waiting (engine.hidden.flush_behind): the companion's replay then overlaps the
+        # target's decode, which pays where the node has room for it (target_channel.companion_has_room)
+        self.flush_behind = bool(getattr(client, "flush_behind", False))
 
     # ---- events ------------------------------------------------------------------------------------------
     def _begin(self, seq_id: int, prompt: np.ndarray) -> None:
@@ -188,7 +191,10 @@ class CompanionHiddenProxy(CompanionProxy):
         self._events.append(("rows", handle))
         self._records += 1
         if self._records >= FLUSH_RECORDS:
-            self._flush_behind()
+            if self.flush_behind:
+                self._flush_behind()
+            else:
+                self.flush()
 
     def _flush_behind(self) -> None:
         """Send what is buffered without waiting for the answer: the companion opens the records while the

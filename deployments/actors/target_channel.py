@@ -68,11 +68,22 @@ def resolve_companion_hop(setting: str, target_info: dict, companion_info: dict)
     """
     if setting != "auto":
         return setting
+    return "compiled" if companion_has_room(target_info, companion_info) else "actor"
+
+
+def companion_has_room(target_info: dict, companion_info: dict) -> bool:
+    """The companion's node has a core beyond the target's and the companion's llama.cpp threads, or the target
+    decodes on a GPU: work the companion does while the target decodes (a graph thread's polling, a flush
+    replayed behind the round) costs the decode nothing. False for a companion without a model.
+
+    >>> companion_has_room({"threads": 1}, {"cpus": 2, "threads": 1}), companion_has_room({"threads": 1}, {"cpus": 3, "threads": 1})
+    (False, True)
+    """
     threads = companion_info.get("threads") or 0
     if not threads:
-        return "actor"
+        return False
     spare = (companion_info.get("cpus") or 0) > (target_info.get("threads") or 0) + threads
-    return "compiled" if spare or (target_info.get("n_gpu_layers") or 0) > 0 else "actor"
+    return spare or (target_info.get("n_gpu_layers") or 0) > 0
 
 
 class ExpectedWait:

@@ -61,6 +61,32 @@ def concurrent_prompts() -> list[str]:
     return spec_bench_prompts(N_CONCURRENT)
 
 
+def concurrent_chats(base: str, prompts: list[str], max_tokens: int = CONCURRENT_MAX_TOKENS) -> dict[int, object]:
+    """Stream each prompt as a greedy chat request, all at once (the official openai client, a thread each):
+    {i: the streamed text, or the exception that request raised}."""
+    import threading
+
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=300, max_retries=0)
+    out: dict[int, object] = {}
+
+    def run(i: int, p: str) -> None:
+        try:
+            chunks = client.chat.completions.create(model="m", messages=[{"role": "user", "content": p}],
+                                                    max_tokens=max_tokens, temperature=0, stream=True)
+            out[i] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        except Exception as e:  # noqa: BLE001 - the caller's assertion reports it
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    return out
+
+
 #: Ray's Prometheus endpoint of this node (http://127.0.0.1:METRICS_PORT/metrics; tests/serve/test_ab.py
 #: scrapes it); workers push their metrics every second instead of every 10 s
 METRICS_PORT = int(os.environ.get("SPECRAY_TEST_METRICS_PORT", 0)) or _free_port()

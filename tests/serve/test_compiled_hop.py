@@ -6,7 +6,6 @@ is replaced and a new graph compiled, with requests answered exactly again."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import httpx
@@ -16,7 +15,8 @@ import ray
 
 from specray.deployments.actors.launch import ACTOR_NAMESPACE
 
-from .conftest import COMPLETION_PROMPTS, CONCURRENT_MAX_TOKENS, ENGINE, MAX_TOKENS, concurrent_prompts, deployed_app
+from .conftest import (COMPLETION_PROMPTS, CONCURRENT_MAX_TOKENS, ENGINE, MAX_TOKENS, concurrent_chats,
+                       concurrent_prompts, deployed_app)
 
 pytestmark = [pytest.mark.serve, pytest.mark.model]
 
@@ -43,23 +43,8 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def test_concurrent_streams_are_exact_through_the_graph(app, http, reference):
-    client = openai.OpenAI(base_url=f"{app}/v1", api_key="none", timeout=300, max_retries=0)
     prompts = concurrent_prompts()
-    out: dict[int, object] = {}
-
-    def run(i: int, p: str) -> None:
-        try:
-            chunks = client.chat.completions.create(model="m", messages=[{"role": "user", "content": p}],
-                                                    max_tokens=CONCURRENT_MAX_TOKENS, temperature=0, stream=True)
-            out[i] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        except Exception as e:  # noqa: BLE001 - reported by the assertion below
-            out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(prompts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
+    out = concurrent_chats(app, prompts)
     for i, p in enumerate(prompts):
         assert out.get(i) == reference[("chat", p, CONCURRENT_MAX_TOKENS)][0], f"stream {i}: {out.get(i)!r}"
 

@@ -172,11 +172,11 @@ def test_rows_by_value_and_flushes_behind_through_compiled_hops(ray_serve, monke
     from specray.engine.hidden_rows import HiddenRows
 
     monkeypatch.setattr(companion_hidden, "FLUSH_RECORDS", 1)
-    cfg = engine_config(mtp_target("noisy"), "mtp", mtp=True, transport="object_store")
+    cfg = engine_config(mtp_target("noisy"), "mtp", mtp=True, transport="object_store", flush_behind=True)
     assert cfg.hidden.inline_below_bytes > 0  # the default
     d = Distributed(cfg, target_hop="compiled", companion_hop=companion_hop)
     try:
-        assert d.client.hop == companion_hop
+        assert d.client.hop == companion_hop and d.chain.speculator("mtp").flush_behind
         reqs = requests(d.vocab, spec_bench_prompts(4), ("mtp",), 32)
         base = baseline(cfg, reqs)
         seqs = [d.scheduler.submit(r) for r in reqs]

@@ -258,6 +258,7 @@ def test_router_proxy_keeps_event_order_sends_once_per_round_and_returns_acks():
     from specray.engine.speculators.mtp import MtpParams
 
     client = FakeClient(acks=[("pool", 0, 1)])
+    client.flush_behind = True
     got_acks = []
     proxy = CompanionHiddenProxy("mtp", MtpParams(), client, ack_sink=got_acks.extend)
     proxy.begin(0, np.array([1, 2], np.int32))
@@ -278,3 +279,18 @@ def test_router_proxy_keeps_event_order_sends_once_per_round_and_returns_acks():
     assert client.read == 0 and len(got_acks) == 1
     proxy.draft([DraftRequest(0, np.array([3, 4, 5], np.int32), 4)])
     assert client.read == 1 and len(client.payloads) == 3 and len(got_acks) == 3
+
+
+def test_without_room_for_it_a_flush_waits_for_the_companion():
+    # engine.hidden.flush_behind None on a node without a spare core (this 2-core box): the replay would compete
+    # with the target's decode, so the flush is an ordinary call
+    from specray.deployments.actors.companion_hidden import FLUSH_RECORDS, CompanionHiddenProxy
+    from specray.engine.speculators.mtp import MtpParams
+
+    client = FakeClient(acks=[("pool", 0, 1)])
+    got_acks = []
+    proxy = CompanionHiddenProxy("mtp", MtpParams(), client, ack_sink=got_acks.extend)
+    assert not proxy.flush_behind
+    for i in range(FLUSH_RECORDS):
+        proxy.take_hidden(f"h{i}")
+    assert len(client.payloads) == 1 and client.read == 0 and got_acks == [("pool", 0, 1)]
