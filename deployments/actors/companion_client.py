@@ -97,7 +97,11 @@ class CompanionClient:
         """companion.method(*args, **kwargs), or `default` if the companion is down or the call fails."""
         import ray
 
-        self._settle_all()
+        # the round calls come from the round thread, which alone touches the graph and the calls in flight;
+        # others (counters from /v1/stats' thread) are plain actor calls and leave both alone
+        rounds = method in CHANNEL_METHODS
+        if rounds:
+            self._settle_all()
         sup = self.sup
         if sup.state != UP:
             self.skipped += 1
@@ -105,12 +109,12 @@ class CompanionClient:
         handle, epoch = sup.handle, sup.epoch
         self.calls += 1
         try:
-            if self.hop == "compiled" and method in CHANNEL_METHODS and not kwargs:
+            if rounds and self.hop == "compiled" and not kwargs:
                 return self._compiled_call(handle, epoch, method, *args)
             return ray.get(getattr(handle, method).remote(*args, **kwargs),
                            timeout=self.timeout_s if timeout is None else timeout)
         except Exception as e:  # any failure: its state may be broken, so it is replaced
-            self._failed(e, epoch)
+            self._failed(e, epoch, on_round_thread=rounds)
             return default
 
     def submit(self, method: str, payload: dict) -> "Pending | None":
@@ -141,10 +145,11 @@ class CompanionClient:
         while self._inflight:
             self._inflight[0].result()
 
-    def _failed(self, e: BaseException, epoch: int) -> None:
-        """A call failed: its state may be broken, so the companion is replaced."""
+    def _failed(self, e: BaseException, epoch: int, on_round_thread: bool = True) -> None:
+        """A call failed: its state may be broken, so the companion is replaced. Its graph is torn down here only
+        on the round thread; from another one, the round thread's next call to the new generation does it."""
         self.errors += 1
-        if self._channel_epoch == epoch:
+        if on_round_thread and self._channel_epoch == epoch:
             self.close_channel()
         self.sup.mark_down(e, epoch)
 
