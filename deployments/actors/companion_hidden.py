@@ -14,9 +14,9 @@ sequence, positions and token ids, then drafts all slots in one batched head
 decode per step (dflash: one block decode for all of them). A context shift
 of a sequence travels as a "shift" event: `dflash` moves its feature window,
 mtp and eagle3 stop drafting for that sequence (their rows of the moved cells
-cannot be made again). If no draft is asked for a while, the buffer is flushed (without waiting for the
-answer, read before the next call) every
-`FLUSH_RECORDS` records so the object store does not hold many rounds' rows.
+cannot be made again). If no draft is asked for a while, the buffer is flushed every `FLUSH_RECORDS`
+records so the object store does not hold many rounds' rows; where the node has room for the companion's
+replay (engine.hidden.flush_behind), that flush does not wait: its answer is read before the next call.
 """
 
 from __future__ import annotations
