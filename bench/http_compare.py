@@ -114,7 +114,7 @@ def deployed(base_url: str, cfgs: list, progress=print):
 
 def _labels(infos: list[dict]) -> list[str]:
     """Row labels: the server's kind (specray's mode, llama-server, other); with the layout (mode/layout) where
-    kinds repeat; with the URL where both do.
+    kinds repeat and the server has one (specray's); with the URL where that still repeats.
 
     >>> _labels([{"mode": "colocated", "layout": "fused", "url": "u1"}, {"mode": "distributed", "url": "u2"}])
     ['colocated', 'distributed']
@@ -123,9 +123,12 @@ def _labels(infos: list[dict]) -> list[str]:
     ['colocated/fused', 'colocated/split@u2', 'colocated/split@u3']
     >>> _labels([{"mode": None, "owned_by": "llamacpp", "url": "u1"}, {"mode": "colocated", "url": "u2"}])
     ['llama-server', 'colocated']
+    >>> _labels([{"mode": None, "owned_by": "llamacpp", "url": "u1"}, {"mode": None, "owned_by": "llamacpp",
+    ...          "url": "u2"}])
+    ['llama-server@u1', 'llama-server@u2']
     """
     modes = [http_bench.server_kind(i) for i in infos]
-    labels = [m if modes.count(m) == 1 else f"{m}/{i.get('layout') or '?'}" for m, i in zip(modes, infos)]
+    labels = [f"{m}/{i['layout']}" if modes.count(m) > 1 and i.get("layout") else m for m, i in zip(modes, infos)]
     return [lab if labels.count(lab) == 1 else f"{lab}@{i['url']}" for lab, i in zip(labels, infos)]
 
 
@@ -313,8 +316,8 @@ def main_http_bench(args) -> int:
             "python": platform.python_version(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
 
-    def finish(report: dict, ecfg: EngineConfig) -> int:
-        report["meta"] = meta | {"model": ecfg.model, "chain": ecfg.chain.label, "slots": ecfg.slots,
+    def finish(report: dict, ecfg: EngineConfig, model: str | None = None) -> int:
+        report["meta"] = meta | {"model": model or ecfg.model, "chain": ecfg.chain.label, "slots": ecfg.slots,
                                  "flash_attn": ecfg.flash_attn_on,
                                  "n_ctx": ecfg.n_ctx}
         return print_report(table(report), report, args.json)
@@ -359,7 +362,7 @@ def main_http_bench(args) -> int:
 
     # servers already running: the in-process engine copies the first one's slots and chain unless flags say
     first = http_bench.describe(args.url[0], api_key)
-    if first["model"] != args.model:
+    if first["model"] != args.model and not args.no_in_process:
         progress(f"warning: {args.url[0]} serves {first['model']!r}; the in-process engine loads {args.model!r}")
     ecfg = engine_config(args, args.slots or first["slots"] or max(streams), args.spec or first["chain"])
     extra = {"speculative": {"chain": args.spec}} if args.spec else {}
@@ -369,4 +372,5 @@ def main_http_bench(args) -> int:
     finally:
         if engine is not None:
             engine.close()
-    return finish(report, ecfg)
+    # without the in-process row nothing loads --model: the header names what the first server serves
+    return finish(report, ecfg, None if engine is not None else first["model"])
