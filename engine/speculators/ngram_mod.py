@@ -325,6 +325,8 @@ class NgramModSpeculator(Speculator):
         if not state:
             return
         e = state.get("entries")
-        if e is not None and len(e) == self.pool.size:
+        if e is None:  # an empty pool (get_state): this one empties too
+            self.pool.reset()
+        elif len(e) == self.pool.size:
             self.pool.entries = np.array(e, dtype=np.int32)
             self.pool.used = int(state.get("used", 0))

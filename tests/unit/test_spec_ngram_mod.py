@@ -165,6 +165,8 @@ def test_state_roundtrip():
     sp2 = spec(n_match=2, n_min=1, n_max=3)
     sp2.set_state(state)
     assert draft1(sp2, 0, arr(8, 1, 2)).tolist() == [3, 4, 5]
+    sp2.set_state(spec(n_match=2, n_min=1, n_max=3).get_state())  # an empty pool's state empties this one
+    assert sp2.pool.used == 0 and len(draft1(sp2, 0, arr(8, 1, 2))) == 0
 
 
 def test_params_defaults_and_bounds():
