@@ -102,12 +102,9 @@ class CompanionClient:
         rounds = method in CHANNEL_METHODS
         if rounds:
             self._settle_all()
-        sup = self.sup
-        if sup.state != UP:
-            self.skipped += 1
+        if (target := self._reach()) is None:
             return default
-        handle, epoch = sup.handle, sup.epoch
-        self.calls += 1
+        handle, epoch = target
         try:
             if rounds and self.hop == "compiled" and not kwargs:
                 return self._compiled_call(handle, epoch, method, *args)
@@ -123,12 +120,9 @@ class CompanionClient:
         companion is down or the call could not be sent."""
         if method not in CHANNEL_METHODS:
             raise ValueError(f"only round calls go without waiting, not {method!r}")
-        sup = self.sup
-        if sup.state != UP:
-            self.skipped += 1
+        if (target := self._reach()) is None:
             return None
-        handle, epoch = sup.handle, sup.epoch
-        self.calls += 1
+        handle, epoch = target
         try:
             if self.hop == "compiled":
                 ref = self._channel_to(handle, epoch).submit((method, payload))
@@ -140,6 +134,16 @@ class CompanionClient:
         p = Pending(self, ref, epoch)
         self._inflight.append(p)
         return p
+
+    def _reach(self):
+        """(handle, epoch) of the companion for a call about to be made, counted; None (counted as skipped) if it
+        is down."""
+        sup = self.sup
+        if sup.state != UP:
+            self.skipped += 1
+            return None
+        self.calls += 1
+        return sup.handle, sup.epoch
 
     def _settle_all(self) -> None:
         while self._inflight:

@@ -99,8 +99,8 @@ class CompanionProxy(ModelSpeculator):
                 self.step_cost = DecodeCostModel({int(k): v for k, v in res["step_costs"].items()}, ema=0.1)
                 self.unsynced += len(res["unsynced"])
                 for i, d in zip(idx, res["drafts"]):
-                    # a copy: through a compiled graph the drafts are views of its channel's buffer
-                    d = np.array(d, dtype=TOKEN_DTYPE)[: requests[i].n_max]
+                    # a copy (of the part kept): through a compiled graph the drafts are views of its channel's buffer
+                    d = np.asarray(d, dtype=TOKEN_DTYPE)[: requests[i].n_max].copy()
                     if len(d):
                         self.stats.drafts_generated += 1
                         out[i] = d
