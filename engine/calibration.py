@@ -42,9 +42,11 @@ the next long bets paid for.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from .acceptance import N_POS_BUCKETS, bucket_counts, pos_buckets
+from .acceptance import N_POS_BUCKETS, bucket_counts, pos_bucket_list, pos_buckets
 
 #: a factor stays within these bounds: estimates are shrunk or raised, never zeroed or set free
 FACTOR_MIN, FACTOR_MAX = 0.05, 2.0
@@ -60,6 +62,7 @@ class PrefixCalibration:
         self.predicted = np.zeros(N_POS_BUCKETS)
         self.realised = np.zeros(N_POS_BUCKETS)
         self._factors: np.ndarray | None = None  # cached until the next update: every draft is calibrated
+        self._factor_list: list[float] | None = None  # the same as floats (apply)
 
     def factors(self) -> np.ndarray:
         if self._factors is None:
@@ -69,17 +72,31 @@ class PrefixCalibration:
 
     def apply(self, raw: np.ndarray) -> np.ndarray:
         """Calibrated prefix probabilities (non-increasing, below 1) for raw ones."""
-        if len(raw) == 0:
+        n = len(raw)
+        if n == 0:
             return raw
-        p = np.minimum(np.asarray(raw, dtype=np.float64) * self.factors()[pos_buckets(len(raw))], _P_MAX)
-        return np.minimum.accumulate(p)
+        # numpy's steps (scale by the position's bucket factor, cap, running minimum) in Python floats: 1-8
+        # positions, every draft scored, every round (the values are bitwise the same)
+        f = self.factor_list()
+        out = [0.0] * n
+        low = math.inf
+        for j, (r, b) in enumerate(zip(np.asarray(raw, dtype=np.float64).tolist(), pos_bucket_list(n))):
+            low = min(low, min(r * f[b], _P_MAX))
+            out[j] = low
+        return np.array(out)
+
+    def factor_list(self) -> list[float]:
+        """factors() as Python floats (cached with it)."""
+        if self._factor_list is None:
+            self._factor_list = self.factors().tolist()
+        return self._factor_list
 
     def update(self, raw: np.ndarray, n_accepted: int) -> None:
         """A sent draft's verdict: raw[j] was the tracker's P(0..j accepted) for its j-th token."""
         n = len(raw)
         if n == 0:
             return
-        self._factors = None
+        self._factors = self._factor_list = None
         self.predicted += np.bincount(pos_buckets(n), weights=np.asarray(raw, dtype=np.float64),
                                       minlength=N_POS_BUCKETS)
         self.realised += bucket_counts(max(0, min(n_accepted, n)))

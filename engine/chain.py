@@ -31,6 +31,7 @@ hold a model context: their parameters are start-up config and cannot change.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -106,6 +107,7 @@ class Pricing:
     explore: float = 0.0
     _time_in_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False, repr=False)
     _seconds_per_token: float | None = field(default=None, init=False, repr=False)
+    _time_list: list[float] = field(default_factory=list, init=False, repr=False)
 
     def seconds_per_token(self) -> float:
         """The round's plain decode time per sequence that emits a token (what a token is worth, in seconds;
@@ -124,6 +126,12 @@ class Pricing:
             extra = np.array([self.cost(self.base_tokens + k) for k in range(1, n + 1)]) - base
             self._time_in_tokens = extra * (self.n_decoding / base)
         return self._time_in_tokens[:n]
+
+    def time_in_tokens_list(self, n: int) -> list[float]:
+        """time_in_tokens(n) as Python floats (memoised with it; empty if the round is free)."""
+        if len(self._time_list) < n:
+            self._time_list = self.time_in_tokens(n).tolist()
+        return self._time_list[:n]
 
 
 @dataclass
@@ -167,15 +175,18 @@ def draft_value(prefix_probs: np.ndarray, pricing: Pricing | None) -> float:
     >>> round(draft_value(pp, flat), 2)   # 2 tokens: 1.7 expected - 2 x 0.5 tokens of time
     0.7
     """
-    if len(prefix_probs) == 0:
+    n = len(prefix_probs)
+    if n == 0:
         return 0.0
-    gains = np.cumsum(prefix_probs)
-    if pricing is None:
-        return float(gains[-1])
-    time = pricing.time_in_tokens(len(gains))
-    if len(time) == 0:
-        return float(gains[-1])
-    return float(max(0.0, np.max(gains - time)))
+    # numpy's cumsum and max in Python floats (bitwise the same): 1-8 tokens, every draft scored, every round
+    probs = prefix_probs.tolist() if isinstance(prefix_probs, np.ndarray) else [float(p) for p in prefix_probs]
+    time = pricing.time_in_tokens_list(n) if pricing is not None else ()
+    gain, best = 0.0, -math.inf
+    for j, p in enumerate(probs):
+        gain += p
+        if time:
+            best = max(best, gain - time[j])
+    return gain if not time else max(0.0, best)
 
 
 def judged_worth(m: int, worth: float | None, rows_price: np.ndarray | None) -> bool:
@@ -373,7 +384,7 @@ class Chain:
                 n_max = {i: requests[i].n_max for i in idx}
                 if policy == "cost" and pricing is not None and isinstance(spec, ModelSpeculator):
                     score_drafts(self, props, unscored, best_score, policy, pricing)
-                    n_max = self._price(name, spec, idx, requests, best_score, pricing)
+                    n_max = price_model_drafts(self, name, spec, idx, requests, best_score, pricing)
                     idx = [i for i in idx if i in n_max]
                     if not idx:
                         continue
@@ -411,53 +422,9 @@ class Chain:
         return props
 
     def take_model_seconds(self) -> float:
-        """Seconds model speculators drafted since the last call (then 0): priced as theirs (_price), not the host's."""
+        """Seconds model speculators drafted since the last call (then 0): priced as theirs (price_model_drafts), not the host's."""
         s, self._model_seconds = self._model_seconds, 0.0
         return s
-
-    def _price(
-        self, name: str, spec: ModelSpeculator, idx: list[int], requests: list[SeqDraftRequest],
-        best_score: list[float], pricing: Pricing,
-    ) -> dict[int, int]:
-        """Which sequences a model speculator drafts for this round, and how many tokens each: only where
-        its expected accepted tokens beat the best free draft, and the planner finds the draft time worth
-        paying: the draft steps (shared among the sequences drafting together) plus, per sequence, the
-        catch-up of a draft cache that lags (up to its whole prompt), spread over the rounds the speculator is
-        expected to keep drafting for it (catchup_price.py). {request index: n_max}."""
-        cands: list[int] = []
-        probs: list[np.ndarray] = []
-        for i in idx:
-            _, pp = self.estimate(name, requests[i].seq_id, min(requests[i].n_max, spec.max_steps))
-            if len(pp) and draft_value(pp, pricing) > best_score[i]:
-                cands.append(i)
-                probs.append(pp)
-        if not cands:
-            return {}
-        share = spec.draft_seconds(len(cands), max(len(p) for p in probs)) / len(cands)
-        catchup = [spec.catchup_seconds(requests[i].seq_id, requests[i].history_for(spec)) for i in cands]
-        extra = []
-        for i, pp, c in zip(cands, probs, catchup):
-            extra.append(share + catchup_charge(c, requests[i].tokens_left, float(pp.sum()), self.steady.share(name)))
-        lengths = plan_draft_lengths(probs, pricing.base_tokens, pricing.cost, n_decoding=pricing.n_decoding,
-                                     extra_seconds=extra)
-        # a draft cut this short must still beat the free one, or its time is wasted
-        chosen = {i: k for i, k, pp in zip(cands, lengths, probs)
-                  if k > 0 and draft_value(pp[:k], pricing) > best_score[i]}
-        if not chosen and pricing.explore > 0:
-            # keep measuring the model's acceptance, within a time budget: each round saves `explore` x its
-            # plain decode time; a 1-token draft (the cheapest catch-up of the candidates, the draft step and
-            # its verify row) is made once the savings cover it. Exploring thus costs at most that share of
-            # the time, however long the catch-up (a whole prompt for a sequence never drafted)
-            base = pricing.cost(pricing.base_tokens)
-            budget = min(EXPLORE_BUDGET_CAP, self.explore_budget.get(name, 0.0) + pricing.explore * base)
-            j = min(range(len(cands)), key=lambda c: catchup[c])
-            price = catchup[j] + spec.draft_seconds(1, 1) + pricing.cost(pricing.base_tokens + 1) - base
-            if price <= budget:
-                chosen = {cands[j]: 1}
-                budget -= pricing.cost(pricing.base_tokens + 1) - base  # the verify row; propose() charges the rest
-                self._exploring.add(name)
-            self.explore_budget[name] = budget
-        return chosen
 
     def estimate(self, name: str, seq_id: int, length: int, context: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(raw, calibrated) P(first j+1 tokens of name's next draft for seq_id all accepted), j < length."""
@@ -492,6 +459,52 @@ class Chain:
 
     def stats(self) -> dict[str, SpeculatorStats]:
         return {name: spec.stats for name, spec in self.instances.items()}
+
+
+def price_model_drafts(
+    chain: "Chain", name: str, spec: ModelSpeculator, idx: list[int], requests: list[SeqDraftRequest],
+    best_score: list[float], pricing: Pricing,
+) -> dict[int, int]:
+    """Which sequences a model speculator drafts for this round, and how many tokens each: only where
+    its expected accepted tokens beat the best free draft, and the planner finds the draft time worth
+    paying: the draft steps (shared among the sequences drafting together) plus, per sequence, the
+    catch-up of a draft cache that lags (up to its whole prompt), spread over the rounds the speculator is
+    expected to keep drafting for it (catchup_price.py). {request index: n_max}."""
+    cands: list[int] = []
+    probs: list[np.ndarray] = []
+    for i in idx:
+        _, pp = chain.estimate(name, requests[i].seq_id, min(requests[i].n_max, spec.max_steps))
+        if len(pp) and draft_value(pp, pricing) > best_score[i]:
+            cands.append(i)
+            probs.append(pp)
+    if not cands:
+        return {}
+    share = spec.draft_seconds(len(cands), max(len(p) for p in probs)) / len(cands)
+    catchup = [spec.catchup_seconds(requests[i].seq_id, requests[i].history_for(spec)) for i in cands]
+    extra = []
+    for i, pp, c in zip(cands, probs, catchup):
+        extra.append(share + catchup_charge(c, requests[i].tokens_left, float(pp.sum()), chain.steady.share(name)))
+    lengths = plan_draft_lengths(probs, pricing.base_tokens, pricing.cost, n_decoding=pricing.n_decoding,
+                                 extra_seconds=extra)
+    # a draft cut this short must still beat the free one, or its time is wasted
+    chosen = {i: k for i, k, pp in zip(cands, lengths, probs)
+              if k > 0 and draft_value(pp[:k], pricing) > best_score[i]}
+    if not chosen and pricing.explore > 0:
+        # keep measuring the model's acceptance, within a time budget: each round saves `explore` x its
+        # plain decode time; a 1-token draft (the cheapest catch-up of the candidates, the draft step and
+        # its verify row) is made once the savings cover it. Exploring thus costs at most that share of
+        # the time, however long the catch-up (a whole prompt for a sequence never drafted)
+        base = pricing.cost(pricing.base_tokens)
+        budget = min(EXPLORE_BUDGET_CAP, chain.explore_budget.get(name, 0.0) + pricing.explore * base)
+        j = min(range(len(cands)), key=lambda c: catchup[c])
+        price = catchup[j] + spec.draft_seconds(1, 1) + pricing.cost(pricing.base_tokens + 1) - base
+        if price <= budget:
+            chosen = {cands[j]: 1}
+            budget -= pricing.cost(pricing.base_tokens + 1) - base  # the verify row; propose() charges the rest
+            chain._exploring.add(name)
+        chain.explore_budget[name] = budget
+    return chosen
+
 
 
 def _shadow_estimate(chain: Chain, name: str, spec: Speculator) -> Callable[[int, int], np.ndarray]:
