@@ -125,9 +125,11 @@ class ReplayResult:
                 "drafted": self.drafted, **self.stages}
 
 
-def replay_config(engine, name: str, requests: list, truth: list[np.ndarray], table: dict[int, float]) -> ReplayResult:
+def replay_config(engine, name: str, requests: list, truth: list[np.ndarray], table: dict[int, float],
+                  profiler=None) -> ReplayResult:
     """Run `requests` on `engine` (its own chain, nothing run on it yet) with its decode replayed from `truth`
-    (each request's recorded prompt + output) at the table's times."""
+    (each request's recorded prompt + output) at the table's times. `profiler` (round_profile.RoundProfiler):
+    cProfile on during each round."""
     from specray.engine.cost import DecodeCostModel
     from specray.engine.round_stages import breakdown
 
@@ -147,7 +149,13 @@ def replay_config(engine, name: str, requests: list, truth: list[np.ndarray], ta
     engine.scheduler.cost = cost
     st = engine.scheduler.stats
     t0 = time.perf_counter()
-    seqs = engine.run(requests)
+    if profiler is None:
+        seqs = engine.run(requests)
+    else:
+        seqs = [engine.submit(r) for r in requests]
+        while engine.scheduler.has_work():
+            with profiler.round(name):
+                engine.step()
     res = ReplayResult(name, seconds=time.perf_counter() - t0)
     res.tokens = sum(len(s.generated) for s in seqs)
     res.compared = len(seqs)
@@ -176,10 +184,11 @@ def table_text(results: list[ReplayResult], table: dict[int, float]) -> str:
 
 
 def run_host_replay(engine, configs: list[str], prompts: list, max_tokens: int, table: dict[int, float],
-                    config_engine: Callable[[str], object], progress=print) -> list[ReplayResult]:
+                    config_engine: Callable[[str], object], progress=print, profiler=None) -> list[ReplayResult]:
     """The replay bench: `engine` (no speculators) records every prompt's greedy output for real, then each
     configuration runs them all, queued, on `config_engine(config)` (a fresh engine on the same model) with
-    its decode replayed. ValueError for what cannot be replayed."""
+    its decode replayed (`profiler`: cProfile on during each replayed round, not the recording). ValueError
+    for what cannot be replayed."""
     if engine.model.memory_kind != "attention":
         raise ValueError("--host-replay replays attention targets only (a recurrent state cannot be replayed)")
     if any(p.json_schema is not None or p.grammar is not None for p in prompts):
@@ -196,7 +205,7 @@ def run_host_replay(engine, configs: list[str], prompts: list, max_tokens: int, 
         try:
             if eng.chain.needs_hidden(tuple(eng.config.chain.speculators)):
                 raise ValueError(f"--host-replay cannot replay {c}: hidden-state heads need the target's hidden rows")
-            results.append(replay_config(eng, c, requests(eng), truth, table))
+            results.append(replay_config(eng, c, requests(eng), truth, table, profiler))
         finally:
             eng.close()
         r = results[-1]

@@ -26,10 +26,17 @@ DECODE_FUNCTION = ("native/context.py", "Context.decode")
 TOP = 30
 
 
-class RoundProfiler:
-    """A cProfile.Profile per configuration, switched on for the duration of each measured round."""
+#: under --host-replay the target's decode is bench/host_replay.py's stand-in: its whole time (the table's wait
+#: and the logits rows it fills) is the decode's
+REPLAY_DECODE_FUNCTION = ("bench/host_replay.py", "ReplayDecode.__call__")
 
-    def __init__(self) -> None:
+
+class RoundProfiler:
+    """A cProfile.Profile per configuration, switched on for the duration of each measured round.
+    `replayed`: the rounds run on the host replay's stand-in decode (its cumulative time is the decode's)."""
+
+    def __init__(self, replayed: bool = False) -> None:
+        self.replayed = replayed
         self.profiles: dict[str, cProfile.Profile] = {}
         self.rounds: dict[str, int] = {}
         self.seconds: dict[str, float] = {}  # wall time inside the profiled rounds
@@ -47,11 +54,17 @@ class RoundProfiler:
             self.rounds[config] = self.rounds.get(config, 0) + 1
 
     def summary(self, top: int = TOP) -> str:
+        if self.replayed:
+            how = ["or the recording pass. Host replay: the decode is the whole time of "
+                   f"{REPLAY_DECODE_FUNCTION[1]} ({REPLAY_DECODE_FUNCTION[0]}),",
+                   "the table's wait and the logits rows it fills; the top lists leave that wait out."]
+        else:
+            how = ["or the llama_cpp reference row. llama_decode is C code called through ctypes: its time is the own",
+                   f"time of {DECODE_FUNCTION[1]} ({DECODE_FUNCTION[0]}), the one function that calls it."]
         lines = [
             "specray bench --profile: where the measured rounds' time goes (cProfile, wall time).",
             "Only the rounds the bench times are profiled: not model loading, calibration, the tie-bound probes",
-            "or the llama_cpp reference row. llama_decode is C code called through ctypes: its time is the own",
-            f"time of {DECODE_FUNCTION[1]} ({DECODE_FUNCTION[0]}), the one function that calls it.",
+            *how,
             "cProfile slows Python code down: the host figures are upper bounds, and this run's tok/s are not",
             "comparable with an unprofiled run's.",
             "",
@@ -60,14 +73,15 @@ class RoundProfiler:
         tables = {c: _entries(pstats.Stats(p)) for c, p in self.profiles.items()}
         for c, entries in tables.items():
             n, secs = self.rounds[c], self.seconds[c]
-            dec = decode_seconds(entries)
+            dec = decode_seconds(entries, self.replayed)
             lines.append(f"{c:<34}{n:>8}{secs:>9.2f}{1000 * secs / n:>10.2f}{1000 * dec / n:>11.2f}"
                          f"{1000 * (secs - dec) / n:>9.2f}")
         total_rounds, total_s = sum(self.rounds.values()), sum(self.seconds.values())
         lines.append(f"{'all':<34}{total_rounds:>8}{total_s:>9.2f}")
-        lines.append("(decode ms: llama_decode per round; host ms: everything else in the round, per round)")
+        lines.append(f"(decode ms: {'the replayed decode' if self.replayed else 'llama_decode'} per round; host ms: "
+                     "everything else in the round, per round)")
         for c, entries in tables.items():
-            lines.extend(config_section(c, entries, self.rounds[c], self.seconds[c], top))
+            lines.extend(config_section(c, entries, self.rounds[c], self.seconds[c], top, self.replayed))
         return "\n".join(lines) + "\n"
 
     def write(self, path: str, top: int = TOP) -> None:
@@ -80,26 +94,47 @@ Entry = tuple[float, float, int, str]
 
 
 def _entries(stats: pstats.Stats) -> list[Entry]:
-    return [(tt, ct, nc, function_label(key)) for key, (_cc, nc, tt, ct, _callers) in stats.stats.items()]
+    out = []
+    for key, (_cc, nc, tt, ct, callers) in stats.stats.items():
+        # what the host replay's busy wait calls (perf_counter, a million times) is the wait's, not the host's
+        for caller, (_ccc, cnc, ctt, cct) in callers.items():
+            if caller[0].endswith(os.path.join(*REPLAY_DECODE_FUNCTION[0].split("/"))) and caller[2] == "spin":
+                nc, tt, ct = nc - cnc, tt - ctt, ct - cct
+        out.append((tt, ct, nc, function_label(key)))
+    return out
 
 
-def decode_seconds(entries: list[Entry]) -> float:
-    """llama_decode's seconds: the own time of the function that calls it.
+def _in_replay_wait(e: Entry) -> bool:
+    """The host replay's stand-in decode and its busy wait (whose perf_counter calls swamp the host's own)."""
+    label = e[3]
+    return label.startswith(REPLAY_DECODE_FUNCTION[0] + ":") and (label.endswith(" spin") or
+                                                                label.endswith(" " + REPLAY_DECODE_FUNCTION[1]))
+
+
+def decode_seconds(entries: list[Entry], replayed: bool = False) -> float:
+    """llama_decode's seconds: the own time of the function that calls it; with `replayed`, the whole time of the
+    host replay's stand-in decode.
 
     >>> decode_seconds([(0.9, 1.0, 10, "native/context.py:94 Context.decode"), (0.1, 2.0, 10, "x.py:1 f")])
     0.9
+    >>> decode_seconds([(0.1, 2.5, 10, "bench/host_replay.py:94 ReplayDecode.__call__")], replayed=True)
+    2.5
     """
-    path, name = DECODE_FUNCTION
-    return sum(tt for tt, _ct, _nc, label in entries if label.startswith(path + ":") and label.endswith(" " + name))
+    path, name = REPLAY_DECODE_FUNCTION if replayed else DECODE_FUNCTION
+    col = 1 if replayed else 0
+    return sum(e[col] for e in entries if e[3].startswith(path + ":") and e[3].endswith(" " + name))
 
 
-def config_section(config: str, entries: list[Entry], rounds: int, seconds: float, top: int) -> list[str]:
+def config_section(config: str, entries: list[Entry], rounds: int, seconds: float, top: int,
+                   replayed: bool = False) -> list[str]:
     """One configuration's part of the summary: its totals, then its top functions by own and by cumulative
     time, each with its share of the rounds' wall time and its milliseconds per round."""
-    dec = decode_seconds(entries)
+    dec = decode_seconds(entries, replayed)
+    if replayed:  # the wait is the decode's: the top lists show the host's functions
+        entries = [e for e in entries if not _in_replay_wait(e)]
     pct = 100.0 / seconds if seconds else 0.0
     out = ["", f"== {config}: {rounds} rounds, {seconds:.3f} s profiled ({1000 * seconds / rounds:.2f} ms/round) ==",
-           f"llama_decode: {dec:.3f} s ({dec * pct:.0f}%, {1000 * dec / rounds:.2f} ms/round); everything else: "
+           f"{'replayed decode' if replayed else 'llama_decode'}: {dec:.3f} s ({dec * pct:.0f}%, {1000 * dec / rounds:.2f} ms/round); everything else: "
            f"{seconds - dec:.3f} s ({(seconds - dec) * pct:.0f}%, {1000 * (seconds - dec) / rounds:.2f} ms/round)"]
     for title, col in (("own", 0), ("cumulative", 1)):
         out.append(f"\n-- top {top} by {title} time --")

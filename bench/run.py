@@ -128,7 +128,8 @@ def run_bench(
         progress(f"bench: {skip_line}")
         prompts = [prompts[i] for i in fit.kept]
     if host_replay is not None:
-        return _host_replay_report(engine, cfg, configs, prompts, max_tokens, host_replay, spec_params, progress)
+        return _host_replay_report(engine, cfg, configs, prompts, max_tokens, host_replay, spec_params, progress,
+                                   profiler)
     # lockstep: a context, scheduler and verify-cost model of its own per configuration (one model, its
     # weights loaded once; every cost model starts from the same calibration); otherwise one engine per
     # verify shape (a `CHAIN@bucketed` configuration runs with shape-stable verifies: shapes.py)
@@ -290,7 +291,8 @@ def run_bench(
 
 
 def _host_replay_report(engine: LocalEngine, cfg: EngineConfig, configs: list[str], prompts: list[BenchPrompt],
-                        max_tokens: int, table_text: str, spec_params: dict | None, progress) -> BenchReport:
+                        max_tokens: int, table_text: str, spec_params: dict | None, progress,
+                        profiler: RoundProfiler | None = None) -> BenchReport:
     """run_bench's host replay: the report holds only meta (the table, each configuration's replayed run)."""
     try:
         table = parse_table(table_text, {n: s * 1e3 for n, s in engine.scheduler.cost.table().items()})
@@ -303,7 +305,7 @@ def _host_replay_report(engine: LocalEngine, cfg: EngineConfig, configs: list[st
                 "chain": chain_config(chain, spec_params or {}, cfg.chain.policy, cfg.chain.n_max)}),
                 model=engine.model)
 
-        results = run_host_replay(engine, configs, prompts, max_tokens, table, config_engine, progress)
+        results = run_host_replay(engine, configs, prompts, max_tokens, table, config_engine, progress, profiler)
     finally:
         engine.close()
     report = BenchReport(model=cfg.model, configs=list(configs), categories=[])
@@ -341,7 +343,7 @@ def main_bench(args) -> int:
     _check_writable(args.json, "--json")
     profile = getattr(args, "profile", None)
     _check_writable(profile, "--profile")
-    profiler = RoundProfiler() if profile else None
+    profiler = RoundProfiler(replayed=getattr(args, "host_replay", None) is not None) if profile else None
     report = run_bench(model=args.model, configs=configs, prompts=prompts, max_tokens=args.max_tokens,
                        slots=args.slots, exact=args.exact, policy=args.policy, n_max=args.n_max,
                        threads=args.threads, n_ctx=args.n_ctx, chat_template=args.chat_template,

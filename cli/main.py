@@ -258,8 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="in-process: profile the measured rounds with cProfile (per configuration, not model "
                             "loading or calibration) and write a text summary to PATH: rounds, seconds, llama_decode "
                             "vs host milliseconds per round, and the top 30 functions by own and by cumulative time "
-                            "(drafting, verification, bookkeeping). The profiler slows Python code down: use such a "
-                            "run to see where a round's time goes, not for its tok/s")
+                            "(drafting, verification, bookkeeping). With --host-replay: the replayed rounds, the "
+                            "replayed decode in place of llama_decode. The profiler slows Python code down: use such "
+                            "a run to see where a round's time goes, not for its tok/s")
     bench.add_argument("--host-replay", default=None, metavar="TABLE",
                        help="in-process, instead of the timed run: the round's host cost against a target as fast as "
                             "TABLE, h100 (SmolLM2 on an H100: 1.6 ms for one row, 2.5 ms for 2-8), measured (this "
@@ -670,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.url or args.http:
             parser.error("--host-replay runs in-process: not with --url/--http")
-        for flag, unused in (("--plot", args.plot), ("--profile", args.profile), ("--repeats", args.repeats != 1),
+        for flag, unused in (("--plot", args.plot), ("--repeats", args.repeats != 1),
                              ("--tune-sweep", args.tune_sweep)):
             if unused:
                 parser.error(f"{flag} is for the timed bench, not with --host-replay (it runs each prompt once)")

@@ -52,10 +52,11 @@ def test_replayed_configurations_reproduce_the_recording_at_the_tables_speed(smo
     assert all(e.scheduler.cost.table()[1] == pytest.approx(0.002, rel=0.3) for e in engines)  # priced by the table
 
 
-def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys):
-    out = tmp_path / "hr.json"
+def test_the_command_prints_the_table_and_writes_json_and_a_profile(tmp_path, capsys):
+    out, prof = tmp_path / "hr.json", tmp_path / "prof.txt"
     rc = main(["bench", "--host-replay", "1:2,8:3", "--configs", "ngram_mod", "--categories", "coding",
-               "--per-category", "1", "--max-tokens", "24", "--n-ctx", "2048", "--json", str(out)])
+               "--per-category", "1", "--max-tokens", "24", "--n-ctx", "2048", "--json", str(out),
+               "--profile", str(prof)])
     stdout, err = capsys.readouterr()
     assert rc == 0, err
     assert "== host replay" in stdout and "ngram_mod" in stdout
@@ -63,6 +64,21 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys):
     assert js["decode_ms"] == {"1": 2.0, "8": 3.0}
     assert [r["config"] for r in js["results"]] == ["none", "ngram_mod"]
     assert all(r["identical"] == r["compared"] == 1 for r in js["results"])
+    # the profile covers the replayed rounds of each configuration; their decode is the replay's wait (2-3 ms
+    # a round by the table, more under the profiler), the rest of the round is the host's
+    text = prof.read_text()
+    assert "Host replay: the decode is the whole time of ReplayDecode.__call__" in text
+    assert " spin" not in text  # the wait is left out of the lists, and so are its perf_counter calls:
+    rounds = sum(r["rounds"] for r in js["results"])  # the host's own are a few a round, the wait's thousands
+    assert all(int(ln.split()[3]) < 50 * rounds for ln in text.splitlines() if ln.endswith("time.perf_counter>"))
+    for r in js["results"]:
+        head = next(ln for ln in text.splitlines() if ln.startswith(f"== {r['config']}: "))
+        assert f"{r['rounds']} rounds" in head, (head, r["rounds"])
+        line = text.splitlines()[text.splitlines().index(head) + 1]
+        assert line.startswith("replayed decode: "), line
+        decode_ms = float(line.split(", ")[1].split(" ms/round")[0])
+        assert 2.0 <= decode_ms <= 6.0, line
+    assert "Scheduler.step" in text
     with pytest.raises(SystemExit) as bad:  # refused before any model loads
         main(["bench", "--host-replay", "fast"])
     assert bad.value.code == 2 and "--host-replay 'fast'" in capsys.readouterr().err

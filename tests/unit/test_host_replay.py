@@ -46,7 +46,7 @@ def test_each_output_row_predicts_its_own_sequences_next_token_and_old_rows_are_
     assert out.argmax(axis=1).tolist() == [7] and d.buf.sum() == 1  # the last call's rows were zeroed
 
 
-@pytest.mark.parametrize("extra", [["--plot", "x.png"], ["--profile", "p.txt"], ["--repeats", "2"],
+@pytest.mark.parametrize("extra", [["--plot", "x.png"], ["--repeats", "2"],
                                    ["--tune-sweep"], ["--url", "http://127.0.0.1:1"]])
 def test_flags_of_the_timed_or_http_bench_are_refused_with_host_replay(extra, capsys):
     from specray.cli.main import main
