@@ -422,7 +422,8 @@ class Chain:
         return props
 
     def take_model_seconds(self) -> float:
-        """Seconds model speculators drafted since the last call (then 0): priced as theirs (price_model_drafts), not the host's."""
+        """Seconds model speculators drafted since the last call (then 0): priced as theirs
+        (price_model_drafts), not the host's."""
         s, self._model_seconds = self._model_seconds, 0.0
         return s
 
