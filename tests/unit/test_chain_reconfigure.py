@@ -292,3 +292,25 @@ def test_a_speculator_that_fails_while_drafting_is_disabled_once_and_the_chain_g
     assert fails["n"] == 1 and s.stats.speculator_failures == 1
     assert s.disabled_speculators == {"ngram_simple"}
     assert seq.spec_by_name["suffix"].accepted > 0
+
+
+class Hidden(Fixed):
+    """A speculator that reads the target's hidden rows (as mtp and eagle3 do: a `take_hidden` method)."""
+
+    def take_hidden(self, record) -> None:
+        pass
+
+
+def test_needs_hidden_follows_a_speculator_rebuilt_into_one_that_reads_hidden_rows():
+    # Chain.needs_hidden is memoised per chain tuple: a reconfiguration that installs an instance reading hidden
+    # rows under a name asked before must be seen, or the target would stop returning the rows it needs
+    def hidden_factory(name: str, params: dict | None) -> Speculator:
+        return Hidden(params) if (params or {}).get("hidden") else Fixed(params)
+
+    chain = Chain(ChainConfig(speculators=["fixed"], policy="first", n_max=8), hidden_factory)
+    assert chain.needs_hidden(("fixed",)) is False and chain.needs_hidden(("fixed",)) is False  # memoised
+    chain.reconfigure(ChainConfig(speculators=["fixed"], params={"fixed": {"hidden": True}}, policy="first",
+                                  n_max=8))
+    assert isinstance(chain.instances["fixed"], Hidden) and chain.needs_hidden(("fixed",)) is True
+    chain.reconfigure(ChainConfig(speculators=["fixed"], policy="first", n_max=8))
+    assert chain.needs_hidden(("fixed",)) is False
