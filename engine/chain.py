@@ -371,6 +371,7 @@ class Chain:
             names_in_order.sort(key=lambda n: isinstance(self.instances[n], ModelSpeculator))
         best_score = [-1.0] * len(requests)
         unscored: list[tuple[int, str]] = []  # drafts to score once every free speculator has drafted
+        spt = None if pricing is None else pricing.seconds_per_token()
         for name in names_in_order:
             try:  # a failure is the speculator's: the scheduler disables it
                 idx = [i for i in pending if name in requests[i].chain]
@@ -378,7 +379,7 @@ class Chain:
                     idx = [i for i in idx if props[i].speculator is None]
                 spec = self.instances[name]
                 if idx and pricing is not None and not isinstance(spec, ModelSpeculator):  # gated: probes only
-                    idx = self.gate.ask(name, idx, [requests[i].seq_id for i in idx], pricing.seconds_per_token())
+                    idx = self.gate.ask(name, idx, [requests[i].seq_id for i in idx], spt)
                 if not idx:
                     continue
                 n_max = {i: requests[i].n_max for i in idx}

@@ -196,14 +196,14 @@ class Sequence:
         h = self.history_view()
         return h[: self.n_past] if self.shift_keep is None else h[: min(self.shift_keep, self.n_past)]
 
-    def append_tokens(self, toks: np.ndarray) -> None:
+    def append_tokens(self, toks: np.ndarray | list[int]) -> None:
         n = len(toks)
         if self._hist_len + n > len(self.history):
             grow = np.zeros(max(len(self.history), n + 64), dtype=np.int32)
             self.history = np.concatenate([self.history[: self._hist_len], grow])
         self.history[self._hist_len : self._hist_len + n] = toks
         self._hist_len += n
-        self.generated.extend(int(t) for t in toks)
+        self.generated.extend(toks.tolist() if isinstance(toks, np.ndarray) else toks)
 
     def feed_text(self, piece: bytes, final: bool = False) -> str:
         """Decode bytes incrementally; return text safe to emit (stop strings held back)."""
@@ -241,9 +241,13 @@ class Sequence:
             self.t_first_token = time.perf_counter()
         kept: list[int] = []
         text = ""
-        for i, t in enumerate(toks):
-            t = int(t)
-            if not self.req.ignore_eos and tok.is_eog(t):
+        # without stop strings the pieces are decoded in one go after the loop (an incremental decoder's text
+        # does not depend on how its bytes are split): one decode a round, not one a token
+        pieces: list[bytes] | None = None if self.req.stop else []
+        eog = None if self.req.ignore_eos else tok.is_eog
+        room = self.req.max_tokens - len(self.generated)
+        for i, t in enumerate(toks.tolist() if isinstance(toks, np.ndarray) else [int(t) for t in toks]):
+            if eog is not None and eog(t):
                 self.finish_reason = "stop"
                 if margins is not None:  # where the run chose to stop: a run that went on diverged here
                     self.margins.append(float(margins[i]))
@@ -251,13 +255,18 @@ class Sequence:
             kept.append(t)
             if margins is not None:
                 self.margins.append(float(margins[i]))
-            text += self.feed_text(tok.token_to_piece(t))
-            if self.finish_reason == "stop":  # a stop string matched
-                break
-            if len(self.generated) + len(kept) >= self.req.max_tokens:
+            if pieces is not None:
+                pieces.append(tok.token_to_piece(t))
+            else:
+                text += self.feed_text(tok.token_to_piece(t))
+                if self.finish_reason == "stop":  # a stop string matched
+                    break
+            if len(kept) >= room:
                 self.finish_reason = "length"
                 break
-        self.append_tokens(np.asarray(kept, dtype=np.int32))
+        if pieces:
+            text += self.feed_text(b"".join(pieces))
+        self.append_tokens(kept)
         if self.finish_reason is not None and self.finish_reason != "stop":
             text += self.feed_text(b"", final=True)
         return kept, text

@@ -110,6 +110,26 @@ class RoundStats:
             self.loaded_tokens += loaded_tokens
 
 
+def _memo(f: Callable[[int], float]) -> Callable[[int], float]:
+    """f with its answers kept (one round's price of n rows): a dict, not functools.lru_cache, whose wrapper
+    costs ~10 us to make, every round.
+
+    >>> calls = []
+    >>> g = _memo(lambda n: calls.append(n) or 2.0 * n)
+    >>> g(3), g(3), calls
+    (6.0, 6.0, [3])
+    """
+    seen: dict[int, float] = {}
+
+    def price(n: int) -> float:
+        v = seen.get(n)
+        if v is None:
+            v = seen[n] = f(n)
+        return v
+
+    return price
+
+
 def prefill_share(price: Callable[[int], float], n_total: int, n_prefill: int) -> float:
     """The share of a round's decode that its prompt rows cost, by the cost model's price of rows.
 
@@ -408,7 +428,7 @@ class Scheduler:
                  else sum(s.n_past for s in seqs) / len(seqs) if seqs else 0.0)
         # memoised for the round: drafts are priced token by token, by every speculator that offers one
         base_rows = len(decoding) + n_prefill + replay
-        price = functools.lru_cache(maxsize=None)(lambda n: self.pricer.price(n, base_rows, len(decoding), cells))
+        price = _memo(lambda n: self.pricer.price(n, base_rows, len(decoding), cells))
         clock.lap("plan")
         proposals = self._draft(decoding, budget - base_rows, base_rows, price)
         clock.lap("draft")

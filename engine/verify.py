@@ -109,9 +109,17 @@ def verify_greedy(
         return Verdict(0, int(logits[0].argmax()))
     logits, draft, k, _ = _check_inputs(logits, draft)
 
-    if params is None or not params.penalty_active:
+    if params is None or not params.adjusts_logits:
+        # row by row, up to the first mismatch: a row after a rejected draft token is never read (each row is a
+        # whole vocabulary, ~200 KB for SmolLM2, mostly out of the cache; np.argmax over the block read them all)
+        for i, d in enumerate(draft.tolist()):
+            t = int(logits[i].argmax())
+            if t != d:
+                return Verdict(i, t)
+        return Verdict(k, int(logits[k].argmax()))
+    if not params.penalty_active:
         # the bias is the same for every row: one add over the block
-        am = np.argmax(logits if params is None else adjusted_logits(logits, params, None), axis=1)
+        am = np.argmax(adjusted_logits(logits, params, None), axis=1)
         mismatch = np.flatnonzero(am[:k] != draft)
         n = int(mismatch[0]) if mismatch.size else k
         return Verdict(n, int(am[n]))
