@@ -66,8 +66,7 @@ class PrefixCalibration:
 
     def factors(self) -> np.ndarray:
         if self._factors is None:
-            k = np.where(self.realised > self.predicted, self.raise_prior_tokens, self.prior_tokens)
-            self._factors = np.clip((self.realised + k) / (self.predicted + k), FACTOR_MIN, FACTOR_MAX)
+            self._factors = np.array(self.factor_list())
         return self._factors
 
     def apply(self, raw: np.ndarray) -> np.ndarray:
@@ -86,9 +85,15 @@ class PrefixCalibration:
         return np.array(out)
 
     def factor_list(self) -> list[float]:
-        """factors() as Python floats (cached with it)."""
+        """Each bucket's factor, (realised + k) / (predicted + k) within [FACTOR_MIN, FACTOR_MAX], k the prior
+        (the raising one where realised > predicted), as Python floats; cached until the next update. Python,
+        not numpy's where and clip: recomputed after every sent draft's verdict, it took ~18 us a time in a
+        4-slot round (the values are bitwise the same: tests/unit/test_acceptance_fast.py)."""
         if self._factor_list is None:
-            self._factor_list = self.factors().tolist()
+            hi, lo = self.raise_prior_tokens, self.prior_tokens
+            self._factor_list = [min(max((r + (hi if r > p else lo)) / (p + (hi if r > p else lo)), FACTOR_MIN),
+                                     FACTOR_MAX)
+                                 for p, r in zip(self.predicted.tolist(), self.realised.tolist())]
         return self._factor_list
 
     def update(self, raw: np.ndarray, n_accepted: int) -> None:

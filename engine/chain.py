@@ -105,7 +105,6 @@ class Pricing:
     # share of the round time a model speculator may spend on drafts the price rules out (1 token, catch-up
     # included), so its acceptance keeps being measured (ChainConfig.model_explore); saved up, then spent
     explore: float = 0.0
-    _time_in_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False, repr=False)
     _seconds_per_token: float | None = field(default=None, init=False, repr=False)
     _time_list: list[float] = field(default_factory=list, init=False, repr=False)
 
@@ -119,18 +118,17 @@ class Pricing:
     def time_in_tokens(self, n: int) -> np.ndarray:
         """[k-1]: tokens the round's plain rate would emit in the time k more verify rows take, k = 1..n
         (memoised: every draft of the round is priced with the same curve). Empty if the round is free."""
-        if len(self._time_in_tokens) < n:
-            base = self.cost(self.base_tokens)
-            if base <= 0:
-                return np.zeros(0)
-            extra = np.array([self.cost(self.base_tokens + k) for k in range(1, n + 1)]) - base
-            self._time_in_tokens = extra * (self.n_decoding / base)
-        return self._time_in_tokens[:n]
+        return np.array(self.time_in_tokens_list(n), dtype=np.float64)
 
     def time_in_tokens_list(self, n: int) -> list[float]:
-        """time_in_tokens(n) as Python floats (memoised with it; empty if the round is free)."""
+        """time_in_tokens(n) as Python floats, memoised for the round (empty if the round is free). Python, not
+        numpy: a new Pricing every round computes it for its first draft (~17 us a time with numpy)."""
         if len(self._time_list) < n:
-            self._time_list = self.time_in_tokens(n).tolist()
+            base = self.cost(self.base_tokens)
+            if base <= 0:
+                return []
+            per = self.n_decoding / base
+            self._time_list = [(self.cost(self.base_tokens + k) - base) * per for k in range(1, n + 1)]
         return self._time_list[:n]
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from .speculator import DraftRequest
 from .tuning_shadow import MAX_WAITING, Shadow, ShadowLedger, send_length
 
 #: the grid each speculator is tuned over when ChainConfig.tune_grids names none; the configured parameters
@@ -212,8 +213,6 @@ def draft_tuned(spec, name: str, reqs: list, n_max: list[int], tuner: ParamTuner
     together; the configured parameters are put back afterwards. With `pricing` (chain.Pricing) and
     `estimate(seq_id, length)` (the speculator's calibrated prefix probabilities for its last draft), the tuner first
     judges the shadows now due and may make one (`shadow`). Returns the drafts in request order."""
-    from .speculator import DraftRequest
-
     drafts_for = [DraftRequest(r.seq_id, r.history_for(spec), n) for r, n in zip(reqs, n_max)]
     tuned = tuner is not None and tuner.tunes(name)
     if not tuned and not any(r.params for r in reqs):

@@ -1,12 +1,13 @@
-"""The per-draft estimates run in Python floats (acceptance.prefix_probs, calibration.apply, chain.draft_value):
-they must give bitwise what their numpy formulas give, for every state, context and length."""
+"""The per-draft estimates run in Python floats (acceptance.prefix_probs, calibration.apply and its factors,
+chain.draft_value and the round's time curve): they must give bitwise what their numpy formulas give, for every
+state, context and length."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from specray.engine.acceptance import AcceptanceTracker, pos_buckets
-from specray.engine.calibration import _P_MAX, PrefixCalibration
+from specray.engine.calibration import _P_MAX, FACTOR_MAX, FACTOR_MIN, PrefixCalibration
 from specray.engine.chain import Pricing, draft_value
 
 
@@ -31,12 +32,18 @@ def test_prefix_probs_equal_the_running_product_of_conditional():
     assert len(AcceptanceTracker().prefix_probs(0, 0)) == 0
 
 
+def _numpy_factors(c: PrefixCalibration) -> np.ndarray:
+    k = np.where(c.realised > c.predicted, c.raise_prior_tokens, c.prior_tokens)
+    return np.clip((c.realised + k) / (c.predicted + k), FACTOR_MIN, FACTOR_MAX)
+
+
 def test_calibration_apply_equals_its_numpy_formula():
     rng = np.random.default_rng(7)
     c = PrefixCalibration()
     for step in range(60):
         raw = np.cumprod(rng.uniform(0.3, 1.0, int(rng.integers(1, 20))))
-        want = np.minimum.accumulate(np.minimum(raw * c.factors()[pos_buckets(len(raw))], _P_MAX))
+        assert np.array_equal(c.factors(), _numpy_factors(c)), step
+        want = np.minimum.accumulate(np.minimum(raw * _numpy_factors(c)[pos_buckets(len(raw))], _P_MAX))
         assert np.array_equal(c.apply(raw), want), step
         c.update(raw, int(rng.integers(0, len(raw) + 1)))  # the factors move: the cached floats must follow
     assert len(c.apply(np.zeros(0))) == 0
@@ -50,7 +57,10 @@ def test_draft_value_equals_its_numpy_formula():
         for n in (1, 2, 5, 12, 3, 30):  # the memo grows, then is sliced
             pp = np.cumprod(rng.uniform(0.2, 1.0, n))
             gains = np.cumsum(pp)
-            assert draft_value(pp, pricing) == float(max(0.0, np.max(gains - pricing.time_in_tokens(n))))
+            base = pricing.cost(base_tokens)
+            time = (np.array([pricing.cost(base_tokens + k) for k in range(1, n + 1)]) - base) * (n_decoding / base)
+            assert np.array_equal(pricing.time_in_tokens(n), time)
+            assert draft_value(pp, pricing) == float(max(0.0, np.max(gains - time)))
             assert draft_value(pp, None) == float(gains[-1])
     free = Pricing(cost=lambda n: 0.0, base_tokens=1, n_decoding=1)  # a free round: the whole draft's gain
     assert draft_value(np.array([0.5, 0.25]), free) == 0.75
