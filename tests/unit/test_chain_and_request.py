@@ -102,3 +102,31 @@ def test_utf8_split_across_tokens_is_decoded_whole():
     euro = "€".encode()
     assert seq.feed_text(euro[:1]) == ""
     assert seq.feed_text(euro[1:]) == "€"
+
+
+class _Vocab:
+    """token_to_piece / is_eog of a toy vocabulary: 0 ends generation, 1 and 2 are the two halves of "é"."""
+
+    pieces = {1: "é".encode()[:1], 2: "é".encode()[1:], 3: b" ab", 4: b"c", 5: b"END"}
+
+    def token_to_piece(self, t: int) -> bytes:
+        return self.pieces[t]
+
+    def is_eog(self, t: int) -> bool:
+        return t == 0
+
+
+def test_emit_decodes_a_rounds_pieces_whole_with_and_without_stop_strings():
+    """emit decodes a round's pieces in one go when the request has no stop strings: the text, the kept tokens
+    and the finish reason are those of token-by-token emission (a character split across tokens and rounds,
+    the end of generation, max_tokens), and with stop strings it still cuts at the stop."""
+    seq = Sequence(GenerationRequest(np.array([9], np.int32), max_tokens=6), (), 0, 10)
+    assert seq.emit(np.array([3, 1], np.int32), None, _Vocab()) == ([3, 1], " ab")  # "é" half: held
+    assert seq.emit(np.array([2, 4, 0, 4], np.int32), None, _Vocab()) == ([2, 4], "éc")  # stops at the eog
+    assert seq.finish_reason == "stop" and seq.text == " abéc" and seq.generated == [3, 1, 2, 4]
+    seq = Sequence(GenerationRequest(np.array([9], np.int32), max_tokens=3), (), 0, 10)
+    assert seq.emit(np.array([4, 1, 2, 4], np.int32), None, _Vocab()) == ([4, 1, 2], "cé")  # cut at max_tokens
+    assert seq.finish_reason == "length" and seq.history_view().tolist()[-3:] == [4, 1, 2]
+    seq = Sequence(GenerationRequest(np.array([9], np.int32), stop=["ND"]), (), 0, 10)
+    assert seq.emit(np.array([4, 5, 3], np.int32), None, _Vocab()) == ([4, 5], "cE")  # the stop string cuts
+    assert seq.finish_reason == "stop"
