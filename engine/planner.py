@@ -35,6 +35,26 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 
+def ranked_tokens(prefix_probs: Sequence[np.ndarray]) -> tuple[list[int], list[float], list[int]]:
+    """Every candidate's draft tokens as (owner candidate, probability: the running minimum of its prefix
+    probabilities) and their order by falling probability, ties in candidate and position order. Python floats:
+    1-8 tokens a candidate, every round, where numpy's accumulate per candidate and a stable argsort cost more
+    than the arithmetic (tests/unit/test_planner_fast.py holds it to that numpy formula).
+
+    >>> ranked_tokens([np.array([0.9, 0.95, 0.3]), np.array([]), np.array([0.5])])
+    ([0, 0, 0, 2], [0.9, 0.9, 0.3, 0.5], [0, 1, 3, 2])
+    """
+    owners: list[int] = []
+    probs: list[float] = []
+    for s, p in enumerate(prefix_probs):
+        low = math.inf
+        for v in (p.tolist() if isinstance(p, np.ndarray) else [float(x) for x in p]):
+            low = min(low, v)
+            probs.append(low)
+            owners.append(s)
+    return owners, probs, sorted(range(len(probs)), key=lambda i: -probs[i])
+
+
 def plan_draft_lengths(
     prefix_probs: Sequence[np.ndarray],
     base_tokens: int,
@@ -59,20 +79,9 @@ def plan_draft_lengths(
         return []
     if n_decoding is None:
         n_decoding = n
-    # every candidate's running minimum, then all of them by falling probability (ties in candidate order), in
-    # Python floats: 1-8 tokens a candidate, every round; numpy's accumulate per candidate and argsort cost more
-    # than the arithmetic (the lengths are the same: tests/unit/test_planner_fast.py)
-    owners: list[int] = []
-    probs: list[float] = []
-    for s, p in enumerate(prefix_probs):
-        low = math.inf
-        for v in (p.tolist() if isinstance(p, np.ndarray) else [float(x) for x in p]):
-            low = min(low, v)
-            probs.append(low)
-            owners.append(s)
+    owners, probs, order = ranked_tokens(prefix_probs)
     if not probs:
         return [0] * n
-    order = sorted(range(len(probs)), key=lambda i: -probs[i])
     taken = [0] * n  # draft lengths of the prefix scanned so far (a candidate's tokens come in order)
     base_cost = cost(base_tokens if rows is None else rows(taken))
     best_rate = n_decoding / base_cost if base_cost > 0 else 0.0
