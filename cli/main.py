@@ -390,6 +390,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="--mode distributed: the same for each round's draft call to the companion actor (draft "
                    "model, mtp, eagle3, dflash); auto: compiled where the node has a core beyond the target's and "
                    f"the companion's threads, or the target decodes on a GPU {d(ServeConfig, 'companion_hop')}")
+    p.add_argument("--user-code-loop", choices=["shared", "separate"], default=S,
+                   help="where Ray Serve runs the serving replica's async code: shared (Ray's own event loop; one "
+                   "thread wake-up per streamed chunk instead of two, less CPU taken from llama.cpp's decode on "
+                   "small nodes) or separate (Serve's default: a second event loop thread; README 'Serving "
+                   f"overhead') {d(ServeConfig, 'user_code_loop')}")
     p.add_argument("--layout", choices=["fused", "split"], default=S,
                    help="fused: with one arm, the engine replica deployment serves HTTP itself (one process "
                    "fewer per streamed token: replica -> Serve's proxy -> client); split: an Ingress deployment in "

@@ -23,6 +23,7 @@ _FLAG_FIELDS = {
     "companion_hop": ("companion_hop",),
     "layout": ("layout",),
     "direct_ingress": ("direct_ingress",),
+    "user_code_loop": ("user_code_loop",),
     "slots": ("engine", "slots"),
     "model": ("engine", "model"),
     "chat_template": ("engine", "chat_template"),

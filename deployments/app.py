@@ -40,6 +40,22 @@ from specray.deployments.config import ServeConfig, load_serve_config
 from specray.deployments.layout import uses_fused  # noqa: F401  (re-exported)
 
 
+#: Ray Serve's switch for a second event loop thread for user code (read when the replica process imports Serve)
+USER_CODE_THREAD_ENV = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
+
+
+def serving_env(cfg: ServeConfig) -> dict[str, str]:
+    """Environment of a process that serves HTTP or streams (engine replicas, the split layout's ingress):
+    `user_code_loop` as Serve's variable, then `worker_env` (which may override it).
+
+    >>> serving_env(ServeConfig())
+    {'RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD': '0'}
+    >>> serving_env(ServeConfig(user_code_loop="separate", worker_env={"OMP_WAIT_POLICY": "active"}))
+    {'RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD': '1', 'OMP_WAIT_POLICY': 'active'}
+    """
+    return {USER_CODE_THREAD_ENV: "0" if cfg.user_code_loop == "shared" else "1"} | dict(cfg.worker_env)
+
+
 def replica_options(cfg: ServeConfig) -> dict[str, Any]:
     """Serve options of the engine replica deployment for this config."""
     # beyond max_ongoing_requests Serve queues at the caller's handle: bounded, so overload is a 503, not a pile-up
@@ -50,7 +66,7 @@ def replica_options(cfg: ServeConfig) -> dict[str, Any]:
         opts["autoscaling_config"] = autoscaling_config(cfg.autoscaling, cfg.engine.slots)
     else:
         opts["num_replicas"] = cfg.num_replicas
-    env = {"runtime_env": {"env_vars": dict(cfg.worker_env)}} if cfg.worker_env else {}
+    env = {"runtime_env": {"env_vars": serving_env(cfg)}}
     if cfg.mode == "distributed":
         # one placement group per replica: [replica, target actor, companion actor], same node
         opts["ray_actor_options"] = {"num_cpus": cfg.replica_cpus} | env
@@ -111,7 +127,7 @@ def build_app_from_config(cfg: ServeConfig) -> Application:
         # the HTTP proxy's queue in front of the ingress: bounded too (Serve answers 503 + Retry-After itself)
         max_queued_requests=cfg.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.retry_after_s or None),
-        ray_actor_options={"num_cpus": cfg.ingress_cpus} | (
+        ray_actor_options={"num_cpus": cfg.ingress_cpus, "runtime_env": {"env_vars": serving_env(cfg)}} | (
             {"resources": dict(cfg.ingress_resources)} if cfg.ingress_resources else {}),
     ).bind(engines, conf)
 

@@ -38,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.serve._private import constants as serve_constants  # read once at import, as Serve itself does
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specray.deployments.ab.stats import ArmRecords, merge_snapshots
@@ -236,6 +237,9 @@ class IngressRoutes:
         }
         top["ingress"] = {"replicas": len(records), "pids": [r["pid"] for r in records],
                           "weights": [r["weights"] for r in records], "layout": self.layout,
+                          # ServeConfig.user_code_loop as this process runs it (the env reached it, or not)
+                          "user_code_loop": "separate" if serve_constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD
+                          else "shared",
                           # requests whose engine replica was lost before they produced anything, asked again
                           "retried_after_engine_loss": sum(r.get("retried", 0) for r in records)}
         return top

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from specray.deployments.app import build_app, replica_options
+from specray.deployments.app import USER_CODE_THREAD_ENV, build_app, replica_options
 from specray.cli.main import build_parser
 from specray.cli.serve import config_from_args, url_of
 from specray.deployments.config import ServeConfig, load_serve_config
@@ -55,9 +55,23 @@ def test_distributed_replica_gets_a_strict_pack_group_of_three_bundles():
     assert opts["placement_group_strategy"] == "STRICT_PACK"
     assert opts["placement_group_bundles"] == [{"CPU": 0.2}, {"CPU": 0.5}, {"CPU": 0.1}]
     assert opts["ray_actor_options"]["num_cpus"] == 0.2  # a subset of bundle 0
-    assert "runtime_env" not in opts["ray_actor_options"]  # no worker_env by default
+    # by default only Serve's user-code loop switch (user_code_loop: shared); no worker_env
+    assert opts["ray_actor_options"]["runtime_env"] == {"env_vars": {USER_CODE_THREAD_ENV: "0"}}
     env = replica_options(load_serve_config({"mode": "distributed", "worker_env": {"OMP_WAIT_POLICY": "passive"}}))
-    assert env["ray_actor_options"]["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "passive"}}
+    assert env["ray_actor_options"]["runtime_env"] == {"env_vars": {USER_CODE_THREAD_ENV: "0",
+                                                                    "OMP_WAIT_POLICY": "passive"}}
+    sep = replica_options(load_serve_config({"user_code_loop": "separate",
+                                             "worker_env": {USER_CODE_THREAD_ENV: "0"}}))
+    assert sep["ray_actor_options"]["runtime_env"] == {"env_vars": {USER_CODE_THREAD_ENV: "0"}}  # worker_env wins
+
+
+def test_serving_env_doctest():
+    import doctest
+
+    from specray.deployments import app
+
+    failed, attempted = doctest.testmod(app)
+    assert attempted > 0 and failed == 0
     colo = replica_options(load_serve_config({"mode": "colocated"}))
     assert "placement_group_bundles" not in colo
     auto = replica_options(load_serve_config({"autoscaling": {"min_replicas": 1, "max_replicas": 3}}))

@@ -82,6 +82,8 @@ def test_stats_and_health_have_the_split_layouts_shape(apps, reference):
     assert _keys(fused["stats"]["arms"]["default"]["engine"]) == _keys(split["stats"]["arms"]["default"]["engine"])
     assert _keys(fused["stats"]["ingress"]) == _keys(split["stats"]["ingress"])
     assert fused["stats"]["ingress"]["layout"] == "fused" and split["stats"]["ingress"]["layout"] == "split"
+    # ServeConfig.user_code_loop's default reached the serving process (Serve read the variable at import)
+    assert fused["stats"]["ingress"]["user_code_loop"] == split["stats"]["ingress"]["user_code_loop"] == "shared"
     # the fused ingress is the engine replica itself: same process
     assert fused["stats"]["ingress"]["pids"] == fused["stats"]["arms"]["default"]["engine"]["pids"]
     assert split["stats"]["ingress"]["pids"] != split["stats"]["arms"]["default"]["engine"]["pids"]
