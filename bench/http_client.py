@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from specray.bench import server_cpu
 from specray.bench import stages as stage_mod
 from specray.engine.round_stages import breakdown
 
@@ -295,6 +296,10 @@ def run(url: str, prompts: list[Prompt], concurrency: int, max_tokens: int = 128
             server.close()
 
     before = get_stats(url, api_key)
+    # the server's processes on this machine: CPU per token, decode threads and the rest (bench/server_cpu.py)
+    pids = server_cpu.server_pids(before) if before is not None and server_cpu.is_local(url) else []
+    decoding = server_cpu.decode_tids(before)
+    cpu_before = server_cpu.cpu_seconds(pids, decoding) if pids else None
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     t0 = time.perf_counter()
     for t in threads:
@@ -302,6 +307,9 @@ def run(url: str, prompts: list[Prompt], concurrency: int, max_tokens: int = 128
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    cpu_after = server_cpu.cpu_seconds(pids, decoding) if pids else None
     after = get_stats(url, api_key) if before is not None else None
-    return {"url": url, "mode": (after or {}).get("mode")} | aggregate(results, errors, wall, concurrency) | \
-        window_figures(before, after)
+    agg = aggregate(results, errors, wall, concurrency)
+    cpu = server_cpu.per_token(cpu_before, cpu_after, agg["completion_tokens"]) if pids else None
+    return {"url": url, "mode": (after or {}).get("mode")} | agg | window_figures(before, after) | \
+        ({"server_cpu": cpu | {"processes": len(pids)}} if cpu else {})

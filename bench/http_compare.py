@@ -219,6 +219,8 @@ COLUMNS = [
     ("host", 7, lambda r: r.get("host_ms_per_round"), ".2f"),
     ("seqs/dec", 9, lambda r: r.get("mean_seqs_per_decode"), ".2f"),
     ("acc_len", 8, lambda r: r.get("mean_acceptance_length"), ".2f"),
+    ("dec cpu", 8, lambda r: (r.get("server_cpu") or {}).get("decode_ms_per_token"), ".2f"),
+    ("srv cpu", 8, lambda r: (r.get("server_cpu") or {}).get("other_ms_per_token"), ".2f"),
     ("ttft ms", 9, lambda r: r.get("mean_ttft_ms"), ".0f"),
     ("errors", 7, lambda r: r["n_errors"], "d"),
 ]
@@ -247,7 +249,10 @@ def table(report: dict) -> str:
     lines.append(f"distributed vs colocated: {', '.join(parts)}  (target >= {s['target_ratio']}x at "
                  f"{s['at_streams']} streams: {verdict}); hop = router-side wall time of the target call minus "
                  "the actor's own time, ms; round/draft/verify = ms per round: the whole round, the speculators' "
-                 "drafting (companion call included), the target's own decode time")
+                 "drafting (companion call included), the target's own decode time"
+                 + ("; dec cpu / srv cpu = CPU ms per generated token of the server's processes on this machine: "
+                    "llama.cpp's decode threads / every other thread (bench/server_cpu.py)"
+                    if any(r.get("server_cpu") for r in rows) else ""))
     for r in report["rows"]:
         if r.get("stages"):
             lines.append("")

@@ -223,7 +223,7 @@ class CompanionService:
             d |= self.hidden.counters()
         from specray.native import decode_threads
 
-        return d | {"decode_threads": len(decode_threads.live())}
+        return d | {"decode_threads": len(decode_threads.live()), "decode_tids": decode_threads.native_ids()}
 
 
 CompanionActor = ray.remote(CompanionService)

@@ -168,6 +168,7 @@ class TargetService:
             "calls": self.calls,
             # live threads of this process that have decoded: 1, or OpenMP slows every decode
             "decode_threads": len(decode_threads.live()),
+            "decode_tids": decode_threads.native_ids(),  # bench/server_cpu.py
             "sessions": len(r.sessions),
             # KV cells per slot (0 = empty): a finished or cancelled sequence leaves none
             "kv_cells": kv,

@@ -31,6 +31,7 @@ from specray.deployments.config import ServeConfig
 from specray.engine.config import ChainConfig
 from specray.engine.request import GenerationRequest, Sequence
 from specray.engine.scheduler import Event
+from specray.native import decode_threads
 
 from . import stats
 from .admission import Admission, RequestError, ServeRequest  # noqa: F401  (re-exported)
@@ -167,6 +168,8 @@ class RouterCore:
 
     # ---- round thread ----------------------------------------------------------------------
     def _run(self, actors, built: list, ready: threading.Event) -> None:
+        if actors is None:  # co-located: this thread decodes; named before llama.cpp runs here, so that
+            decode_threads.name_os_thread()  # libgomp's workers, which it starts, inherit the name
         try:
             self._build(actors)
         except BaseException as e:

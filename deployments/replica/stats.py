@@ -76,6 +76,7 @@ def round_snapshot(core) -> dict:
             # live threads of this process that have decoded: 1, or OpenMP slows every decode
             # (native/decode_threads.py)
             "decode_threads": len(decode_threads.live()),
+            "decode_tids": decode_threads.native_ids(),  # bench/server_cpu.py
             "rounds": r.rounds,
             "multi_seq_decodes": r.multi_seq_decodes,
             "max_seqs_in_decode": r.max_seqs_in_decode,

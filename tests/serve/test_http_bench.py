@@ -73,6 +73,12 @@ def test_http_bench_both_modes_and_in_process(ray_serve, tmp_path):
             assert 0 < hop["p50_ms"] <= hop["p95_ms"] and hop["mean_ms"] > 0
         else:
             assert "hop" not in r
+        if r["mode"] == "in-process":
+            assert "server_cpu" not in r
+        else:  # the servers run on this machine: their processes' CPU per token, llama.cpp's named threads apart
+            cpu = r["server_cpu"]
+            assert cpu["decode_ms_per_token"] > 0 and cpu["other_ms_per_token"] >= 0
+            assert cpu["processes"] >= (2 if r["mode"] == "distributed" else 1)  # + the target actor
         assert r["vs_colocated"] > 0 and r["vs_in_process"] > 0
         if r["mode"] == "colocated":
             assert r["vs_colocated"] == 1.0

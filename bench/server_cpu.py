@@ -1,0 +1,106 @@
+"""CPU time a server on this machine spends per generated token: llama.cpp's decode threads, and the rest.
+
+Wall-clock ratios on a small, shared box move by 10-20% between runs; CPU
+time per token moves far less, and it is what the serving path takes from
+the decode when both share the cores (README 'Serving layouts'). For a
+server reached over loopback, `specray bench --url/--http` reads
+/proc/PID/task/*/stat of every process /v1/stats names (engine replicas,
+ingress replicas, target and companion actors) before and after a run:
+threads named `specray-decode` (native/decode_threads.py: the decoding
+thread and libgomp's workers it started) and the threads /v1/stats lists
+under `decode_tids` (an actor's decoding thread, which Ray renames for each
+task) count as `decode`, every other thread as `other` (event loops, HTTP,
+Ray's own threads). A thread that
+ended during the run loses its time (none of a served engine's do). Servers
+without /v1/stats (llama-server) or elsewhere get no figures.
+"""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlsplit
+
+from specray.native.decode_threads import OS_THREAD_NAME
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _ids(stats: dict | None, one: str, many: str) -> list[int]:
+    """Every int under key `one` and in every list under key `many`, at any depth, sorted, once each."""
+    found: set[int] = set()
+
+    def walk(x) -> None:
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k == one and isinstance(v, int):
+                    found.add(v)
+                elif k == many and isinstance(v, list):
+                    found.update(p for p in v if isinstance(p, int))
+                else:
+                    walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(stats or {})
+    return sorted(found)
+
+
+def server_pids(stats: dict | None) -> list[int]:
+    """Every process id /v1/stats names (keys `pid` and `pids`, at any depth), sorted, once each.
+
+    >>> server_pids({"process": {"pid": 7}, "ingress": {"pids": [7, 9]}, "arms": {"a": {"engine": {"pids": [7]}}},
+    ...              "placement": {"target": {"pid": 12}, "companion": {"pid": None}}})
+    [7, 9, 12]
+    """
+    return _ids(stats, "pid", "pids")
+
+
+def decode_tids(stats: dict | None) -> list[int]:
+    """The decoding threads /v1/stats names (`decode_tids`, from every process that decodes).
+
+    >>> decode_tids({"target": {"decode_tids": [40]}, "companion": {"decode_tids": [51, 40]}})
+    [40, 51]
+    """
+    return _ids(stats, "", "decode_tids")
+
+
+def is_local(url: str) -> bool:
+    """A server this machine's /proc can see (pids from a remote /v1/stats would name local strangers)."""
+    return urlsplit(url).hostname in LOOPBACK
+
+
+def cpu_seconds(pids: list[int], decoding: list[int] = ()) -> dict[str, float]:
+    """{"decode": s, "other": s}: user + system CPU so far of the processes' threads; decode: those named
+    specray-decode and the thread ids in `decoding`."""
+    decoding = {str(t) for t in decoding}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"decode": 0.0, "other": 0.0}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # gone, or not on this machine
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:  # the thread ended between listing and reading
+                continue
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            # fields after the name start at field 3 (state): utime and stime are fields 14 and 15
+            seconds = (int(fields[11]) + int(fields[12])) / tick
+            out["decode" if comm == OS_THREAD_NAME or tid in decoding else "other"] += seconds
+    return out
+
+
+def per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict | None:
+    """Milliseconds of CPU per generated token between two cpu_seconds snapshots; None without tokens.
+
+    >>> per_token({"decode": 1.0, "other": 0.5}, {"decode": 2.5, "other": 0.8}, 1000)
+    {'decode_ms_per_token': 1.5, 'other_ms_per_token': 0.3}
+    """
+    if tokens <= 0:
+        return None
+    return {f"{k}_ms_per_token": round(1000 * (after[k] - before[k]) / tokens, 3) for k in ("decode", "other")}
