@@ -394,7 +394,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="where Ray Serve runs the serving replica's async code: shared (Ray's own event loop; one "
                    "thread wake-up per streamed chunk instead of two, less CPU taken from llama.cpp's decode on "
                    "small nodes) or separate (Serve's default: a second event loop thread; README 'Serving "
-                   f"overhead') {d(ServeConfig, 'user_code_loop')}")
+                   f"layouts') {d(ServeConfig, 'user_code_loop')}")
     p.add_argument("--layout", choices=["fused", "split"], default=S,
                    help="fused: with one arm, the engine replica deployment serves HTTP itself (one process "
                    "fewer per streamed token: replica -> Serve's proxy -> client); split: an Ingress deployment in "

@@ -123,10 +123,10 @@ class ServeConfig(BaseModel):
         description="where Ray Serve runs the HTTP-serving replica's async code (the fused engine replica, the split "
         "layout's ingress and engine replicas). shared: on Ray's own event loop (sets "
         "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 in that process), so a streamed chunk wakes one thread instead "
-        "of two: on a 2-core CPU the replica's serving threads used 0.28 instead of 0.40 ms of CPU a token, and on "
-        "small nodes every such millisecond is taken from llama.cpp's decode (README 'Serving overhead'). separate: "
-        "Serve's default, a second event loop thread that keeps Ray's loop free of user code. worker_env, if it sets "
-        "the variable itself, wins")
+        "of two: on a 2-core CPU the replica's threads other than the decode ones used 0.26 instead of 0.34 ms of "
+        "CPU a token at 1 client (`specray bench --url`'s srv cpu), and on small nodes that CPU is taken from "
+        "llama.cpp's decode (README 'Serving layouts'). separate: Serve's default, a second event loop thread that "
+        "keeps Ray's loop free of user code. worker_env, if it sets the variable itself, wins")
     worker_env: dict[str, str] = Field(
         default_factory=lambda: dict(DEFAULT_WORKER_ENV),
         description="environment of the engine replica and actor processes (set before llama.cpp loads), e.g. "
