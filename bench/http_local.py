@@ -28,8 +28,11 @@ def snapshot(engine: LocalEngine) -> dict:
 
 
 def run_in_process(engine: LocalEngine, prompts: list[Prompt], concurrency: int, max_tokens: int) -> dict:
-    # tokenized up front: the servers tokenize too, but that is microseconds next to a decode
-    reqs = deque(engine.request(p.get("prompt"), p.get("messages"), max_tokens=max_tokens) for p in prompts)
+    # tokenized up front: the servers tokenize too, but that is microseconds next to a decode. No prompt cache, as
+    # the HTTP client asks of the servers (http_client.request_body): else the warm-up's prompt, or an earlier
+    # row's, would skip its prefill here only and flatter the in-process row
+    reqs = deque(engine.request(p.get("prompt"), p.get("messages"), max_tokens=max_tokens, cache_prompt=False)
+                 for p in prompts)
     results: list[dict] = []
     inflight: dict[int, list] = {}  # id(seq) -> [seq, submitted at, first token at]
     before = snapshot(engine)

@@ -51,6 +51,7 @@ class LocalEngine:
         chain: tuple[str, ...] | None = None,
         n_max: int | None = None,
         ignore_eos: bool = False,
+        cache_prompt: bool = True,
     ) -> GenerationRequest:
         return GenerationRequest(
             prompt_tokens=self.prompt_tokens(prompt, messages),
@@ -60,6 +61,7 @@ class LocalEngine:
             chain=chain,
             n_max=n_max,
             ignore_eos=ignore_eos,
+            cache_prompt=cache_prompt,
         )
 
     def submit(self, req: GenerationRequest) -> Sequence:
