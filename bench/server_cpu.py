@@ -25,16 +25,16 @@ from specray.native.decode_threads import OS_THREAD_NAME
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def _ids(stats: dict | None, one: str, many: str) -> list[int]:
-    """Every int under key `one` and in every list under key `many`, at any depth, sorted, once each."""
+def _ids(stats: dict | None, key: str, list_key: str) -> list[int]:
+    """Every int under `key` and in every list under `list_key`, at any depth of `stats`, sorted, once each."""
     found: set[int] = set()
 
     def walk(x) -> None:
         if isinstance(x, dict):
             for k, v in x.items():
-                if k == one and isinstance(v, int):
+                if k == key and isinstance(v, int):
                     found.add(v)
-                elif k == many and isinstance(v, list):
+                elif k == list_key and isinstance(v, list):
                     found.update(p for p in v if isinstance(p, int))
                 else:
                     walk(v)
@@ -57,12 +57,22 @@ def server_pids(stats: dict | None) -> list[int]:
 
 
 def decode_tids(stats: dict | None) -> list[int]:
-    """The decoding threads /v1/stats names (`decode_tids`, from every process that decodes).
+    """The decoding threads /v1/stats names (`decode_tid` / `decode_tids`, from every process that decodes).
 
     >>> decode_tids({"target": {"decode_tids": [40]}, "companion": {"decode_tids": [51, 40]}})
     [40, 51]
     """
-    return _ids(stats, "", "decode_tids")
+    return _ids(stats, "decode_tid", "decode_tids")
+
+
+def stat_seconds(path: str) -> float:
+    """User + system CPU seconds of a /proc/PID/stat or /proc/PID/task/TID/stat file (OSError if gone)."""
+    with open(path) as f:
+        stat = f.read()
+    # the name may hold spaces and parentheses: the fields after its last ')' start at field 3 (state), so
+    # utime and stime (fields 14 and 15) are the 12th and 13th
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def is_local(url: str) -> bool:
@@ -74,7 +84,6 @@ def cpu_seconds(pids: list[int], decoding: list[int] = ()) -> dict[str, float]:
     """{"decode": s, "other": s}: user + system CPU so far of the processes' threads; decode: those named
     specray-decode and the thread ids in `decoding`."""
     decoding = {str(t) for t in decoding}
-    tick = os.sysconf("SC_CLK_TCK")
     out = {"decode": 0.0, "other": 0.0}
     for pid in pids:
         try:
@@ -82,15 +91,13 @@ def cpu_seconds(pids: list[int], decoding: list[int] = ()) -> dict[str, float]:
         except OSError:  # gone, or not on this machine
             continue
         for tid in tids:
+            task = f"/proc/{pid}/task/{tid}"
             try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    stat = f.read()
+                with open(f"{task}/comm") as f:
+                    comm = f.read().strip()
+                seconds = stat_seconds(f"{task}/stat")
             except OSError:  # the thread ended between listing and reading
                 continue
-            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-            fields = stat[stat.rindex(")") + 2 :].split()
-            # fields after the name start at field 3 (state): utime and stime are fields 14 and 15
-            seconds = (int(fields[11]) + int(fields[12])) / tick
             out["decode" if comm == OS_THREAD_NAME or tid in decoding else "other"] += seconds
     return out
 

@@ -34,6 +34,7 @@ from ray import serve  # noqa: E402
 from specray.bench import http_client  # noqa: E402
 from specray.bench.http_compare import select_prompts  # noqa: E402
 from specray.bench.http_local import run_in_process  # noqa: E402
+from specray.bench.server_cpu import stat_seconds  # noqa: E402
 from specray.bench.run import default_prompts_path  # noqa: E402
 from specray.deployments.app import build_app_from_config  # noqa: E402
 from specray.deployments.config import ServeConfig  # noqa: E402
@@ -44,7 +45,6 @@ OUT = sys.argv[1]
 SUMMARY_ONLY = OUT == "--summary"
 STREAMS = [1, 4]
 MAX_TOKENS = 128
-HZ = os.sysconf("SC_CLK_TCK")
 
 
 def tree(root: int) -> dict[int, str]:
@@ -72,8 +72,7 @@ def cpu(pids: dict[int, str]) -> dict[int, float]:
     res = {}
     for p in pids:
         try:
-            f = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
-            res[p] = (int(f[11]) + int(f[12])) / HZ
+            res[p] = stat_seconds(f"/proc/{p}/stat")
         except OSError:
             pass
     return res
