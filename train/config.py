@@ -39,6 +39,16 @@ class GenConfig(BaseModel):
     learn_prompts: bool = Field(False, description="the head also learns on the prompts' positions (the "
                                 "target's top token after each prompt token), and a prompt over max_prompt is kept "
                                 "without an answer: more data per minute, text the target did not write")
+    soft_labels: int = Field(0, ge=0, le=64, description="besides the target's top token, keep its K likeliest "
+                             "tokens and their probabilities at each position, for optim.labels 'soft' (0: the top "
+                             "token only; 8 measured no better than 0 on held-out chat, README)")
+    text: list[str] = Field(default_factory=list, description="plain-text files (globs) cut into max_len-token "
+                            "pieces the head learns on with no answer (needs learn_prompts): a prefill's worth of "
+                            "data, about five times the positions a minute of answers makes")
+    rows_minutes: float | None = Field(None, gt=0, description="minutes of the generating budget spent first on "
+                                       "text with no answer (the --text pieces, and with learn_prompts the prompts "
+                                       "too long to answer); None: that text only after the answers, with what is "
+                                       "left of the budget")
     max_len: int = Field(1024, ge=16, description="tokens per training sequence at most: longer prompts lose their "
                          "beginning (the rows were computed on the whole prompt)")
 
@@ -65,6 +75,11 @@ class OptimConfig(BaseModel):
                                 "of their text: split by answer, validation would score text it trained on)")
     eval_every: int = Field(25, ge=1, description="optimiser steps between validation points")
     checkpoint_every: float = Field(120.0, gt=0, description="seconds between checkpoints")
+    labels: str = Field("soft", pattern="^(soft|top)$",
+                        description="soft: learn the target's distribution over its gen.soft_labels likeliest tokens "
+                        "where the data holds them (cross-entropy against those probabilities, renormalised on the "
+                        "draft vocabulary; data written with gen.soft_labels 0 has none: its top token then); top: "
+                        "its top token only")
     init: str = Field("target", pattern="^(target|random)$",
                       description="target: the LM head's rows and the output norm from the target's weights "
                       "(train/init.py); random: random weights (for comparison)")
@@ -100,4 +115,7 @@ class TrainConfig(BaseModel):
         both = set(self.categories or ()) & set(self.exclude_categories)
         if both:
             raise ValueError(f"categories both included and excluded: {', '.join(sorted(both))}")
+        if self.gen.text and not self.gen.learn_prompts:
+            raise ValueError("--text needs --learn-prompts (text with no answer counts only where prompt positions "
+                             "do)")
         return self

@@ -48,6 +48,9 @@ class Sample:
     # sequence's length for a prompt kept with no answer)
     category: str = ""
     prompt: int = -1  # the prompt's index in the run's list: its answers share a side of the validation split
+    # (a --text piece's is negative: text_piece_id)
+    soft_ids: np.ndarray | None = None  # int32 [T, K]: with gen.soft_labels, the target's K likeliest tokens
+    soft_p: np.ndarray | None = None  # float16 [T, K]: their probabilities
 
 
 def jobs_for(prompts: list[TrainPrompt], sampled: int, seed: int) -> list[tuple[int, int]]:
@@ -118,10 +121,11 @@ def generate(cfg: TrainConfig, prompts: list[TrainPrompt], layers: tuple[int, ..
         jobs = jobs_for(prompts, cfg.gen.sampled, cfg.seed)
         done = done_jobs(data_dir, cfg.gen.sampled)
         todo = [j for j in jobs if j not in done]
-        progress(f"data: {len(done)} of {len(jobs)} answers already there; generating {len(todo)} "
+        already = len(jobs) - len(todo)
+        progress(f"data: {already} of {len(jobs)} answers already there; generating {len(todo)} "
                  f"({cfg.gen.slots} at once, at most {cfg.gen.max_tokens} tokens each"
                  + (f", {cfg.gen.minutes:g} min budget)" if cfg.gen.minutes else ")"))
-        rows = RowReader(eng.model, layers, seq_cells, cfg.threads)
+        rows = RowReader(eng.model, layers, seq_cells, cfg.threads, soft_k=cfg.gen.soft_labels)
         shard = len(glob.glob(os.path.join(data_dir, "shard-*.npz")))
         made, tokens, rows_only = 0, 0, []
         if cfg.gen.max_prompt:
@@ -136,10 +140,31 @@ def generate(cfg: TrainConfig, prompts: list[TrainPrompt], layers: tuple[int, ..
                 todo = [j for j in todo if j[0] not in long_]
                 progress(f"data: no answers to {len(long_)} prompts longer than {cfg.gen.max_prompt} tokens "
                          f"(--max-prompt-tokens); {len(todo)} answers to generate")
+        pieces = _text_pieces(eng.model, cfg, done) if cfg.gen.text else iter(())
+
+        def over() -> bool:  # the generating budget (gen.minutes) is spent
+            return bool(cfg.gen.minutes) and spent + time.monotonic() - t0 > 60 * cfg.gen.minutes
+
+        if cfg.gen.rows_minutes:  # text with no answer first, for its own share of the budget
+            rows_clock = os.path.join(data_dir, "rows_seconds.txt")
+            rows_spent = float(open(rows_clock).read()) if os.path.exists(rows_clock) else 0.0
+            t_rows = time.monotonic()
+
+            def rows_over() -> bool:
+                used = rows_spent + time.monotonic() - t_rows
+                with open(rows_clock, "w") as f:
+                    f.write(f"{used:.1f}")
+                return over() or used > 60 * cfg.gen.rows_minutes
+
+            shard, n_rows = _rows_only(eng, rows, prompts, rows_only, pieces, cfg.gen.max_len, data_dir, shard,
+                                       rows_over, progress)
+            rows_only = []
+            progress(f"data: {n_rows} tokens of text with no answer in {(time.monotonic() - t_rows) / 60:.1f} min "
+                     f"(--rows-minutes)")
         chunk = 3 * cfg.gen.slots  # queued beyond the slots: a finished answer's slot is refilled at once
         t_ans = time.monotonic()
         for c in range(0, len(todo), chunk):
-            if cfg.gen.minutes and spent + time.monotonic() - t0 > 60 * cfg.gen.minutes:
+            if over():
                 progress(f"data: time budget reached after {made} answers")
                 break
             part = todo[c : c + chunk]
@@ -165,14 +190,15 @@ def generate(cfg: TrainConfig, prompts: list[TrainPrompt], layers: tuple[int, ..
             made += len(part)
             dt = time.monotonic() - t_ans
             eta = dt / made * (len(todo) - made)
-            progress(f"data: {len(done) + made}/{len(jobs)} answers, {tokens} tokens this run, "
+            progress(f"data: {already + made}/{len(jobs)} answers, {tokens} tokens this run, "
                      f"{tokens / dt:.0f} tok/s, elapsed {dt / 60:.1f} min, ETA {eta / 60:.1f} min")
         # after the answers, with what is left of the budget: the target's own text comes first
-        kept = _prompts_only(eng, rows, prompts, rows_only, cfg.gen.max_len, data_dir, shard,
-                             lambda: bool(cfg.gen.minutes) and spent + time.monotonic() - t0 > 60 * cfg.gen.minutes)
-        if rows_only:
-            progress(f"data: {kept} of {len(rows_only)} prompts longer than {cfg.gen.max_prompt} tokens "
-                     f"(--max-prompt-tokens) kept as prompts only, with no answer")
+        if rows_only or cfg.gen.text:
+            t_rows = time.monotonic()
+            shard, n_rows = _rows_only(eng, rows, prompts, rows_only, pieces, cfg.gen.max_len, data_dir, shard,
+                                       over, progress)
+            progress(f"data: {n_rows} tokens of text with no answer after the answers, in "
+                     f"{(time.monotonic() - t_rows) / 60:.1f} min")
     finally:
         with open(clock, "w") as f:
             f.write(f"{spent + time.monotonic() - t0:.1f}")
@@ -181,25 +207,62 @@ def generate(cfg: TrainConfig, prompts: list[TrainPrompt], layers: tuple[int, ..
         eng.close()
 
 
-def _prompts_only(eng, rows: RowReader, prompts: list[TrainPrompt], pis: list[int], max_len: int, data_dir: str,
-                  shard: int, over: Callable[[], bool]) -> int:
-    """Shards of prompts with no answer (their first max_len tokens: one rows pass, a prefill, each), whose
-    positions the head learns on with gen.learn_prompts, until `over()`. Returns how many were kept.
+def _rows_only(eng, rows: RowReader, prompts: list[TrainPrompt], pis: list[int], pieces, max_len: int,
+              data_dir: str, shard: int, over: Callable[[], bool], progress) -> tuple[int, int]:
+    """Shards of text with no answer, whose positions the head learns on with gen.learn_prompts, until `over()`:
+    first the prompts `pis` (their first max_len tokens), then `pieces` ((prompt id, category, tokens) of the
+    --text files, _text_pieces). One rows pass, a prefill, each. Returns (the next shard number, tokens kept).
 
-    A prefill with every position's logits and rows ran at about 210 tokens/s here (SmolLM2, 2 cores), an
-    answer at about 80 with its rows pass: cheaper text, but not the target's own."""
-    kept = 0
-    for c in range(0, len(pis), 16):
+    A prefill with every position's logits and rows ran at about 540-590 tokens/s on a 2-core EPYC (SmolLM2,
+    1024-token sequences), where an answer came at about 170 with its rows pass (210 against 80 on a slower
+    one): cheaper text, but not the target's own."""
+    def items():
+        for pi in pis:
+            yield pi, prompts[pi].category, eng.prompt_tokens(prompts[pi].prompt, prompts[pi].messages)[:max_len]
+        yield from pieces
+
+    n_tokens, part, samples, t0 = 0, [], [], time.monotonic()
+    for pid, cat, toks in items():
         if over():
             break
-        part = [(pi, 0) for pi in pis[c : c + 16]]
-        samples = []
-        for pi, _ in part:
-            toks = eng.prompt_tokens(prompts[pi].prompt, prompts[pi].messages)[:max_len]
-            samples.append(rows.sample(toks, len(toks) + 1, max_len, prompts[pi].category))
-        save_shard(os.path.join(data_dir, f"shard-{shard + c // 16:05d}.npz"), samples, part)
-        kept += len(part)
-    return kept
+        samples.append(rows.sample(toks, len(toks) + 1, max_len, cat))
+        part.append((pid, 0))
+        n_tokens += len(toks)
+        if len(part) == 16:
+            save_shard(os.path.join(data_dir, f"shard-{shard:05d}.npz"), samples, part)
+            shard, part, samples = shard + 1, [], []
+            progress(f"data: {n_tokens} tokens of text with no answer, {n_tokens / (time.monotonic() - t0):.0f} "
+                     "tok/s")
+    if part:
+        save_shard(os.path.join(data_dir, f"shard-{shard:05d}.npz"), samples, part)
+        shard += 1
+    return shard, n_tokens
+
+
+def text_piece_id(file_index: int, piece: int) -> int:
+    """The (negative) prompt id of piece `piece` of the run's file `file_index` (--text): stable across runs, so
+    a resumed run skips the pieces its shards hold.
+
+    >>> text_piece_id(0, 0), text_piece_id(2, 5)
+    (-1, -2097158)
+    """
+    return -1 - ((file_index << 20) | piece)
+
+
+def _text_pieces(model, cfg: TrainConfig, done: set[tuple[int, int]]):
+    """(prompt id, category, tokens) of every --text piece not in `done`, files in a seeded order (a budget cut
+    still samples all of them), each cut into gen.max_len-token pieces."""
+    from .text import chunks, read_text, text_files
+
+    files = text_files(cfg.gen.text)
+    order = list(range(len(files)))
+    random.Random(cfg.seed).shuffle(order)
+    for fi in order:
+        toks = model.tokenize(read_text(files[fi]), add_special=True)
+        for ci, (a, b) in enumerate(chunks(len(toks), cfg.gen.max_len)):
+            pid = text_piece_id(fi, ci)
+            if (pid, 0) not in done:
+                yield pid, "text", np.asarray(toks[a:b], dtype=np.int32)
 
 
 def _with_own(prompts: list[TrainPrompt], cfg: TrainConfig, own_path: str) -> list[TrainPrompt]:
@@ -214,7 +277,8 @@ def _with_own(prompts: list[TrainPrompt], cfg: TrainConfig, own_path: str) -> li
 class RowReader:
     """The target's layer-input rows and top tokens of whole sequences, in a context of its own."""
 
-    def __init__(self, model, layers: tuple[int, ...], n_ctx: int, threads: int, n_batch: int = 512) -> None:
+    def __init__(self, model, layers: tuple[int, ...], n_ctx: int, threads: int, n_batch: int = 512,
+                 soft_k: int = 0) -> None:
         from specray.native.context import Context
         from specray.native.hidden import HiddenOutput
 
@@ -222,28 +286,40 @@ class RowReader:
         self.out = HiddenOutput(self.ctx, tuple(layers))
         self.out.set_enabled(True)
         self.n_batch = n_batch
+        self.soft_k = soft_k
 
-    def rows(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(rows [T, width] float32, the target's top token [T]) of `tokens` decoded from position 0."""
+    def rows(self, tokens: np.ndarray):
+        """(rows [T, width] float32, the target's top token [T], and with soft_k its top soft_k tokens [T, k]
+        and their probabilities [T, k], else None, None) of `tokens` decoded from position 0."""
+        from .labels import top_k_probs
+
         ctx = self.ctx
         ctx.clear_seq(0)
-        feats = np.empty((len(tokens), self.out.width), dtype=np.float32)
-        top = np.empty(len(tokens), dtype=np.int32)
-        for i in range(0, len(tokens), self.n_batch):
+        n, k = len(tokens), self.soft_k
+        feats = np.empty((n, self.out.width), dtype=np.float32)
+        top = np.empty(n, dtype=np.int32)
+        ids = np.empty((n, k), dtype=np.int32) if k else None
+        probs = np.empty((n, k), dtype=np.float16) if k else None
+        for i in range(0, n, self.n_batch):
             part = tokens[i : i + self.n_batch]
             ctx.batch.clear()
             ctx.batch.add_seq(0, np.asarray(part, dtype=np.int32), i, len(part))
             logits = ctx.decode()
-            top[i : i + len(part)] = logits.argmax(axis=1)
+            if k:
+                ids[i : i + len(part)], probs[i : i + len(part)] = top_k_probs(logits, k)
+                top[i : i + len(part)] = ids[i : i + len(part), 0]
+            else:
+                top[i : i + len(part)] = logits.argmax(axis=1)
             feats[i : i + len(part)] = self.out.rows(len(part))
-        return feats, top
+        return feats, top, ids, probs
 
     def sample(self, tokens: np.ndarray, prompt_len: int, max_len: int, category: str) -> Sample:
-        feats, top = self.rows(tokens)
+        feats, top, ids, probs = self.rows(tokens)
         cut = max(0, len(tokens) - max_len)
         return Sample(tokens=np.asarray(tokens[cut:], dtype=np.int32),
                       feats=np.clip(feats[cut:], -F16_MAX, F16_MAX).astype(np.float16),
-                      labels=top[cut:], answer_from=max(0, prompt_len - 1 - cut), category=category)
+                      labels=top[cut:], answer_from=max(0, prompt_len - 1 - cut), category=category,
+                      soft_ids=None if ids is None else ids[cut:], soft_p=None if probs is None else probs[cut:])
 
     def close(self) -> None:
         self.ctx.close()
@@ -252,11 +328,15 @@ class RowReader:
 def save_shard(path: str, samples: list[Sample], jobs: list[tuple[int, int]]) -> None:
     lens = np.array([len(s.tokens) for s in samples], dtype=np.int64)
     tmp = path + ".part.npz"
+    soft = {}
+    if all(s.soft_ids is not None for s in samples):
+        soft = {"soft_ids": np.concatenate([s.soft_ids for s in samples]),
+                "soft_p": np.concatenate([s.soft_p for s in samples])}
     np.savez(tmp, jobs=np.array(jobs, dtype=np.int64).reshape(-1, 2), lens=lens,
              tokens=np.concatenate([s.tokens for s in samples]), feats=np.concatenate([s.feats for s in samples]),
              labels=np.concatenate([s.labels for s in samples]),
              answer_from=np.array([s.answer_from for s in samples], dtype=np.int64),
-             categories=np.array([s.category for s in samples]))
+             categories=np.array([s.category for s in samples]), **soft)
     os.replace(tmp, path)
 
 
@@ -267,7 +347,9 @@ def load_samples(data_dir: str) -> list[Sample]:
             ends = np.cumsum(z["lens"])
             starts = ends - z["lens"]
             tokens, feats, labels = z["tokens"], z["feats"], z["labels"]
+            ids, probs = (z["soft_ids"], z["soft_p"]) if "soft_ids" in z else (None, None)
             for i, (a, b) in enumerate(zip(starts, ends)):
                 out.append(Sample(tokens[a:b], feats[a:b], labels[a:b], int(z["answer_from"][i]),
-                                  str(z["categories"][i]), int(z["jobs"][i][0])))
+                                  str(z["categories"][i]), int(z["jobs"][i][0]),
+                                  None if ids is None else ids[a:b], None if probs is None else probs[a:b]))
     return out

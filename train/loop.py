@@ -66,6 +66,23 @@ def collate(samples: list[Sample], t2d: np.ndarray, prompts: bool = False):
     return feats, tokens, labels, mask
 
 
+def collate_soft(samples: list[Sample], t2d: np.ndarray):
+    """The batch's soft labels (labels.soft_rows: draft rows [B, T, K], -1 off the draft vocabulary or padding;
+    weights [B, T, K] summing to 1 where any row is on it), or None when a sample has none (data written with
+    gen.soft_labels 0)."""
+    if any(s.soft_ids is None for s in samples):
+        return None
+    from .labels import soft_rows
+
+    b, t, k = len(samples), max(len(s.tokens) for s in samples), samples[0].soft_ids.shape[1]
+    rows = torch.full((b, t, k), -1, dtype=torch.int64)
+    w = torch.zeros(b, t, k)
+    for i, s in enumerate(samples):
+        r, p = soft_rows(s.soft_ids, s.soft_p.astype(np.float32), t2d)
+        rows[i, : len(s.tokens)], w[i, : len(s.tokens)] = torch.from_numpy(r), torch.from_numpy(p)
+    return rows, w
+
+
 def acceptance_length(acc: list[float]) -> float:
     """Expected tokens per round of a chain of drafts whose step k is right with probability acc[k-1] given the
     steps before it were: 1 + a1 + a1 a2 + ...
@@ -96,6 +113,7 @@ class Trainer:
                  cfg: OptimConfig, work_dir: str, seed: int, progress=print, learn_prompts: bool = False) -> None:
         self.m, self.train, self.val, self.t2d, self.cfg = model, train, val, t2d, cfg
         self.learn_prompts = learn_prompts  # training batches count prompt positions too; validation never does
+        self.soft = cfg.labels == "soft"
         self.seed, self.progress = seed, progress
         self.ckpt = os.path.join(work_dir, "checkpoint.pt")
         head = [model.lm_head]
@@ -150,8 +168,10 @@ class Trainer:
         counted = np.zeros(self.cfg.ttt_steps)
         loss, n = 0.0, 0
         for idx in make_batches([len(s.tokens) for s in self.val], self.cfg.batch_tokens, 0):
-            batch = collate([self.val[i] for i in idx], self.t2d)
-            lo, stats = rollout_loss(self.m, *batch, self.cfg.ttt_steps, self.cfg.step_decay)
+            part = [self.val[i] for i in idx]
+            batch = collate(part, self.t2d)
+            lo, stats = rollout_loss(self.m, *batch, self.cfg.ttt_steps, self.cfg.step_decay,
+                                     soft=collate_soft(part, self.t2d) if self.soft else None)
             loss, n = loss + float(lo), n + 1
             for k, (c, t) in enumerate(stats):
                 correct[k] += c
@@ -175,10 +195,12 @@ class Trainer:
                 s.epoch, s.batch_in_epoch = s.epoch + 1, 0
                 continue
             t0 = time.monotonic()
-            batch = collate([self.train[i] for i in batches[s.batch_in_epoch]], self.t2d, self.learn_prompts)
+            part = [self.train[i] for i in batches[s.batch_in_epoch]]
+            batch = collate(part, self.t2d, self.learn_prompts)
             for g in self.opt.param_groups:
                 g["lr"] = self.lr() * g["scale"]
-            loss, _ = rollout_loss(self.m, *batch, c.ttt_steps, c.step_decay)
+            loss, _ = rollout_loss(self.m, *batch, c.ttt_steps, c.step_decay,
+                                   soft=collate_soft(part, self.t2d) if self.soft else None)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.m.parameters(), 1.0)

@@ -44,12 +44,19 @@ def train_head(cfg: TrainConfig, progress=print) -> dict:
     samples = load_samples(data_dir)
     if len(samples) < 2:
         raise ValueError(f"only {len(samples)} answers in {data_dir}: give more prompts or a longer --gen-minutes")
-    val, train = split_by_prompt(samples, cfg.optim.val_fraction, cfg.seed)
+    # validation scores answers only: text with no answer (long prompts, --text pieces) always trains
+    answered = [s for s in samples if s.answer_from < len(s.tokens)]
+    if not answered:
+        raise ValueError(f"no answers in {data_dir}: give more prompts or a longer --gen-minutes")
+    val, train = split_by_prompt(answered, cfg.optim.val_fraction, cfg.seed)
+    train += [s for s in samples if s.answer_from >= len(s.tokens)]
     n_tokens = sum(len(s.tokens) - s.answer_from for s in train)
     if cfg.gen.learn_prompts:
         progress(f"train-head: learning on prompt positions too: {sum(len(s.tokens) for s in train)} in all")
-    progress(f"train-head: {len(train)} training answers ({n_tokens} answer tokens), {len(val)} for validation "
-             f"(answers to prompts never trained on)")
+    no_answer = [s for s in train if s.answer_from >= len(s.tokens)]
+    progress(f"train-head: {len(train) - len(no_answer)} training answers ({n_tokens} answer tokens), "
+             f"{len(no_answer)} texts with no answer ({sum(len(s.tokens) for s in no_answer)} tokens), {len(val)} "
+             f"answers for validation (to prompts never trained on)")
 
     # the draft vocabulary: the target's top tokens of the training answers, most frequent first
     counts = np.zeros(n_vocab, dtype=np.int64)
@@ -128,7 +135,7 @@ def _check_same_run(cfg: TrainConfig) -> None:
     recipe = {"target": cfg.target, "prompts": os.path.abspath(cfg.prompts), "categories": cfg.categories,
               "exclude_categories": sorted(cfg.exclude_categories), "skip_first": cfg.skip_first, "limit": cfg.limit,
               "seed": cfg.seed,
-              "gen": cfg.gen.model_dump(exclude={"minutes", "slots"}), "shape": cfg.shape.model_dump()}
+              "gen": cfg.gen.model_dump(exclude={"minutes", "slots", "rows_minutes"}), "shape": cfg.shape.model_dump()}
     path = os.path.join(cfg.work_dir, "recipe.json")
     if os.path.exists(path):
         with open(path) as f:

@@ -27,13 +27,13 @@ from .head import Eagle3Module
 
 
 def shifted(x: torch.Tensor, k: int, fill: int = 0) -> torch.Tensor:
-    """x [B, T] -> [B, T - 1] whose row s is x[s + k] (fill past the end).
+    """x [B, T, ...] -> [B, T - 1, ...] whose row s is x[s + k] (fill past the end).
 
     >>> shifted(torch.tensor([[5, 6, 7, 8]]), 2).tolist()
     [[7, 8, 0]]
     """
-    b, t = x.shape
-    out = torch.full((b, t - 1), fill, dtype=x.dtype)
+    b, t = x.shape[:2]
+    out = torch.full((b, t - 1, *x.shape[2:]), fill, dtype=x.dtype)
     n = max(0, t - k)
     out[:, :n] = x[:, k : k + n]
     return out
@@ -82,11 +82,14 @@ def rollout(m: Eagle3Module, feats: torch.Tensor, tokens: torch.Tensor, steps: i
     return out
 
 
-def rollout_loss(m: Eagle3Module, feats, tokens, labels, mask, steps: int, decay: float):
-    """Weighted cross-entropy of every rollout step against the target's top tokens.
+def rollout_loss(m: Eagle3Module, feats, tokens, labels, mask, steps: int, decay: float, soft=None):
+    """Weighted cross-entropy of every rollout step against the target's top tokens, or with `soft` against
+    its distribution over its likeliest tokens.
 
     labels [B, T]: the target's top token at each position, as draft-vocabulary rows (-1: not in it, or
-    padding); mask [B, T]: positions whose label counts (the answer). Returns (loss, per-step
+    padding); mask [B, T]: positions whose label counts (the answer); soft: None or (draft rows [B, T, K], -1
+    off the draft vocabulary; their weights [B, T, K], loop.collate_soft). Positions count where the top
+    token is in the draft vocabulary, either way, and the accuracy is the top token's. Returns (loss, per-step
     (correct, counted) pairs)."""
     first = int(mask.to(torch.int64).argmax(dim=1).min()) if bool(mask.any()) else 0
     start = max(0, first - steps)  # rows before it score nothing at any step
@@ -103,7 +106,14 @@ def rollout_loss(m: Eagle3Module, feats, tokens, labels, mask, steps: int, decay
             continue
         logits = m.logits(h[ok])
         yk = y[ok]
-        total = total + decay ** (k - 1) * F.cross_entropy(logits, yk)
+        if soft is None:
+            ce = F.cross_entropy(logits, yk)
+        else:  # cross-entropy against the target's probabilities: sum_j -w_j log q(row_j)
+            rows = shifted(soft[0], k, fill=-1)[:, off:][ok]
+            w = shifted(soft[1], k, fill=0)[:, off:][ok]
+            logq = F.log_softmax(logits, dim=-1).gather(1, rows.clamp(min=0))
+            ce = -(w * logq).sum(-1).mean()
+        total = total + decay ** (k - 1) * ce
         weight += decay ** (k - 1)
         stats.append((int((logits.argmax(-1) == yk).sum()), n))
     return total / max(weight, 1e-9), stats

@@ -8,6 +8,7 @@ import glob
 import json
 import os
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -37,12 +38,15 @@ def trained(tmp_path_factory):
     long_ = {"category": first["category"], "turns": [" ".join([first["turns"][0]] * 12)]}
     prompts.write_text("\n".join(json.dumps(q) for q in list(picked.values())[:4] + [long_]) + "\n")
     cats = ",".join(list(picked)[:3])  # the 4th category is left out
+    # a text file cut into --max-len pieces the head learns on with no answer (--text), first (--rows-minutes)
+    (d / "corpus.txt").write_text(" ".join(q["turns"][0] for q in spec_bench_questions()[:12]))
     out = str(d / "head.gguf")
     argv = ["train-head", "--prompts", str(prompts), "--categories", cats, "--out", out, "--max-tokens", "32",
             "--sampled", "1", "--gen-slots", "3", "--self-prompts", "2", "--learn-prompts", "--max-prompt-tokens",
             "200", "--epochs", "3", "--batch-tokens", "1024", "--eval-every", "2",
             "--draft-vocab", "512", "--max-len", "384", "--curve", str(d / "curve.png"), "--seed", "3",
-            "--threads", "1", "--torch-threads", "1"]
+            "--threads", "1", "--torch-threads", "1", "--text", str(d / "corpus.txt"), "--rows-minutes", "5",
+            "--soft-labels", "4"]
     assert main(argv) == 0
     return argv, out, d
 
@@ -55,8 +59,25 @@ def test_train_head_writes_an_eagle3_gguf_and_resumes(trained, capsys):
     argv, out, d = trained
     work = out + ".work"
     summary = json.loads(open(os.path.join(work, "summary.json")).read())
-    # 3 prompts of the file and 2 the target wrote itself, greedy + 1 sampled answer each, and the long prompt's rows
-    assert summary["answers"] == 11 and summary["draft_vocab"] == 512
+    # 3 prompts of the file and 2 the target wrote itself, greedy + 1 sampled answer each, the long prompt's rows,
+    # and the text file's pieces (its tokens cut into 384-token pieces, a last one under 32 dropped)
+    from specray.native.model import Model
+    from specray.native.models import resolve_model
+    from specray.train.data import load_samples
+    from specray.train.text import chunks
+
+    model = Model(resolve_model("smollm2-135m"), vocab_only=True)
+    n_text = len(model.tokenize((d / "corpus.txt").read_text(), add_special=True))
+    model.close()
+    pieces = len(chunks(n_text, 384))
+    assert pieces >= 2 and summary["answers"] == 11 + pieces and summary["draft_vocab"] == 512
+    samples = load_samples(os.path.join(work, "data"))
+    text = [s for s in samples if s.category == "text"]
+    assert len(text) == pieces and all(s.prompt < 0 and s.answer_from == len(s.tokens) for s in text)
+    # soft labels: 4 tokens a position, most likely first, the first the top token
+    for s in samples:
+        assert s.soft_ids.shape == (len(s.tokens), 4) and (s.soft_ids[:, 0] == s.labels).all()
+        assert (np.diff(s.soft_p.astype(np.float32), axis=1) <= 0).all() and (s.soft_p.sum(1) <= 1.01).all()
     own = [json.loads(line) for line in open(os.path.join(work, "data", "self_prompts.jsonl"))]
     assert len(own) == 2 and all(o["category"] == "self" and len(o["content"]) >= 16 for o in own)
     assert summary["steps"] > 0 and len(summary["curve"]) >= 2

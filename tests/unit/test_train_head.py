@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 
-@pytest.mark.parametrize("module", ["vocab", "data", "curve", "self_prompts", "run"])
+@pytest.mark.parametrize("module", ["vocab", "data", "curve", "self_prompts", "run", "text"])
 def test_docstring_examples(module):
     import importlib
 
@@ -19,7 +19,7 @@ def test_docstring_examples(module):
     assert attempted > 0 and failed == 0
 
 
-@pytest.mark.parametrize("module", ["head", "ttt", "loop"])
+@pytest.mark.parametrize("module", ["head", "ttt", "loop", "labels"])
 def test_docstring_examples_torch(module):
     pytest.importorskip("torch")
     import importlib
@@ -239,3 +239,104 @@ def test_train_head_flags_errors_name_the_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(base + ["--target-layers", "1,2"])
     assert "--target-layers" in capsys.readouterr().err
+    assert main(base + ["--text", str(q)]) == 2
+    assert "--text needs --learn-prompts" in capsys.readouterr().err
+    assert main(base + ["--soft-labels", "100"]) == 2
+    assert "--soft-labels 100: Input should be less than or equal to 64" in capsys.readouterr().err
+    assert main(base + ["--learn-prompts", "--text", str(tmp_path / "none*.txt")]) == 2
+    assert "--text" in capsys.readouterr().err
+
+
+def test_soft_loss_with_all_weight_on_the_top_token_is_the_hard_loss():
+    torch = pytest.importorskip("torch")
+    from specray.train.ttt import rollout_loss
+
+    m = _tiny_head(4)
+    T = 10
+    feats, tokens = torch.randn(2, T, 48), torch.randint(0, 50, (2, T))
+    labels = torch.randint(-1, 20, (2, T))
+    mask = torch.ones(2, T, dtype=torch.bool)
+    rows = torch.stack((labels, torch.randint(0, 20, (2, T)), torch.full((2, T), -1)), dim=-1)
+    one_hot = torch.zeros(2, T, 3)
+    one_hot[..., 0] = 1.0
+    with torch.no_grad():
+        hard, hard_stats = rollout_loss(m, feats, tokens, labels, mask, 3, 0.8)
+        soft, soft_stats = rollout_loss(m, feats, tokens, labels, mask, 3, 0.8, soft=(rows, one_hot))
+        assert soft.item() == pytest.approx(hard.item(), rel=1e-5) and soft_stats == hard_stats
+        # weight moved to another token: another loss, the same accuracy (it is the top token's)
+        spread = one_hot.clone()
+        spread[..., :2] = 0.5
+        other, other_stats = rollout_loss(m, feats, tokens, labels, mask, 3, 0.8, soft=(rows, spread))
+    assert other.item() != pytest.approx(hard.item(), rel=1e-3) and other_stats == hard_stats
+
+
+def test_soft_labels_learn_the_target_distribution():
+    torch = pytest.importorskip("torch")
+    from specray.train.ttt import rollout_loss
+
+    m = _tiny_head(5)
+    T = 8
+    feats, tokens = torch.randn(1, T, 48), torch.randint(0, 50, (1, T))
+    labels = torch.full((1, T), 3)
+    mask = torch.ones(1, T, dtype=torch.bool)
+    rows = torch.tensor([3, 7]).expand(1, T, 2)
+    w = torch.tensor([0.7, 0.3]).expand(1, T, 2)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    for _ in range(150):
+        loss, _ = rollout_loss(m, feats, tokens, labels, mask, 1, 1.0, soft=(rows, w))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    from specray.train.ttt import rollout
+
+    with torch.no_grad():
+        q = torch.softmax(m.logits(rollout(m, feats, tokens, 1)[0]), dim=-1)[0]
+    # the head's probabilities approach the soft labels' (a hard label would push row 3 towards 1)
+    assert q[:, 3].mean().item() == pytest.approx(0.7, abs=0.08) and q[:, 7].mean().item() == pytest.approx(0.3, abs=0.08)
+
+
+def test_collate_soft_maps_to_draft_rows_and_pads():
+    pytest.importorskip("torch")
+    from specray.train.data import Sample
+    from specray.train.loop import collate_soft
+
+    def sample(n, soft=True):
+        ids = np.tile(np.array([[4, 1, 6]], dtype=np.int32), (n, 1)) if soft else None
+        p = np.tile(np.array([[0.5, 0.25, 0.25]], dtype=np.float16), (n, 1)) if soft else None
+        return Sample(np.arange(n, dtype=np.int32), np.zeros((n, 6), np.float16), np.full(n, 4, np.int32), 0,
+                      soft_ids=ids, soft_p=p)
+
+    t2d = np.array([-1, 0, -1, -1, 1, -1, -1])  # token 1 -> row 0, token 4 -> row 1, token 6 off the vocabulary
+    rows, w = collate_soft([sample(3), sample(2)], t2d)
+    assert rows.shape == (2, 3, 3) and rows[0, 0].tolist() == [1, 0, -1] and rows[1, 2].tolist() == [-1, -1, -1]
+    assert w[0, 0].tolist() == pytest.approx([2 / 3, 1 / 3, 0.0]) and w[1, 2].tolist() == [0.0, 0.0, 0.0]
+    assert collate_soft([sample(3), sample(2, soft=False)], t2d) is None
+
+
+def test_text_pieces_resume_and_name_missing_files(tmp_path):
+    from specray.train.data import _text_pieces, text_piece_id
+    from specray.train.text import text_files
+
+    (tmp_path / "a.txt").write_text("x" * 50)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("y" * 90)
+    a, b = str(tmp_path / "a.txt"), str(tmp_path / "sub" / "b.txt")
+    assert text_files([str(tmp_path / "**" / "*.txt"), a]) == [a, b]
+    with pytest.raises(ValueError, match="no such file"):
+        text_files([str(tmp_path / "*.md")])
+
+    class CharModel:  # one token per character
+        def tokenize(self, text, add_special=True):
+            return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)
+
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(seed=0, gen=SimpleNamespace(text=[str(tmp_path / "**" / "*.txt")], max_len=40))
+    # 40-token pieces; a last piece under 32 tokens is dropped: a.txt makes one, b.txt two
+    got = {pid: (cat, t.tolist()) for pid, cat, t in _text_pieces(CharModel(), cfg, set())}
+    want = {text_piece_id(0, 0): [ord("x")] * 40, text_piece_id(1, 0): [ord("y")] * 40,
+            text_piece_id(1, 1): [ord("y")] * 40}
+    assert {pid: t for pid, (_, t) in got.items()} == want and {c for c, _ in got.values()} == {"text"}
+    # a resumed run skips the pieces its shards hold
+    left = [pid for pid, _, _ in _text_pieces(CharModel(), cfg, {(text_piece_id(1, 0), 0)})]
+    assert sorted(left) == sorted([text_piece_id(0, 0), text_piece_id(1, 1)])
