@@ -43,6 +43,12 @@ def _tiny_head(seed: int = 0):
     return m
 
 
+def _random_batch(T: int):
+    """Two sequences of T positions for _tiny_head: rows, tokens, and labels (-1: off the draft vocabulary)."""
+    torch = pytest.importorskip("torch")
+    return torch.randn(2, T, 48), torch.randint(0, 50, (2, T)), torch.randint(-1, 20, (2, T))
+
+
 def test_rollout_is_what_the_speculator_drafts_step_by_step():
     """Row s of rollout step k == a plain causal pass over the committed pairs 0..s followed by the draft's own
     pairs (x_{s+j}, h_{j-1}) at s+j-1, j = 2..k: the KV cache the speculator builds while drafting."""
@@ -107,8 +113,7 @@ def test_rollout_loss_counts_answer_positions_only_and_learns():
 
     m = _tiny_head(2)
     T = 12
-    feats, tokens = torch.randn(2, T, 48), torch.randint(0, 50, (2, T))
-    labels = torch.randint(-1, 20, (2, T))
+    feats, tokens, labels = _random_batch(T)
     mask = torch.zeros(2, T, dtype=torch.bool)
     mask[:, 5:] = True
     _, stats = rollout_loss(m, feats, tokens, labels, mask, 3, 0.8)
@@ -253,8 +258,7 @@ def test_soft_loss_with_all_weight_on_the_top_token_is_the_hard_loss():
 
     m = _tiny_head(4)
     T = 10
-    feats, tokens = torch.randn(2, T, 48), torch.randint(0, 50, (2, T))
-    labels = torch.randint(-1, 20, (2, T))
+    feats, tokens, labels = _random_batch(T)
     mask = torch.ones(2, T, dtype=torch.bool)
     rows = torch.stack((labels, torch.randint(0, 20, (2, T)), torch.full((2, T), -1)), dim=-1)
     one_hot = torch.zeros(2, T, 3)
