@@ -101,7 +101,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     d.add_argument("--text", action="append", default=[], metavar="GLOB",
                    help="plain-text files (a glob; ** recursive; repeatable) cut into --max-len-token pieces the "
                         "head learns on with no answer, the target's top tokens as labels (needs --learn-prompts): "
-                        "a prefill's worth of data, about five times the positions a minute of answers makes")
+                        "a prefill's worth of data, about three times the positions a minute of answers makes")
     d.add_argument("--rows-minutes", type=float, default=None, metavar="M",
                    help="spend the first M minutes of --gen-minutes on text with no answer (--text, and prompts "
                         "over --max-prompt-tokens); default: that text only after the answers, with what is left")

@@ -44,7 +44,7 @@ class GenConfig(BaseModel):
                              "token only; 8 measured no better than 0 on held-out chat, README)")
     text: list[str] = Field(default_factory=list, description="plain-text files (globs) cut into max_len-token "
                             "pieces the head learns on with no answer (needs learn_prompts): a prefill's worth of "
-                            "data, about five times the positions a minute of answers makes")
+                            "data, about three times the positions a minute of answers makes")
     rows_minutes: float | None = Field(None, gt=0, description="minutes of the generating budget spent first on "
                                        "text with no answer (the --text pieces, and with learn_prompts the prompts "
                                        "too long to answer); None: that text only after the answers, with what is "
