@@ -222,9 +222,14 @@ def _rows_only(eng, rows: RowReader, prompts: list[TrainPrompt], pis: list[int],
         yield from pieces
 
     n_tokens, part, samples, t0 = 0, [], [], time.monotonic()
-    for pid, cat, toks in items():
-        if over():
+    todo = items()
+    # the budget is checked before an item is taken: `pieces` goes on after the answers, and an item taken but
+    # not decoded would be skipped there
+    while not over():
+        item = next(todo, None)
+        if item is None:
             break
+        pid, cat, toks = item
         samples.append(rows.sample(toks, len(toks) + 1, max_len, cat))
         part.append((pid, 0))
         n_tokens += len(toks)

@@ -1,6 +1,7 @@
 """The head's labels: the target's top token at each position, and with `gen.soft_labels` K its K most
 likely tokens with their probabilities (the head then learns the target's distribution, not only its
-argmax: more to learn from each of the few positions a CPU budget can make)."""
+argmax: more to learn from each of the few positions a CPU budget can make; measured on held-out chat, it
+made no difference: README, "More data per minute")."""
 
 from __future__ import annotations
 

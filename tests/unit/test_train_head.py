@@ -344,3 +344,31 @@ def test_text_pieces_resume_and_name_missing_files(tmp_path):
     # a resumed run skips the pieces its shards hold
     left = [pid for pid, _, _ in _text_pieces(CharModel(), cfg, {(text_piece_id(1, 0), 0)})]
     assert sorted(left) == sorted([text_piece_id(0, 0), text_piece_id(1, 1)])
+
+
+def test_text_with_no_answer_loses_no_piece_between_its_two_phases(tmp_path):
+    """--rows-minutes: the pieces not decoded before the answers are decoded after them, none skipped."""
+    from specray.train.data import Sample, _rows_only, load_samples
+
+    class Rows:  # a stand-in for RowReader: no model
+        def sample(self, toks, prompt_len, max_len, category):
+            n = len(toks)
+            return Sample(np.asarray(toks, np.int32), np.zeros((n, 6), np.float16), np.zeros(n, np.int32),
+                          min(n, prompt_len - 1), category)
+
+    pieces = iter([(-1 - i, "text", np.arange(40)) for i in range(5)])
+    taken = []
+
+    def first_budget():  # two pieces' worth
+        return len(taken) >= 2
+
+    class Counting(Rows):
+        def sample(self, *a):
+            taken.append(1)
+            return super().sample(*a)
+
+    shard, n = _rows_only(None, Counting(), [], [], pieces, 64, str(tmp_path), 0, first_budget, lambda s: None)
+    assert (shard, n) == (1, 80)
+    shard, n = _rows_only(None, Rows(), [], [], pieces, 64, str(tmp_path), shard, lambda: False, lambda s: None)
+    assert (shard, n) == (2, 120)
+    assert sorted((s.prompt for s in load_samples(str(tmp_path))), reverse=True) == [-1, -2, -3, -4, -5]
