@@ -10,18 +10,18 @@ import numpy as np
 
 def top_k_probs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(ids int32 [n, k], probabilities float32 [n, k]) of each row's k largest logits, most likely first;
-    the probabilities are the full softmax's (they sum to less than 1 when k < vocabulary).
+    the probabilities are the full softmax's (they sum to less than 1 when k < vocabulary). The engine's
+    top-n log-softmax (engine/logprobs.py, what `top_logprobs` answers with) does the work: ~0.17 s for 512
+    rows of SmolLM2's 49k vocabulary here, next to ~0.9 s for their prefill.
 
     >>> ids, p = top_k_probs(np.log(np.array([[0.1, 0.6, 0.3]], dtype=np.float32)), 2)
     >>> ids.tolist(), [round(float(x), 3) for x in p[0]]
     ([[1, 2]], [0.6, 0.3])
     """
-    import torch
+    from specray.engine.logprobs import token_logprobs
 
-    lg = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
-    v, i = torch.topk(lg, k, dim=1)  # sorted, largest first
-    p = (v - torch.logsumexp(lg, dim=1, keepdim=True)).exp()
-    return i.numpy().astype(np.int32), p.numpy()
+    lp = token_logprobs(logits, np.zeros(len(logits), dtype=np.int64), k)
+    return lp.top_ids, np.exp(lp.top_logprobs).astype(np.float32)
 
 
 def soft_rows(ids: np.ndarray, p: np.ndarray, t2d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

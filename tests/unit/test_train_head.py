@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 
-@pytest.mark.parametrize("module", ["vocab", "data", "curve", "self_prompts", "run", "text"])
+@pytest.mark.parametrize("module", ["vocab", "data", "curve", "self_prompts", "run", "text", "labels"])
 def test_docstring_examples(module):
     import importlib
 
@@ -19,7 +19,7 @@ def test_docstring_examples(module):
     assert attempted > 0 and failed == 0
 
 
-@pytest.mark.parametrize("module", ["head", "ttt", "loop", "labels"])
+@pytest.mark.parametrize("module", ["head", "ttt", "loop"])
 def test_docstring_examples_torch(module):
     pytest.importorskip("torch")
     import importlib
