@@ -17,7 +17,8 @@ import numpy as np
 #: additive stages in request order: the server's (deployments/http/timing.py SERVER_STAGES) + the client's
 STAGES = ("ingress_parse", "handle", "tokenize", "admission", "prefill", "decode", "emit_tail", "sse_tail", "proxy")
 #: per-chunk figures (means over a request's chunks) and counts: not additive, they overlap the rounds
-PER_CHUNK = ("emit_mean_ms", "emit_chunks", "sse_mean_ms", "sse_chunks", "handle_first_ms")
+PER_CHUNK = ("emit_mean_ms", "emit_chunks", "sse_mean_ms", "sse_chunks", "handle_first_ms", "direct_mean_ms",
+             "direct_chunks")
 
 
 def request_stages(timing: dict, client_ms: float) -> dict:
@@ -66,5 +67,7 @@ def table(label: str, streams: int, st: dict) -> str:
     if pc:
         lines.append(f"  per chunk: emit {pc.get('emit_mean_ms', 0):.3f} ms x {pc.get('emit_chunks', 0):.1f} chunks, "
                      f"SSE write {pc.get('sse_mean_ms', 0):.3f} ms x {pc.get('sse_chunks', 0):.1f} chunks, "
-                     f"handle first-chunk round trip {pc.get('handle_first_ms', 0):.3f} ms")
+                     f"handle first-chunk round trip {pc.get('handle_first_ms', 0):.3f} ms"
+                     + (f", written by the round thread {pc['direct_mean_ms']:.3f} ms x {pc['direct_chunks']:.1f} chunks"
+                        if pc.get("direct_chunks") else ""))
     return "\n".join(lines)

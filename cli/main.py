@@ -405,6 +405,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    "process in between (Ray Serve's direct ingress; Serve's proxy moves to a free port). Needs the "
                    "local Ray specray serve starts (not a joined cluster) and one ingress replica. Default: on "
                    "exactly where those hold; --no-direct-ingress keeps Serve's proxy in front")
+    p.add_argument("--direct-writes", action=argparse.BooleanOptionalAction, default=S,
+                   help="fused layout with direct ingress: the round thread writes each plain streamed delta to the "
+                   "client's socket itself, so no event loop wakes per token (plain HTTP/1.1; other streams, and "
+                   "any stream where a check fails, go through the event loop; README 'Direct writes') "
+                   f"{d(ServeConfig, 'direct_writes')}")
     p.add_argument("--slots", type=int, default=S, help=f"concurrent sequences per replica {d(EngineConfig, 'slots')}")
     p.add_argument("--api-key", default=S,
                    help="require `Authorization: Bearer KEY` on every endpoint but /health (default: the file's "

@@ -24,6 +24,7 @@ _FLAG_FIELDS = {
     "layout": ("layout",),
     "direct_ingress": ("direct_ingress",),
     "user_code_loop": ("user_code_loop",),
+    "direct_writes": ("direct_writes",),
     "slots": ("engine", "slots"),
     "model": ("engine", "model"),
     "chat_template": ("engine", "chat_template"),

@@ -66,8 +66,11 @@ class InProcessEngine:
     async def generate(self, req: dict) -> dict:
         return await self.replica.generate(req)
 
-    def stream(self, req: dict) -> LocalStream:
-        return LocalStream(self.replica.generate_stream(req))
+    #: the replica runs in this process: a stream may take a DirectLink (deployments/replica/direct.py)
+    in_process = True
+
+    def stream(self, req: dict, direct=None) -> LocalStream:
+        return LocalStream(self.replica.generate_stream(req, direct=direct))
 
     async def health(self) -> dict:
         return self.replica.health()

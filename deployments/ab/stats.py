@@ -30,6 +30,9 @@ STAGE_FIELDS = ("ingress_parse_ms", "handle_ms", "tokenize_ms", "admission_ms", 
                 "emit_tail_ms", "sse_tail_ms", "ingress_ms", "emit_mean_ms", "sse_mean_ms", "handle_first_ms")
 TOTAL_FIELDS = ("requests", "errors", "prompt_tokens", "completion_tokens", "drafts", "draft_tokens",
                 "accepted_tokens")
+#: direct writes (deployments/replica/direct.py), summed over streams that had a DirectLink: `streams`, those
+#: the round thread wrote to (`armed`), chunks it wrote, chunks the socket took only in part
+DIRECT_FIELDS = ("streams", "armed", "chunks", "partial")
 
 
 def ratios(d: dict) -> dict:
@@ -48,6 +51,7 @@ class ArmRecords:
         self.cols: dict[str, deque] = {f: deque(maxlen=max_records) for f in RECORD_FIELDS}
         self.stage_requests = 0
         self.stage_sums: dict[str, float] = {}
+        self.direct: dict[str, int] = dict.fromkeys(DIRECT_FIELDS, 0)
 
     def add(self, result: dict) -> None:
         """A finished request: the replica's end chunk (or non-streamed result) with usage, speculative,
@@ -79,6 +83,14 @@ class ArmRecords:
             if v is not None:
                 sums[k] = sums.get(k, 0.0) + v
 
+    def add_direct(self, summary: dict) -> None:
+        """A finished stream's DirectLink.summary()."""
+        d = self.direct
+        d["streams"] += 1
+        d["armed"] += 1 if summary.get("arms") else 0
+        d["chunks"] += summary.get("chunks", 0)
+        d["partial"] += summary.get("partial", 0)
+
     def add_error(self, status: int) -> None:
         self.totals["errors"] += 1
         self.error_statuses[str(status)] = self.error_statuses.get(str(status), 0) + 1
@@ -86,7 +98,7 @@ class ArmRecords:
     def snapshot(self) -> dict:
         return {**self.totals, "finish_reasons": dict(self.finish_reasons), "error_statuses": dict(self.error_statuses),
                 "records": {k: list(v) for k, v in self.cols.items()},
-                "stage_sums": {"requests": self.stage_requests} | self.stage_sums}
+                "stage_sums": {"requests": self.stage_requests} | self.stage_sums, "direct_writes": dict(self.direct)}
 
 
 def merge_snapshots(snaps: list[dict]) -> dict:
@@ -94,8 +106,11 @@ def merge_snapshots(snaps: list[dict]) -> dict:
     out: dict[str, Any] = dict.fromkeys(TOTAL_FIELDS, 0)
     out["finish_reasons"], out["error_statuses"] = {}, {}
     out["records"] = {f: [] for f in RECORD_FIELDS}
+    out["direct_writes"] = dict.fromkeys(DIRECT_FIELDS, 0)
     sums: dict[str, float] = {}
     for s in snaps:
+        for k, v in (s.get("direct_writes") or {}).items():
+            out["direct_writes"][k] = out["direct_writes"].get(k, 0) + v
         for k in TOTAL_FIELDS:
             out[k] += s.get(k, 0)
         for key in ("finish_reasons", "error_statuses"):

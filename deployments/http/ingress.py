@@ -43,6 +43,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specray.deployments.ab.stats import ArmRecords, merge_snapshots
 from specray.deployments.ab.arms import ARM_HEADER, SESSION_HEADER, ArmTable, resolve_arms
+from specray.deployments.replica.direct import DirectLink
+from specray.deployments.http.direct_response import DirectStreamingResponse
 from specray.deployments.http.engine_link import HandleEngine
 from specray.deployments.http.guard import Guard, configure
 from specray.deployments.http.openai_schema import (
@@ -302,7 +304,8 @@ class IngressRoutes:
                                 | (_truncation_header(result["usage"].get("truncated_prompt_tokens", 0)) or {}))
 
         clock.called()
-        gen = engine.stream(req)
+        direct = self._direct_link(engine, req, chat)
+        gen = engine.stream(req, direct=direct) if direct is not None else engine.stream(req)
         try:
             first = await gen.__anext__()
             clock.first_chunk()
@@ -319,15 +322,27 @@ class IngressRoutes:
             return _error_response(first["message"], first["status"], first.get("param"), first.get("code"),
                                    headers=arm_header)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            sse_body(gen, rid, self.model_id, self.records[arm], chat, include_usage, arm, clock,
-                     wants_timing(request.headers),
-                     logprobs_on=req["sampling"].get("logprobs") is not None,
-                     tools=ToolCallStream() if chat and req.get("tools") else None),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | arm_header
-            | (_truncation_header(first.get("truncated_prompt_tokens", 0)) or {}),
-        )
+        body_iter = sse_body(gen, rid, self.model_id, self.records[arm], chat, include_usage, arm, clock,
+                             wants_timing(request.headers),
+                             logprobs_on=req["sampling"].get("logprobs") is not None,
+                             tools=ToolCallStream() if chat and req.get("tools") else None, direct=direct)
+        kw = dict(media_type="text/event-stream",
+                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | arm_header
+                  | (_truncation_header(first.get("truncated_prompt_tokens", 0)) or {}))
+        if direct is not None:
+            return DirectStreamingResponse(body_iter, link=direct, **kw)
+        return StreamingResponse(body_iter, **kw)
+
+    def _direct_link(self, engine, req: dict, chat: bool) -> DirectLink | None:
+        """A DirectLink for this stream where the round thread may write its deltas (direct writes,
+        deployments/replica/direct.py): the engine runs in this process (fused), direct_writes is on, and
+        every delta is plain text (no logprobs, echo or tool calls, one choice)."""
+        if not (self.cfg.direct_writes and getattr(engine, "in_process", False)):
+            return None
+        s = req["sampling"]
+        if s.get("logprobs") is not None or s.get("prompt_logprobs") or (chat and req.get("tools")):
+            return None
+        return DirectLink()
 
 
 @serve.deployment(name="Ingress")

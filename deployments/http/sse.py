@@ -20,6 +20,7 @@ from specray.deployments.http.openai_schema import (
 from specray.deployments.http.engine_link import engine_lost
 from specray.deployments.http.timing import StreamClock
 from specray.deployments.http.tool_calls import ToolCallStream
+from specray.deployments.replica.direct import DirectLink
 
 log = logging.getLogger("specray.ingress")
 
@@ -42,16 +43,21 @@ def sse(obj: dict | str) -> str:
 
 
 async def sse_body(gen, rid: str, model: str, records, chat: bool, include_usage: bool, arm: str, clock: StreamClock,
-                   timing: bool = False, logprobs_on: bool = False, tools: ToolCallStream | None = None):
+                   timing: bool = False, logprobs_on: bool = False, tools: ToolCallStream | None = None,
+                   direct: DirectLink | None = None):
     """The SSE body. Deltas (one per round per stream at most: the replica merges what queued up) are
     written from a per-stream template: no dict or json.dumps per chunk (openai_schema.DeltaTemplate).
     With `timing` the final chunk carries the per-stage breakdown under `specray_timing` (timing.py).
     `tools`: the request offered tools; its text goes through the splitter, <tool_call> blocks going out
-    as `tool_calls` deltas (logprobs are not streamed then)."""
+    as `tool_calls` deltas (logprobs are not streamed then). `direct`: the stream's DirectLink (direct
+    writes: the round thread writes the plain deltas with the same template; this body yields the rest);
+    closed when the body ends, so no write follows the last chunk."""
     created = now()
     finished = False
     tag = {"arm": arm}
     delta = DeltaTemplate(rid, model, created, chat, tag)
+    if direct is not None:
+        direct.template = delta
     offset = 0  # completions logprobs' text_offset of the next token
     n_calls: list = []  # tool calls streamed so far (their delta index)
     try:
@@ -106,7 +112,8 @@ async def sse_body(gen, rid: str, model: str, records, chat: bool, include_usage
                 yield sse(last)
                 finished = True
             elif t == "error":
-                records.add_error(chunk["status"])
+                if chunk.get("code") != "client_disconnected":  # a direct write found the client gone: no error
+                    records.add_error(chunk["status"])
                 yield sse(error_body(chunk["message"], chunk["status"], chunk.get("param"), chunk.get("code")))
                 finished = True
                 break
@@ -116,6 +123,9 @@ async def sse_body(gen, rid: str, model: str, records, chat: bool, include_usage
         yield sse(error_body(str(err), err.status, err.param, err.code))
         finished = True
     finally:
+        if direct is not None:
+            direct.close()
+            records.add_direct(direct.summary())
         if not finished:
             gen.cancel()  # the client went away: the replica frees the slot
     yield sse("[DONE]")

@@ -121,10 +121,11 @@ class RouterCore:
     def prompt_tokens(self, request: dict):
         return self.admission.prompt_tokens(request)
 
-    async def submit(self, req: GenerationRequest) -> tuple[Sequence, asyncio.Queue]:
-        """Queue a request; returns once the round thread has accepted it (or raises RequestError)."""
+    async def submit(self, req: GenerationRequest, direct=None) -> tuple[Sequence, asyncio.Queue]:
+        """Queue a request; returns once the round thread has accepted it (or raises RequestError). `direct`:
+        the stream's DirectLink (direct.py), where its plain deltas may go straight to the client's socket."""
         loop = asyncio.get_running_loop()
-        stream = Stream(loop, asyncio.Queue())
+        stream = Stream(loop, asyncio.Queue(), direct=direct)
         fut = loop.create_future()
         self._post(Op("submit", req=req, stream=stream, future=fut))
         try:

@@ -36,6 +36,7 @@ from specray.engine.config import ChainConfig
 
 from specray.deployments.ab.arms import DEFAULT_ARM
 from specray.deployments.replica.core import RequestError, RouterCore
+from specray.deployments.replica.direct import DirectLink
 from specray.deployments.replica.metrics import replica_stages
 from specray.deployments.replica.streams import next_chunk_stamped
 from specray.deployments.config import ServeConfig, deep_merge
@@ -84,33 +85,52 @@ class EngineReplica:
         self.cfg = self.core.cfg
         log.info("arm %s: chain updated at run time: %s", self.arm, result)
 
-    async def generate_stream(self, request: dict):
+    async def generate_stream(self, request: dict, direct: DirectLink | None = None):
+        """The request's chunks (module docstring). `direct`: the stream's DirectLink, where the caller runs
+        in this process with the client's socket (the fused layout with direct ingress; direct.py): the round
+        thread then writes plain deltas to the socket itself and this generator yields only the rest. Each
+        chunk it yields has been handed to the transport when the caller asks for the next one, which is when
+        the link may be armed."""
         t_start = perf_counter()
         wall_start = time.time()
         try:
             req = self.core.make_request(request)
             t_request = perf_counter()
-            seq, queue = await self.core.submit(req)
+            seq, queue = await self.core.submit(req, direct=direct)
         except Exception as e:
             yield error_chunk(e)
             return
         done = False
         emit_s, emit_chunks = 0.0, 0  # the emit stage, summed over the delta chunks (two clock reads each)
+        numbered = [None] if direct is not None else None  # the number of the last delta taken
         try:
             to_start = perf_counter() - t_start
             yield {"type": "start", "id": seq.id, "prompt_tokens": len(req.prompt_tokens),
                    "truncated_prompt_tokens": getattr(req, "truncated_prompt_tokens", 0)}
+            if direct is not None:  # the response's head (and a chat's role chunk) went out before this
+                await direct.arm()
             while True:
                 lps: dict[str, list] = {"logprobs": [], "prompt_logprobs": []}
-                text, term, t_made = await next_chunk_stamped(queue, lps)
+                text, term, t_made = await next_chunk_stamped(queue, lps, numbered)
                 if text or lps["logprobs"] or lps["prompt_logprobs"]:
                     if t_made is not None:
                         emit_s += perf_counter() - t_made
                         emit_chunks += 1
                     yield {"type": "delta", "text": text} | {k: v for k, v in lps.items() if v}
+                    if direct is not None:
+                        direct.consumed_upto(numbered[0])
+                        if term is None:
+                            await direct.arm()
+                if term is not None and term["type"] == "raw":  # the rest of a chunk the socket did not take
+                    direct.write_raw(term["data"])
+                    direct.consumed_upto(term["n"])
+                    await direct.arm()
+                    continue
                 if term is not None:
                     done = True
                     if term["type"] == "end":  # the ingress adds its own stages (once per request)
+                        if direct is not None:  # the deltas the round thread wrote itself
+                            term["timing"] |= direct.timing()
                         term["timing"] |= replica_stages(t_start, t_request, seq.t_admit, seq.t_first_token,
                                                          seq.t_finish, perf_counter(), emit_s, emit_chunks,
                                                          to_start)

@@ -16,6 +16,7 @@ from specray.engine.request import Sequence, SeqState
 from specray.engine.scheduler import Event, QueueFullError, Scheduler
 
 from .admission import RequestError
+from .direct import GONE, POST, RAW
 from .streams import (Op, Outbox, Stream, call_in_loop, end_info, error_item, logprob_entries, prompt_logprob_entries,
                       resolve)
 
@@ -104,7 +105,17 @@ class Slots:
                 self.scheduler.cancel(ev.seq)
             return
         items = out.setdefault(st.loop, [])
-        if ev.text or (ev.logprobs is not None and len(ev.logprobs)) or ev.prompt_logprobs:
+        link = st.direct
+        plain = ev.logprobs is None and not ev.prompt_logprobs
+        if ev.text and plain and link is not None:
+            kind, rest, n = link.offer(ev.text)  # written to the socket now, if the link is armed
+            if kind == GONE:
+                return self._socket_gone(ev.seq, st, items)
+            if kind == RAW:  # the socket took part of the chunk: the loop writes the rest before anything else
+                items.append((st.queue, {"type": "raw", "data": rest, "n": n}))
+            elif kind == POST:
+                items.append((st.queue, {"type": "delta", "text": ev.text, "t": perf_counter(), "n": n}))
+        elif ev.text or (ev.logprobs is not None and len(ev.logprobs)) or ev.prompt_logprobs:
             # "t": when the round produced it; the replica's loop measures the emit stage from it
             item = {"type": "delta", "text": ev.text, "t": perf_counter()}
             piece = self.scheduler.tok.token_to_piece if ev.logprobs is not None or ev.prompt_logprobs else None
@@ -112,12 +123,30 @@ class Slots:
                 item["logprobs"] = logprob_entries(ev.logprobs, ev.tokens, piece)
             if ev.prompt_logprobs:  # echo: the prompt's, once, with the first tokens
                 item["prompt_logprobs"] = prompt_logprob_entries(ev.prompt_logprobs, ev.seq.req.prompt_tokens, piece)
+            if link is not None:
+                item["n"] = link.posting()
             items.append((st.queue, item))
         if ev.finished:
             del self.streams[ev.seq.id]
             # a sequence the target could not go on with (a state it could not roll back) ends in a 500
-            items.append((st.queue, end_info(ev.seq) if ev.error is None
-                          else error_item(500, ev.error, code="target_state_error")))
+            end = end_info(ev.seq) if ev.error is None else error_item(500, ev.error, code="target_state_error")
+            if link is not None:
+                end["n"] = link.posting()
+            items.append((st.queue, end))
+
+    def _socket_gone(self, seq: Sequence, st: Stream, items: list) -> None:
+        """A direct write found the client's connection broken: free the slot now, as a cancel would, and end
+        the stream's generator (its loop may not have seen the disconnect yet)."""
+        self.streams.pop(seq.id, None)
+        if not seq.finished:
+            self.rel.cancelled += 1
+            try:
+                self.scheduler.cancel(seq)
+            except Exception:
+                log.exception("cancel failed")
+            if seq.finished:
+                self.finished(seq)
+        items.append((st.queue, error_item(499, "the client closed the connection", code="client_disconnected")))
 
     def finished(self, seq: Sequence) -> None:
         """Tell the observer once per request (a queued request cancelled never reaches a round)."""
@@ -134,6 +163,8 @@ class Slots:
         for seq in seqs:
             st = self.streams.pop(seq.id, None)
             if st is not None:
+                if st.direct is not None:  # disarm: nothing is written after the error
+                    item = item | {"n": st.direct.posting()}
                 out.setdefault(st.loop, []).append((st.queue, item))
             if not seq.finished:
                 try:

@@ -7,7 +7,10 @@ one `call_soon_threadsafe` (one wake-up per event loop per round).
 Items: {"type": "delta", "text", "t"} ("t": perf_counter when the round
 produced it; "logprobs": logprob_entries of its tokens where the request asked
 for them), then one of {"type": "end", ...} (end_info)
-or {"type": "error", ...} (error_item).
+or {"type": "error", ...} (error_item). A stream with a DirectLink (direct.py)
+gets only what the round thread did not write to its socket itself, each item
+numbered ("n") by the link, and {"type": "raw", "data", "n"}: the rest of a
+chunk the socket did not take whole, for the loop to write first.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from specray.engine.request import GenerationRequest, Sequence
 
+from .direct import DirectLink
 from .metrics import timing_of
 
 
@@ -30,6 +34,7 @@ class Stream:
     queue: asyncio.Queue
     seq: Sequence | None = None
     abandoned: bool = False  # the caller went away before the submission was answered
+    direct: DirectLink | None = None  # the round thread may write plain deltas to the socket (direct.py)
 
 
 @dataclass
@@ -125,7 +130,8 @@ def call_in_loop(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
 def flush(out: Outbox) -> None:
     """Hand every loop the items of this round (one wake-up each)."""
     for loop, items in out.items():
-        call_in_loop(loop, deliver, items)
+        if items:
+            call_in_loop(loop, deliver, items)
 
 
 async def next_chunk(queue: asyncio.Queue) -> tuple[str, dict | None]:
@@ -144,17 +150,21 @@ def _collect(item: dict, into: dict[str, list] | None) -> None:
             entries.extend(item.get(key, ()))
 
 
-async def next_chunk_stamped(queue: asyncio.Queue,
-                             logprobs: dict[str, list] | None = None) -> tuple[str, dict | None, float | None]:
+async def next_chunk_stamped(queue: asyncio.Queue, logprobs: dict[str, list] | None = None,
+                             numbered: list | None = None) -> tuple[str, dict | None, float | None]:
     """next_chunk, plus when the round thread produced the oldest delta taken (perf_counter; None if
     no delta was taken): the replica's emit stage is "now" minus that, once per chunk it yields. The deltas'
-    entries under each key of `logprobs` ("logprobs", "prompt_logprobs") are added to its lists."""
+    entries under each key of `logprobs` ("logprobs", "prompt_logprobs") are added to its lists; `numbered[0]`
+    becomes the number ("n") of the last delta taken, where items carry one (a DirectLink's stream). Any item
+    but a delta ends the chunk: it is returned as the terminal one (a "raw" item is not the stream's end)."""
     item = await queue.get()
     if item["type"] != "delta":
         return "", item, None
     t_made = item.get("t")
     if queue.empty():  # the common case: one round's delta, nothing to merge
         _collect(item, logprobs)
+        if numbered is not None:
+            numbered[0] = item.get("n")
         return item["text"], None, t_made
     texts: list[str] = []
     while True:
@@ -162,6 +172,8 @@ async def next_chunk_stamped(queue: asyncio.Queue,
             return "".join(texts), item, t_made
         texts.append(item["text"])
         _collect(item, logprobs)
+        if numbered is not None:
+            numbered[0] = item.get("n")
         if queue.empty():
             return "".join(texts), None, t_made
         item = queue.get_nowait()

@@ -171,3 +171,10 @@ def test_gpu_split_flags_reach_the_engine_config_and_bad_shares_are_refused(caps
     with pytest.raises(SystemExit):
         main(["bench", "--tensor-split", "3,x"])
     assert "--tensor-split: expected comma-separated numbers" in capsys.readouterr().err
+
+
+def test_direct_writes_flag_and_its_default():
+    assert ServeConfig().direct_writes is True
+    assert config_from_args(parse("--no-direct-writes"), environ={}).direct_writes is False
+    assert config_from_args(parse("--direct-writes"), environ={}).direct_writes is True
+    assert "direct_writes" not in flag_overrides(parse())
