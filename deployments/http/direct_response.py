@@ -122,4 +122,7 @@ class DirectStreamingResponse(StreamingResponse):
                 self.link.attach(sock.fileno(), writable, transport.write)
             except OSError:
                 pass
-        await super().__call__(scope, receive, send)
+        try:
+            await super().__call__(scope, receive, send)
+        finally:  # the body closes the link when it ends; a body that never started (head not sent) cannot
+            self.link.close()

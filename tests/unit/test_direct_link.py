@@ -185,3 +185,47 @@ def test_find_connection_refuses_what_direct_writes_cannot_serve():
             assert direct_response.find_connection(scope | bad, cyc.send) is None, bad
         assert direct_response.find_connection(scope, Cycle(Transport(conn, ssl=object())).send) is None
         assert direct_response.find_connection(scope, print) is None
+
+
+def test_the_response_closes_its_link_even_when_the_body_never_runs():
+    """The head cannot be sent (the client left before it): the body generator never starts, so its `finally`
+    cannot close the link; the response must, or the dup of the connection's fd would stay open."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    cli = socket.create_connection(srv.getsockname())
+    conn, peer = srv.accept()
+    conn.setblocking(False)
+
+    class Transport:
+        def get_extra_info(self, key):
+            return {"socket": conn, "sslcontext": None}[key]
+
+        def write(self, data):
+            pass
+
+    class Cycle:
+        transport, chunked_encoding, disconnected = Transport(), True, False
+
+        async def send(self, message):
+            seen.append(link.attached)  # the response attached the connection before sending the head
+            raise OSError("the client went away")
+
+    seen: list[bool] = []
+
+    async def body():
+        yield "never"
+
+    link = DirectLink()
+    resp = direct_response.DirectStreamingResponse(body(), link=link)
+    scope = {"type": "http", "scheme": "http", "http_version": "1.1", "client": list(peer),
+             "asgi": {"spec_version": "2.4"}}
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    with srv, cli, conn:
+        with pytest.raises(Exception):
+            asyncio.run(resp(scope, receive, Cycle().send))
+        assert seen == [True]
+        assert link.closed and not link.attached
