@@ -335,9 +335,11 @@ class IngressRoutes:
 
     def _direct_link(self, engine, req: dict, chat: bool) -> DirectLink | None:
         """A DirectLink for this stream where the round thread may write its deltas (direct writes,
-        deployments/replica/direct.py): the engine runs in this process (fused), direct_writes is on, and
-        every delta is plain text (no logprobs, echo or tool calls, one choice)."""
-        if not (self.cfg.direct_writes and getattr(engine, "in_process", False)):
+        deployments/replica/direct.py): the engine runs in this process (fused), this process serves HTTP
+        itself (Serve's direct ingress: behind Serve's proxy there is no socket here to write to), direct_writes
+        is on, and every delta is plain text (no logprobs, echo or tool calls, one choice)."""
+        if not (self.cfg.direct_writes and getattr(engine, "in_process", False)
+                and serve_constants.RAY_SERVE_ENABLE_DIRECT_INGRESS):
             return None
         s = req["sampling"]
         if s.get("logprobs") is not None or s.get("prompt_logprobs") or (chat and req.get("tools")):
