@@ -299,7 +299,9 @@ def run(url: str, prompts: list[Prompt], concurrency: int, max_tokens: int = 128
     # the server's processes on this machine: CPU per token, decode threads and the rest (bench/server_cpu.py)
     pids = server_cpu.server_pids(before) if before is not None and server_cpu.is_local(url) else []
     decoding = server_cpu.decode_tids(before)
-    cpu_before = server_cpu.cpu_seconds(pids, decoding) if pids else None
+    # and Ray's own processes beside them (the daemons, Serve's controller and proxy)
+    ray_pids = server_cpu.ray_pids(exclude=pids) if pids else []
+    cpu_before = server_cpu.cpu_seconds(pids, decoding) | {"ray": server_cpu.process_seconds(ray_pids)} if pids else None
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     t0 = time.perf_counter()
     for t in threads:
@@ -307,9 +309,9 @@ def run(url: str, prompts: list[Prompt], concurrency: int, max_tokens: int = 128
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    cpu_after = server_cpu.cpu_seconds(pids, decoding) if pids else None
+    cpu_after = server_cpu.cpu_seconds(pids, decoding) | {"ray": server_cpu.process_seconds(ray_pids)} if pids else None
     after = get_stats(url, api_key) if before is not None else None
     agg = aggregate(results, errors, wall, concurrency)
     cpu = server_cpu.per_token(cpu_before, cpu_after, agg["completion_tokens"]) if pids else None
     return {"url": url, "mode": (after or {}).get("mode")} | agg | window_figures(before, after) | \
-        ({"server_cpu": cpu | {"processes": len(pids)}} if cpu else {})
+        ({"server_cpu": cpu | {"processes": len(pids), "ray_processes": len(ray_pids)}} if cpu else {})

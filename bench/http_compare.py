@@ -25,6 +25,7 @@ from collections import OrderedDict
 from specray.engine.config import ChainConfig, EngineConfig, HiddenStateConfig, parse_chain
 
 from specray.bench import http_client as http_bench
+from specray.cluster.ray_env import environment, quiet_ray_env
 from specray.bench.stages import table as stage_table
 from specray.bench.report import print_report
 from specray.bench.run import default_prompts_path, load_prompts
@@ -221,6 +222,7 @@ COLUMNS = [
     ("acc_len", 8, lambda r: r.get("mean_acceptance_length"), ".2f"),
     ("dec cpu", 8, lambda r: (r.get("server_cpu") or {}).get("decode_ms_per_token"), ".2f"),
     ("srv cpu", 8, lambda r: (r.get("server_cpu") or {}).get("other_ms_per_token"), ".2f"),
+    ("ray cpu", 8, lambda r: (r.get("server_cpu") or {}).get("ray_ms_per_token"), ".2f"),
     ("ttft ms", 9, lambda r: r.get("mean_ttft_ms"), ".0f"),
     ("errors", 7, lambda r: r["n_errors"], "d"),
 ]
@@ -251,7 +253,8 @@ def table(report: dict) -> str:
                  "the actor's own time, ms; round/draft/verify = ms per round: the whole round, the speculators' "
                  "drafting (companion call included), the target's own decode time"
                  + ("; dec cpu / srv cpu = CPU ms per generated token of the server's processes on this machine: "
-                    "llama.cpp's decode threads / every other thread (bench/server_cpu.py)"
+                    "llama.cpp's decode threads / every other thread; ray cpu: Ray's own processes beside them "
+                    "(GCS, raylet, dashboard, log monitor, Serve controller and proxy; bench/server_cpu.py)"
                     if any(r.get("server_cpu") for r in rows) else ""))
     for r in report["rows"]:
         if r.get("stages"):
@@ -277,9 +280,11 @@ def local_serve(port: int = 0, progress=print, apps: int = 1):
 
     port = port or _free_port()
     t0 = time.perf_counter()
-    # address="local": always a new cluster, even when RAY_ADDRESS points at one
-    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2) * max(1, apps), include_dashboard=False,
-             logging_level="WARNING", log_to_driver=False)
+    # address="local": always a new cluster, even when RAY_ADDRESS points at one; Ray's own processes as
+    # quiet as specray serve starts them (cluster/ray_env.py), so the served rows pay what they would there
+    with environment(quiet_ray_env(os.environ)):
+        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2) * max(1, apps), include_dashboard=False,
+                 logging_level="WARNING", log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         progress(f"local Ray + Serve on port {port} in {time.perf_counter() - t0:.1f}s")

@@ -13,6 +13,11 @@ task) count as `decode`, every other thread as `other` (event loops, HTTP,
 Ray's own threads). A thread that
 ended during the run loses its time (none of a served engine's do). Servers
 without /v1/stats (llama-server) or elsewhere get no figures.
+
+`ray`: Ray's own processes on this machine that /v1/stats does not name
+(GCS, raylet, dashboard and its agents, log monitor, the Serve controller and
+proxy, idle workers): they run on the same cores too, request or not
+(cluster/ray_env.py).
 """
 
 from __future__ import annotations
@@ -102,12 +107,64 @@ def cpu_seconds(pids: list[int], decoding: list[int] = ()) -> dict[str, float]:
     return out
 
 
+#: Ray's daemons by /proc/PID/comm; its Python processes are `ray::NAME` or a script of Ray's package
+RAY_DAEMONS = ("gcs_server", "raylet")
+
+
+def is_ray_process(comm: str, argv: list[str]) -> bool:
+    """A process of Ray itself: a daemon, a worker or actor (`ray::...`), or one of Ray's own scripts.
+
+    >>> is_ray_process("ray::ServeController", ["ray::ServeController"])
+    True
+    >>> is_ray_process("python", ["/v/bin/python", "-u", "/v/lib/python3.11/site-packages/ray/_private/log_monitor.py"])
+    True
+    >>> is_ray_process("specray", ["/v/bin/python", "/v/bin/specray", "serve"])
+    False
+    """
+    if comm.startswith("ray::") or comm in RAY_DAEMONS:
+        return True
+    script = next((a for a in argv[1:] if not a.startswith("-")), "")
+    return "/site-packages/ray/" in script
+
+
+def ray_pids(exclude: list[int] = ()) -> list[int]:
+    """Every process of Ray on this machine (is_ray_process) but those in `exclude`, sorted."""
+    out = []
+    skip = set(exclude)
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in skip:
+            continue
+        try:
+            with open(f"/proc/{name}/comm") as f:
+                comm = f.read().strip()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if is_ray_process(comm, argv):
+            out.append(int(name))
+    return sorted(out)
+
+
+def process_seconds(pids: list[int]) -> float:
+    """User + system CPU so far of whole processes (every thread, ended ones too); a gone process counts 0."""
+    total = 0.0
+    for pid in pids:
+        try:
+            total += stat_seconds(f"/proc/{pid}/stat")
+        except OSError:
+            pass
+    return total
+
+
 def per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict | None:
     """Milliseconds of CPU per generated token between two cpu_seconds snapshots; None without tokens.
 
     >>> per_token({"decode": 1.0, "other": 0.5}, {"decode": 2.5, "other": 0.8}, 1000)
     {'decode_ms_per_token': 1.5, 'other_ms_per_token': 0.3}
+    >>> per_token({"decode": 1.0, "other": 0.5, "ray": 2.0}, {"decode": 2.5, "other": 0.8, "ray": 2.1}, 1000)
+    {'decode_ms_per_token': 1.5, 'other_ms_per_token': 0.3, 'ray_ms_per_token': 0.1}
     """
     if tokens <= 0:
         return None
-    return {f"{k}_ms_per_token": round(1000 * (after[k] - before[k]) / tokens, 3) for k in ("decode", "other")}
+    return {f"{k}_ms_per_token": round(1000 * (after[k] - before[k]) / tokens, 3) for k in before if k in after}

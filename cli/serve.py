@@ -8,9 +8,10 @@ import sys
 import time
 
 from specray.engine.config import DRAFT_LOAD_FIELDS, parse_chain
-
 from specray.deployments.ab.arms import parse_arm_flag, resolve_arms
 from specray.deployments.config import ServeConfig, deep_merge, load_serve_config, read_yaml
+
+from specray.cluster.ray_env import environment, quiet_ray_env
 
 # argparse flag -> ServeConfig path. The serve flags default to argparse.SUPPRESS: an attribute
 # exists only if the user gave the flag, so "given" never has to be guessed from the value.
@@ -239,6 +240,8 @@ def main_serve(args) -> int:
         cfg = cfg.model_copy(update={"direct_ingress": on})
     else:
         auto = None
+    # a local Ray that this command starts: Ray's own processes quieter (cluster/ray_env.py), set around ray.init
+    quiet = quiet_ray_env(os.environ) if address == "local" and getattr(args, "quiet_ray", True) else {}
     if cfg.direct_ingress:
         if "ray.serve" in sys.modules:  # Serve read its flags at import: too late to set them
             raise RuntimeError("--direct-ingress must be set before Ray Serve is imported in this process")
@@ -253,7 +256,8 @@ def main_serve(args) -> int:
 
     joined = False
     if not ray.is_initialized():
-        line, joined = connect_ray(address, why)
+        with environment(quiet):
+            line, joined = connect_ray(address, why)
         print(f"specray: {line}", flush=True)
     if joined and cfg.direct_ingress:
         ray.shutdown()
@@ -271,6 +275,8 @@ def main_serve(args) -> int:
     layout = "fused: the engine replica serves HTTP" if uses_fused(cfg) else "split: ingress + engine deployments"
     if cfg.direct_ingress:
         layout += f"; direct ingress: the replica listens on {cfg.port}, Serve's proxy on {proxy_port}"
+    if quiet:
+        layout += f"; quiet Ray ({len(quiet)} settings, --no-quiet-ray for Ray's defaults)"
     if auto is not None:
         layout += f"; {auto}"
     print(f"specray: serving {cfg.model_id} ({cfg.mode}, {layout}, {what}, "

@@ -93,11 +93,41 @@ def _ask(port: int) -> str:
     return r.choices[0].message.content
 
 
+def _environ_of(comm: str, tmpdir: str) -> dict[str, str]:
+    """The environment of the process named `comm` (/proc/PID/comm) that runs with TMPDIR=tmpdir (this test's
+    Ray, not the suite's shared one)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() != comm:
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                pairs = [kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv]
+        except OSError:
+            continue
+        e = dict(pairs)
+        if e.get("TMPDIR") == tmpdir:
+            return e
+    raise AssertionError(f"no {comm} of this test's Ray")
+
+
 def test_serve_starts_its_own_ray_where_none_runs(env):
+    """A new local Ray, quiet (cluster/ray_env.py): its processes get the settings, but one the user set."""
+    from specray.cluster.ray_env import QUIET_RAY_ENV
+
+    env = env | {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2"}
     proc, port, lines = _serve(env)
     try:
         ray_line = next(ln for ln in lines if ln.startswith("specray: ") and "Ray" in ln)
         assert "started a local Ray" in ray_line and "no running Ray cluster found" in ray_line, lines
+        serving = next(ln for ln in lines if ln.startswith("specray: serving"))
+        assert f"quiet Ray ({len(QUIET_RAY_ENV) - 1} settings" in serving, serving
+        controller = _environ_of("ray::ServeContr", env["TMPDIR"])  # comm: 15 characters
+        raylet = _environ_of("raylet", env["TMPDIR"])
+        assert controller["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2"  # the user's value
+        for k, v in QUIET_RAY_ENV.items():
+            if k != "RAY_SERVE_CONTROL_LOOP_INTERVAL_S":
+                assert controller[k] == raylet[k] == v, k
         assert _ask(port)
     finally:
         _stop(proc)

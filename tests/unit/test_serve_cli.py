@@ -178,3 +178,17 @@ def test_direct_writes_flag_and_its_default():
     assert config_from_args(parse("--no-direct-writes"), environ={}).direct_writes is False
     assert config_from_args(parse("--direct-writes"), environ={}).direct_writes is True
     assert "direct_writes" not in flag_overrides(parse())
+
+
+def test_quiet_ray_flag_and_its_settings():
+    """On by default; the settings only slow loops that Ray runs at 10 Hz or 5 Hz (cluster/ray_env.py)."""
+    import doctest
+
+    from specray.cluster import ray_env
+
+    assert parse().quiet_ray is True and parse("--no-quiet-ray").quiet_ray is False
+    failed, attempted = doctest.testmod(ray_env)
+    assert attempted >= 4 and failed == 0
+    assert ray_env.quiet_ray_env({}) == ray_env.QUIET_RAY_ENV
+    assert set(ray_env.QUIET_RAY_ENV) >= {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"}
+    assert all(float(v) > 0 for v in ray_env.QUIET_RAY_ENV.values())  # a slower loop, never a switched-off one

@@ -103,3 +103,31 @@ def test_remote_and_missing_servers_give_no_pids():
     assert server_cpu.server_pids(None) == []
     assert server_cpu.cpu_seconds([2 ** 22 + 12345]) == {"decode": 0.0, "other": 0.0}  # no such process
     assert server_cpu.per_token({"decode": 0, "other": 0}, {"decode": 1, "other": 1}, 0) is None
+
+
+def test_ray_processes_found_by_name_and_script(tmp_path):
+    """A process whose script lives in Ray's package counts as Ray's (the dashboard, the log monitor), one of
+    specray's own does not; a real child process, found through /proc, its CPU read from its stat file."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "site-packages" / "ray" / "_private" / "fake_monitor.py"
+    script.parent.mkdir(parents=True)
+    script.write_text("import time\nt = time.process_time() + 0.3\nwhile time.process_time() < t: pass\n"
+                      "time.sleep(30)\n")
+    other = tmp_path / "specray_tool.py"
+    other.write_text("import time\ntime.sleep(30)\n")
+    ray_like = subprocess.Popen([sys.executable, "-u", str(script)])
+    plain = subprocess.Popen([sys.executable, str(other)])
+    try:
+        deadline = time.time() + 20
+        while server_cpu.process_seconds([ray_like.pid]) < 0.25 and time.time() < deadline:
+            time.sleep(0.05)
+        found = server_cpu.ray_pids()
+        assert ray_like.pid in found and plain.pid not in found and os.getpid() not in found
+        assert ray_like.pid not in server_cpu.ray_pids(exclude=[ray_like.pid])
+        assert server_cpu.process_seconds([ray_like.pid]) >= 0.25
+        assert server_cpu.process_seconds([2 ** 22 + 1]) == 0.0  # no such process: nothing, no error
+    finally:
+        ray_like.kill()
+        plain.kill()
