@@ -258,6 +258,8 @@ def main_serve(args) -> int:
     if not ray.is_initialized():
         with environment(quiet):
             line, joined = connect_ray(address, why)
+        if quiet:
+            line += f"; quiet: {len(quiet)} of Ray's periodic loops slowed, --no-quiet-ray for Ray's defaults"
         print(f"specray: {line}", flush=True)
     if joined and cfg.direct_ingress:
         ray.shutdown()
@@ -275,8 +277,6 @@ def main_serve(args) -> int:
     layout = "fused: the engine replica serves HTTP" if uses_fused(cfg) else "split: ingress + engine deployments"
     if cfg.direct_ingress:
         layout += f"; direct ingress: the replica listens on {cfg.port}, Serve's proxy on {proxy_port}"
-    if quiet:
-        layout += f"; quiet Ray ({len(quiet)} settings, --no-quiet-ray for Ray's defaults)"
     if auto is not None:
         layout += f"; {auto}"
     print(f"specray: serving {cfg.model_id} ({cfg.mode}, {layout}, {what}, "
