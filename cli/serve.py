@@ -8,10 +8,10 @@ import sys
 import time
 
 from specray.engine.config import DRAFT_LOAD_FIELDS, parse_chain
-from specray.deployments.ab.arms import parse_arm_flag, resolve_arms
-from specray.deployments.config import ServeConfig, deep_merge, load_serve_config, read_yaml
 
 from specray.cluster.ray_env import environment, quiet_ray_env
+from specray.deployments.ab.arms import parse_arm_flag, resolve_arms
+from specray.deployments.config import ServeConfig, deep_merge, load_serve_config, read_yaml
 
 # argparse flag -> ServeConfig path. The serve flags default to argparse.SUPPRESS: an attribute
 # exists only if the user gave the flag, so "given" never has to be guessed from the value.

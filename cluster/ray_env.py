@@ -3,21 +3,22 @@
 On a small node llama.cpp's decode threads use every core, and each of them
 waits for the others at every barrier of the graph: whatever else runs on a
 core stalls the whole decode, not just one thread. An idle `specray serve`
-(Ray 2.60, 2 cores) spent ~180 ms of CPU a second outside the engine: the
+(Ray 2.60, 2 cores) spent ~160 ms of CPU a second outside the engine: the
 Serve controller's 10 Hz control loop ~43 (and the GCS ~27 answering it),
 the replica's and proxy's cached-metrics export at 10 Hz, the raylet's 10 Hz
 resource reports and GC checks. A SmolLM2 decode in another process beside
 that idle server ran at 0.84-1.02x (median 0.90, 12 pairs) of its speed with
 Ray's processes frozen (SIGSTOP; README 'Quiet local Ray'). These settings
-bring the idle CPU to about half; what is left is mostly fixed in Ray (each
+bring the idle CPU to ~90 ms a second; what is left is mostly fixed in Ray (each
 worker's main thread checks for signals every 10 ms, the dashboard agent, the
 log monitor).
 
 Each setting only slows a loop whose period is far below what it serves:
 - the Serve control loop at 0.5 s instead of 0.1 s: deployment changes,
   health checks (10 s) and autoscaling decisions react up to 0.4 s later;
-- Serve's cached metrics exported every 1 s instead of 0.1 s (Ray's
-  Prometheus endpoint only; specray's own /metrics and /v1/stats are live);
+- Serve's replicas and routers hand their cached request metrics to Ray's
+  metrics agent every 1 s instead of 0.1 s (the agent pushes every 10 s
+  anyway; /v1/stats is live);
 - the raylet's resource reports to the GCS every 1 s instead of 0.1 s, its
   check for a needed Python GC and for idle workers to kill every 1 s: one
   node, nothing else schedules on it.
@@ -53,7 +54,6 @@ def quiet_ray_env(environ: Mapping[str, str]) -> dict[str, str]:
     (False, '1000')
     """
     return {k: v for k, v in QUIET_RAY_ENV.items() if k not in environ}
-
 
 
 @contextlib.contextmanager
