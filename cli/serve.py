@@ -259,7 +259,7 @@ def main_serve(args) -> int:
         with environment(quiet):
             line, joined = connect_ray(address, why)
         if quiet:
-            line += f"; quiet: {len(quiet)} of Ray's periodic loops slowed, --no-quiet-ray for Ray's defaults"
+            line += f"; quiet: {len(quiet)} settings slow Ray's periodic loops, --no-quiet-ray for Ray's defaults"
         print(f"specray: {line}", flush=True)
     if joined and cfg.direct_ingress:
         ray.shutdown()

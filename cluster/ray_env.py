@@ -21,7 +21,13 @@ Each setting only slows a loop whose period is far below what it serves:
   anyway; /v1/stats is live);
 - the raylet's resource reports to the GCS every 1 s instead of 0.1 s, its
   check for a needed Python GC and for idle workers to kill every 1 s: one
-  node, nothing else schedules on it.
+  node, nothing else schedules on it;
+- the log monitor lists the session's log folder for new files every 2 s
+  instead of on each 0.1 s pass (it still reads the files it has open at
+  10 Hz, so a known worker's lines reach the driver as fast; a new worker's
+  first lines up to 2 s later, none lost: a new file is read from its start);
+- the dashboard agent's node report (psutil over every worker process, for
+  Ray's metrics; specray starts no dashboard) every 10 s instead of 5 s.
 
 Applied only where `specray serve` starts its own local Ray (it sets them in
 its environment before ray.init, and Ray's processes inherit it); a variable
@@ -43,6 +49,12 @@ QUIET_RAY_ENV: dict[str, str] = {
     "RAY_raylet_report_resources_period_milliseconds": "1000",  # 100
     "RAY_raylet_check_gc_period_milliseconds": "1000",  # 100
     "RAY_kill_idle_workers_interval_ms": "1000",  # 200
+    # the log monitor lists the session's log folder for new files on every 0.1 s pass while it watches fewer
+    # files than this, else every LOG_NAME_UPDATE_INTERVAL_S: at 1, the latter from its first file on
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "1",  # 1000
+    "LOG_NAME_UPDATE_INTERVAL_S": "2",  # 0.5
+    # the dashboard agent's node report (psutil over every worker process) for Ray's metrics; no dashboard runs
+    "REPORTER_UPDATE_INTERVAL_MS": "10000",  # 5000
 }
 
 

@@ -93,14 +93,19 @@ def _ask(port: int) -> str:
     return r.choices[0].message.content
 
 
-def _environ_of(comm: str, tmpdir: str) -> dict[str, str]:
-    """The environment of the process named `comm` (/proc/PID/comm) that runs with TMPDIR=tmpdir (this test's
-    Ray, not the suite's shared one)."""
+def _environ_of(comm: str, tmpdir: str, script: str | None = None) -> dict[str, str]:
+    """The environment of the process named `comm` (/proc/PID/comm; with `script`, a process whose command line
+    names that script instead) that runs with TMPDIR=tmpdir (this test's Ray, not the suite's shared one)."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() != comm:
-                    continue
+            if script is None:
+                with open(f"/proc/{pid}/comm") as f:
+                    if f.read().strip() != comm:
+                        continue
+            else:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if not any(arg.endswith(script.encode()) for arg in f.read().split(b"\0")):
+                        continue
             with open(f"/proc/{pid}/environ", "rb") as f:
                 pairs = [kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv]
         except OSError:
@@ -120,13 +125,16 @@ def test_serve_starts_its_own_ray_where_none_runs(env):
     try:
         ray_line = next(ln for ln in lines if ln.startswith("specray: ") and "Ray" in ln)
         assert "started a local Ray" in ray_line and "no running Ray cluster found" in ray_line, lines
-        assert f"quiet: {len(QUIET_RAY_ENV) - 1} of Ray's periodic loops slowed" in ray_line, ray_line
+        assert f"quiet: {len(QUIET_RAY_ENV) - 1} settings slow Ray's periodic loops" in ray_line, ray_line
         controller = _environ_of("ray::ServeContr", env["TMPDIR"])  # comm: 15 characters
         raylet = _environ_of("raylet", env["TMPDIR"])
         assert controller["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2"  # the user's value
+        # the log monitor is started beside the raylet (from the driver), the dashboard agent by the raylet
+        log_monitor = _environ_of("", env["TMPDIR"], script="log_monitor.py")
+        agent = _environ_of("ray::DashboardA", env["TMPDIR"])
         for k, v in QUIET_RAY_ENV.items():
             if k != "RAY_SERVE_CONTROL_LOOP_INTERVAL_S":
-                assert controller[k] == raylet[k] == v, k
+                assert controller[k] == raylet[k] == log_monitor[k] == agent[k] == v, k
         assert _ask(port)
     finally:
         _stop(proc)

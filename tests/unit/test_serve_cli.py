@@ -192,3 +192,31 @@ def test_quiet_ray_flag_and_its_settings():
     assert ray_env.quiet_ray_env({}) == ray_env.QUIET_RAY_ENV
     assert set(ray_env.QUIET_RAY_ENV) >= {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"}
     assert all(float(v) > 0 for v in ray_env.QUIET_RAY_ENV.values())  # a slower loop, never a switched-off one
+
+
+def test_ray_reads_the_quiet_settings_it_reads_in_python():
+    """The names are Ray's own: a Python process with QUIET_RAY_ENV sees the slower periods in Ray's constants
+    (the raylet's three are its C++ config, read through RAY_<name> like every Ray system setting). Guards a Ray
+    upgrade that renames one: the setting would silently do nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from specray.cluster.ray_env import QUIET_RAY_ENV
+
+    code = ("import ray._private.log_monitor as lm, ray.dashboard.modules.reporter.reporter_consts as rc\n"
+            "from ray.serve._private import constants as sc\n"
+            "print(sc.CONTROL_LOOP_INTERVAL_S, sc.RAY_SERVE_METRICS_EXPORT_INTERVAL_MS, "
+            "lm.RAY_LOG_MONITOR_MANY_FILES_THRESHOLD, lm.LOG_NAME_UPDATE_INTERVAL_S, rc.REPORTER_UPDATE_INTERVAL_MS)")
+
+    def read(extra):
+        env = {k: v for k, v in os.environ.items() if k not in QUIET_RAY_ENV} | extra
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return [float(x) for x in out.stdout.split()]
+
+    q = QUIET_RAY_ENV
+    assert read(q) == [float(q[k]) for k in ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS",
+                                             "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "LOG_NAME_UPDATE_INTERVAL_S",
+                                             "REPORTER_UPDATE_INTERVAL_MS")]
+    assert read({}) == [0.1, 100.0, 1000.0, 0.5, 5000.0]  # Ray 2.60's defaults: the quiet values differ from them
