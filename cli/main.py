@@ -382,9 +382,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet-ray", action=argparse.BooleanOptionalAction, default=True,
                    help="where specray serve starts its own local Ray: slower periodic loops in Ray's own processes "
                    "(Serve's control loop 0.5 s, metrics export and the raylet's reports 1 s, the log monitor's "
-                   "folder listing 2 s, the dashboard agent's node report 10 s), about 40%% less of their idle CPU, which "
-                   "a small node's decode threads would otherwise lose; a variable already set keeps its value "
-                   "(README 'Quiet local Ray'; default: on)")
+                   "folder listing 2 s, the dashboard agent's node report 10 s), about 40%% less of their idle "
+                   "CPU, which a small node's decode threads would otherwise lose; a variable already set keeps "
+                   "its value (README 'Quiet local Ray'; default: on)")
     p.add_argument("--mode", choices=["colocated", "distributed"], default=S,
                    help=f"target in the router process, or in its own actor {d(ServeConfig, 'mode')}")
     p.add_argument("--target-hop", choices=["auto", "actor", "compiled"], default=S,

@@ -68,10 +68,13 @@ LLAMA_ARGS=(-m "$GGUF" --host 127.0.0.1 --port "$LLAMA_PORT" -np "$SLOTS" -c "$N
 BENCH=(--no-in-process --streams $STREAMS --num-prompts "$NUM_PROMPTS" --max-tokens "$MAX_TOKENS")
 
 pid=""
-stop() {  # SIGINT (specray serve shuts its own Ray down), then the whole process group
+group_alive() {  # a process of the server's group that is not a zombie (the server itself is one until waited for)
+    ps -e -o pgid=,stat= | awk -v g="$pid" '$1 == g && $2 !~ /^Z/ {found = 1} END {exit !found}'
+}
+stop() {  # SIGINT (specray serve shuts its own Ray down), then SIGKILL to whatever of the group is left at 30 s
     [[ -z "$pid" ]] && return
     kill -INT -- "-$pid" 2>/dev/null || true
-    for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    for _ in $(seq 1 60); do group_alive || break; sleep 0.5; done
     kill -KILL -- "-$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
     pid=""

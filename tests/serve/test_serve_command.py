@@ -93,12 +93,12 @@ def _ask(port: int) -> str:
     return r.choices[0].message.content
 
 
-def _environ_of(comm: str, tmpdir: str, script: str | None = None) -> dict[str, str]:
-    """The environment of the process named `comm` (/proc/PID/comm; with `script`, a process whose command line
-    names that script instead) that runs with TMPDIR=tmpdir (this test's Ray, not the suite's shared one)."""
+def _environ_of(comm: str | None, tmpdir: str, script: str | None = None) -> dict[str, str]:
+    """The environment of the process named `comm` (/proc/PID/comm), or else of one whose command line runs
+    `script`, that runs with TMPDIR=tmpdir (this test's Ray, not the suite's shared one)."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if script is None:
+            if comm is not None:
                 with open(f"/proc/{pid}/comm") as f:
                     if f.read().strip() != comm:
                         continue
@@ -130,7 +130,7 @@ def test_serve_starts_its_own_ray_where_none_runs(env):
         raylet = _environ_of("raylet", env["TMPDIR"])
         assert controller["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2"  # the user's value
         # the log monitor is started beside the raylet (from the driver), the dashboard agent by the raylet
-        log_monitor = _environ_of("", env["TMPDIR"], script="log_monitor.py")
+        log_monitor = _environ_of(None, env["TMPDIR"], script="log_monitor.py")
         agent = _environ_of("ray::DashboardA", env["TMPDIR"])
         for k, v in QUIET_RAY_ENV.items():
             if k != "RAY_SERVE_CONTROL_LOOP_INTERVAL_S":

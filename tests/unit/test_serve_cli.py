@@ -215,8 +215,7 @@ def test_ray_reads_the_quiet_settings_it_reads_in_python():
         assert out.returncode == 0, out.stderr[-2000:]
         return [float(x) for x in out.stdout.split()]
 
-    q = QUIET_RAY_ENV
-    assert read(q) == [float(q[k]) for k in ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS",
-                                             "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "LOG_NAME_UPDATE_INTERVAL_S",
-                                             "REPORTER_UPDATE_INTERVAL_MS")]
+    names = ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS",
+             "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "LOG_NAME_UPDATE_INTERVAL_S", "REPORTER_UPDATE_INTERVAL_MS")
+    assert read(QUIET_RAY_ENV) == [float(QUIET_RAY_ENV[k]) for k in names]
     assert read({}) == [0.1, 100.0, 1000.0, 0.5, 5000.0]  # Ray 2.60's defaults: the quiet values differ from them
