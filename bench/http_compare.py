@@ -236,8 +236,10 @@ def table(report: dict) -> str:
     m = report.get("meta", {})
     lines = []
     if m:
-        lines.append(f"HTTP bench: {m.get('model')}, chain {m.get('chain')}, {m.get('prompts')} prompts x "
-                     f"{m.get('max_tokens')} max tokens, slots {m.get('slots')}")
+        chain = m.get("chain") or "the server's own"  # None: a server that does not say (llama-server)
+        slots = f", slots {m['slots']}" if m.get("slots") else ""
+        lines.append(f"HTTP bench: {m.get('model')}, chain {chain}, {m.get('prompts')} prompts x "
+                     f"{m.get('max_tokens')} max tokens{slots}")
     rows = report["rows"]
     cols = [c for c in COLUMNS if any(c[2](r) is not None for r in rows)]
     width = max([14] + [len(r["label"]) + 2 for r in rows])
@@ -326,10 +328,18 @@ def main_http_bench(args) -> int:
             "python": platform.python_version(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
 
-    def finish(report: dict, ecfg: EngineConfig, model: str | None = None) -> int:
-        report["meta"] = meta | {"model": model or ecfg.model, "chain": ecfg.chain.label, "slots": ecfg.slots,
-                                 "flash_attn": ecfg.flash_attn_on,
-                                 "n_ctx": ecfg.n_ctx}
+    def finish(report: dict, ecfg: EngineConfig, served: dict | None = None) -> int:
+        """served: where no in-process engine ran, what the first --url server says about itself; the header
+        then names its model, chain and slots, not those of an engine config nothing loaded (a llama-server's
+        chain is unknown: None)."""
+        if served is None:
+            about = {"model": ecfg.model, "chain": ecfg.chain.label, "slots": ecfg.slots,
+                     "flash_attn": ecfg.flash_attn_on, "n_ctx": ecfg.n_ctx}
+        else:
+            chain = (args.spec or served["chain"]) if served.get("owned_by") == "specray" else served["chain"]
+            about = {"model": served["model"], "chain": chain, "slots": served["slots"], "flash_attn": None,
+                     "n_ctx": served["n_ctx"]}
+        report["meta"] = meta | about
         return print_report(table(report), report, args.json)
 
     def local_engine(ecfg: EngineConfig):
@@ -383,4 +393,4 @@ def main_http_bench(args) -> int:
         if engine is not None:
             engine.close()
     # without the in-process row nothing loads --model: the header names what the first server serves
-    return finish(report, ecfg, None if engine is not None else first["model"])
+    return finish(report, ecfg, None if engine is not None else first)

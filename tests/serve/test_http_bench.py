@@ -46,6 +46,9 @@ def test_http_bench_both_modes_and_in_process(ray_serve, tmp_path):
     assert 0 < row["completion_tokens"] <= 2 * MAX_TOKENS and row["tokens_per_s"] > 0
     assert row["vs_colocated"] is None and js["summary"]["distributed_vs_colocated"] == {"2": None}
     assert js["meta"]["max_tokens"] == MAX_TOKENS and js["meta"]["streams"] == [2]
+    # no in-process engine: the header's chain and slots are the server's own, as it reported them
+    assert (js["meta"]["chain"], js["meta"]["slots"]) == (js["targets"][0]["chain"], ENGINE["slots"])
+    assert js["meta"]["chain"] == EngineConfig.model_validate(ENGINE).chain.label
     st = row["stages"]  # every request asked for its per-stage timing (X-Specray-Timing)
     assert st["requests"] == 2 and all(st[k]["mean"] >= 0 and st[k]["p50_per_token"] >= 0 for k in STAGES)
     assert sum(st[k]["mean"] for k in STAGES) == pytest.approx(st["total"]["mean"], abs=0.01)

@@ -101,6 +101,18 @@ def test_http_table_drops_columns_no_server_reports():
     assert lines[1].split()[:4] == ["llama-server", "1", "50.0", "-"]  # its missing figures show as "-"
 
 
+def test_http_table_header_names_no_chain_or_slots_a_server_did_not_report():
+    """`specray bench --url LLAMA_SERVER --no-in-process`: the header has what the server said (its model), and
+    no chain or slots from an engine config that nothing loaded."""
+    rows = [_row("llama-server")]
+    meta = {"model": "m.gguf", "chain": None, "slots": None, "prompts": 8, "max_tokens": 128}
+    header = http_compare.table({"rows": rows, "summary": http_compare.summarize(rows, [1]), "meta": meta})
+    assert header.splitlines()[0] == "HTTP bench: m.gguf, chain the server's own, 8 prompts x 128 max tokens"
+    meta |= {"chain": "ngram_mod,suffix", "slots": 4}
+    header = http_compare.table({"rows": rows, "summary": http_compare.summarize(rows, [1]), "meta": meta})
+    assert header.splitlines()[0] == "HTTP bench: m.gguf, chain ngram_mod,suffix, 8 prompts x 128 max tokens, slots 4"
+
+
 def test_window_figures_and_aggregate_without_server_figures():
     assert http_client.window_figures(None, None) == {}
     agg = http_client.aggregate([{"seconds": 1.0, "ttft": 0.1, "tokens": 10, "speculative": None}], [], 1.0, 1)
