@@ -27,7 +27,7 @@
 set -euo pipefail
 
 if [[ $# -ne 1 || $1 == -h || $1 == --help ]]; then
-    sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 OUT=$1
@@ -68,6 +68,10 @@ LLAMA_ARGS=(-m "$GGUF" --host 127.0.0.1 --port "$LLAMA_PORT" -np "$SLOTS" -c "$N
 BENCH=(--no-in-process --streams $STREAMS --num-prompts "$NUM_PROMPTS" --max-tokens "$MAX_TOKENS")
 
 pid=""
+alive() {  # the server itself runs (a server that exited stays a zombie until waited for: kill -0 would say yes)
+    local st
+    st=$(ps -o stat= -p "$pid" 2>/dev/null) && [[ $st != Z* ]]
+}
 group_alive() {  # a process of the server's group that is not a zombie (the server itself is one until waited for)
     ps -e -o pgid=,stat= | awk -v g="$pid" '$1 == g && $2 !~ /^Z/ {found = 1} END {exit !found}'
 }
@@ -84,7 +88,7 @@ trap stop EXIT
 wait_health() {  # URL LOG: up to 5 minutes (specray serve: Ray's start, the model's load)
     for _ in $(seq 1 300); do
         curl -sf -m 2 -o /dev/null "$1/health" && return 0
-        kill -0 "$pid" 2>/dev/null || { tail -20 "$2" >&2; fail "the server exited before answering $1/health"; }
+        alive || { tail -20 "$2" >&2; fail "the server exited before answering $1/health"; }
         sleep 1
     done
     tail -20 "$2" >&2; fail "no answer from $1/health in 5 minutes"
