@@ -121,7 +121,9 @@ def request_turn(server: Server, messages: list[dict], max_tokens: int, cache_pr
     text: list[str] = []
     usage: dict | None = None
     final: dict = {}
-    for obj in server.stream("/v1/chat/completions", body):
+    objs = server.stream("/v1/chat/completions", body)
+    seconds = time.perf_counter() - t0
+    for t, obj in objs:
         if "error" in obj:
             err = obj["error"]
             raise RuntimeError(err.get("message") if isinstance(err, dict) else str(err))
@@ -129,13 +131,12 @@ def request_turn(server: Server, messages: list[dict], max_tokens: int, cache_pr
             piece = (ch.get("delta") or {}).get("content")
             if piece:
                 if ttft is None:
-                    ttft = time.perf_counter() - t0
+                    ttft = t - t0
                 text.append(piece)
         if obj.get("usage"):
             usage = obj["usage"]
         if obj.get("usage") or obj.get("timings"):  # llama-server puts timings on the last chunk
             final |= {k: obj[k] for k in ("usage", "timings") if obj.get(k)}
-    seconds = time.perf_counter() - t0
     if usage is None:
         raise RuntimeError("the stream ended without usage (the server ignored stream_options.include_usage)")
     timings = final.get("timings") or {}

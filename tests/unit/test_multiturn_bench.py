@@ -134,3 +134,49 @@ def test_bench_turns_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--url", "http://127.0.0.1:1", "--turns", "0"])
     assert "--turns must be >= 1" in capsys.readouterr().err
+
+
+def _sse_server(chunks: list[bytes], gap_s: float):
+    """A local HTTP/1.1 server answering one POST with `chunks` as a chunked SSE stream, `gap_s` apart."""
+    import http.server
+    import threading
+    import time
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i, c in enumerate(chunks):
+                if i:
+                    time.sleep(gap_s)
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(c), c))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def test_stream_times_each_object_by_its_arrival_though_it_parses_after():
+    """Server.stream reads first and parses after, yet each object keeps the time its chunk came: a stream
+    whose chunks come 0.1 s apart (one split mid-line, as TCP may) gives objects 0.1 s apart, in order."""
+    chunks = [b'data: {"i": 0}\n\n', b'data: {"i": 1}\n\ndata: {"i"', b': 2}\n\n', b"data: [DONE]\n\n"]
+    srv = _sse_server(chunks, 0.1)
+    try:
+        server = http_client.Server(f"http://127.0.0.1:{srv.server_address[1]}")
+        objs = server.stream("/v1/completions", {"prompt": "x"})
+    finally:
+        srv.shutdown()
+    assert [o for _, o in objs] == [{"i": 0}, {"i": 1}, {"i": 2}]
+    t = [t for t, _ in objs]
+    assert 0.08 < t[1] - t[0] < 0.5 and 0.08 < t[2] - t[1] < 0.5  # {"i": 2} completed by the third chunk
