@@ -27,6 +27,9 @@ rows, more tokens a round, the same work per token).
 [150, 50, 20, 30]
 >>> round(m.round_seconds(4, 8) * 1e3, 3)   # what the planner prices: without the tokens' own work
 0.51
+>>> fixed = HostCostModel(learn=False)
+>>> fixed.observe(4, 8, 0.001); fixed.round_seconds(4, 8)   # learns nothing: prices no host work
+0.0
 """
 
 from __future__ import annotations
@@ -41,8 +44,12 @@ _PRIOR = (1e-6, 1e-3, 1e-3, 1e-3)
 
 
 class HostCostModel:
-    def __init__(self, forget: float = 0.995, refit_every: int = 16) -> None:
-        # forget: each round's weight decays by this factor per later round (0.995: ~200 rounds of memory)
+    def __init__(self, forget: float = 0.995, refit_every: int = 16, learn: bool = True) -> None:
+        # forget: each round's weight decays by this factor per later round (0.995: ~200 rounds of memory).
+        # learn=False: observe() ignores rounds and the model prices no host work at all, as DecodeCostModel's
+        # learn=False keeps its table: a replay or a test that prices rounds by a given decode table alone,
+        # not by this machine's wall clock (which moves with whatever else runs on it)
+        self.learn = learn
         self._forget = forget
         self._refit_every = refit_every
         # weighted sums over rounds of x x^T and x y, x = (1, sequences, draft rows, emitted tokens), kept as
@@ -56,7 +63,7 @@ class HostCostModel:
     def observe(self, n_sequences: int, n_draft_rows: int, seconds: float, n_emitted: int | None = None) -> None:
         """One round's host time (its wall time minus the target's decode); n_emitted: the tokens it emitted
         (default: one per sequence)."""
-        if seconds < 0 or n_sequences <= 0:
+        if not self.learn or seconds < 0 or n_sequences <= 0:
             return
         f = self._forget
         x = (1.0, float(n_sequences), float(n_draft_rows), float(n_sequences if n_emitted is None else n_emitted))
