@@ -177,6 +177,7 @@ def test_stream_times_each_object_by_its_arrival_though_it_parses_after():
         objs = server.stream("/v1/completions", {"prompt": "x"})
     finally:
         srv.shutdown()
+        srv.server_close()
     assert [o for _, o in objs] == [{"i": 0}, {"i": 1}, {"i": 2}]
     t = [t for t, _ in objs]
     assert 0.08 < t[1] - t[0] < 0.5 and 0.08 < t[2] - t[1] < 0.5  # {"i": 2} completed by the third chunk
