@@ -2,7 +2,7 @@
 
 Each pass ran both servers alone, one after the other, and wrote one `specray bench --url --json` file per
 server (`specray-N.json`, `llama-server-N.json` in one folder). A ratio is only ever taken within a pass: on a
-small shared box the speed drifts by 10-20% between minutes, and two servers timed minutes apart compare well
+small shared box the speed drifts between minutes, and two servers timed minutes apart compare well
 only when they are neighbours. The summary adds the median over passes.
 
     .venv/bin/python -m specray.bench.alone_report OUT_DIR --passes 2

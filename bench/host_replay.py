@@ -1,11 +1,11 @@
 """`specray bench --host-replay TABLE`: the round's host cost with the target's decode replayed, not run.
 
-Why: on this kind of 2-core VM the host work of a round measures 3-4x slower inside a real run than the same
-code run back to back. It is not llama_decode's weight streaming alone: any 10 ms pause, even a busy spin
-that touches no memory, leaves the next round's Python and numpy work 2-3x slower (the VM's caches do not
-stay ours while the round waits; a GPU host waiting 1-2 ms on its decode keeps them). So the host figures of a
-CPU run are mostly this machine's, and the "host cost per round on a GPU" question needs the decode replaced
-by a wait of the GPU's length.
+Why: on a small shared CPU VM the host work of a round runs several times slower inside a real run than the
+same code run back to back. It is not llama_decode's weight streaming alone: any pause of a CPU decode's
+length, even a busy spin that touches no memory, leaves the next round's Python and numpy work slower (the
+VM's caches do not stay ours while the round waits; a GPU host waiting the short time of its decode keeps
+them). So the host figures of a CPU run are mostly that machine's, and the "host cost per round on a GPU"
+question needs the decode replaced by a wait of the GPU's length.
 
 How: one real `none` pass records every prompt's greedy tokens. Then each configuration runs the same prompts
 on its own engine whose context's `decode` is a `ReplayDecode`: it busy-waits the table's time for the batch's
@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-#: the H100's SmolLM2 decode by batch rows (../shared/gpu/README.md: 1.6 ms for one row, 2.5 ms for 2-8)
+#: an H100's SmolLM2-135M decode time in ms by batch rows (`--host-replay h100`; the GPU runs in
+#: docs/benchmarks.md)
 H100_MS = {1: 1.6, 2: 2.5, 4: 2.5, 8: 2.5, 16: 4.0, 32: 7.0, 256: 30.0}
 
 

@@ -84,8 +84,7 @@ class Server:
 
         The response is read to its end first and parsed after it: while a stream runs the client only reads,
         one read a chunk. On a small box the client shares its cores with the server it measures, and parsing
-        each chunk's JSON as it came cost ~0.2 ms of CPU a token there, taken from the server's decode threads
-        (README 'Benchmarking the server').
+        each chunk's JSON as it comes would take CPU from the server's decode threads (docs/benchmarking.md).
         """
         self.connect()
         self.conn.request("POST", self.prefix + path, body=json.dumps(body), headers=self.headers)

@@ -109,7 +109,7 @@ def run_alone(run: ConfigRun | LlamaRun,
 def run_lockstep(runs: dict[str, ConfigRun | LlamaRun],
                  on_round: Callable[[], None] | None = None) -> dict[str, tuple[ConfigResult, list | None]]:
     """Advance every configuration's run by one round in turn until all have finished, timing each round:
-    the machine's speed drifts by 20% and more over tens of seconds on these shared VMs, and rounds of
+    a shared machine's speed drifts over tens of seconds, and rounds of
     all configurations taken within milliseconds of each other see the same speed, so the drift cancels.
     The host's stolen time is shared out by each configuration's share of the time. `on_round` is called
     after each turn (outside every run's timing), e.g. for progress lines."""

@@ -12,7 +12,7 @@ def run_order(configs: list[str], order: str, reverse: bool) -> list[str]:
     runs them all at once, a round each in turn: see bench.py; this is then the turn order).
     `alternate`: each configuration once. `sandwich`: `none` before and after every other configuration,
     so each is measured against its own neighbours and a drift in machine speed slower than one run
-    cancels (measured here: identical runs drifted between 69 and 94 tok/s in waves of ~30 s).
+    cancels (a shared machine's speed drifts in waves of tens of seconds).
     `reverse` flips the order (the bench flips it every other group, category and pass: reversed_turn).
 
     >>> run_order(["none", "a", "b"], "alternate", reverse=False)
@@ -35,9 +35,8 @@ def run_order(configs: list[str], order: str, reverse: bool) -> list[str]:
 def reversed_turn(rep: int, category: int, group: int) -> bool:
     """Whether a group of prompts runs its configurations in reverse order: every other pass, category
     and group, so each configuration's place in the turn order evens out even in a single pass that runs
-    each category as one group (several slots). A fixed place can bias a lockstep round: measured with
-    SmolLM2, 4 slots, a single pass with `none` first in every round had ngram_cache at 0.90x on coding,
-    and two passes with the order reversed had it at 1.00x (0.99-1.02).
+    each category as one group (several slots). A fixed place in the turn order can bias a lockstep round
+    against the configuration that holds it.
 
     >>> [reversed_turn(0, c, 0) for c in range(4)]
     [False, True, False, True]

@@ -8,22 +8,37 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SPEC_BENCH_CANDIDATES = [
-    os.environ.get("SPECRAY_SPEC_BENCH", ""),
-    str(REPO_ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"),
-    str(REPO_ROOT / "shared" / "data" / "spec_bench" / "question.jsonl"),
-]
+DATA_DIR = Path(__file__).resolve().parent / "data"  # shipped with the package (pyproject's package-data)
+SPEC_BENCH = DATA_DIR / "spec_bench.jsonl"
+
+
+def bundled_prompts(name: str) -> str:
+    """Path of a prompt file shipped in the package's data folder, found from this module's own directory
+    so that it resolves the same from a clone, an editable install or a wheel.
+
+    >>> Path(bundled_prompts("json_extraction.jsonl")).name
+    'json_extraction.jsonl'
+    """
+    path = DATA_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such prompt file in the package (is the install complete?)")
+    return str(path)
 
 
 def default_prompts_path() -> str:
-    for p in SPEC_BENCH_CANDIDATES:
-        if p and os.path.isfile(p):
-            return p
-    raise FileNotFoundError(
-        "Spec-Bench questions not found (looked in ../shared/data/spec_bench/question.jsonl); "
-        "pass --prompts FILE.jsonl or set SPECRAY_SPEC_BENCH"
-    )
+    """The prompts `specray bench` and `specray train-head` read without --prompts: $SPECRAY_SPEC_BENCH when
+    set, else Spec-Bench's 480 questions shipped in the package (bench/data/spec_bench.jsonl).
+
+    >>> path = default_prompts_path()
+    >>> path == os.environ.get("SPECRAY_SPEC_BENCH") or path == str(SPEC_BENCH)
+    True
+    """
+    override = os.environ.get("SPECRAY_SPEC_BENCH")
+    if override:
+        if not os.path.isfile(override):
+            raise FileNotFoundError(f"SPECRAY_SPEC_BENCH={override}: no such file")
+        return override
+    return bundled_prompts(SPEC_BENCH.name)
 
 
 @dataclass

@@ -61,8 +61,8 @@ class ConfigResult:
     @property
     def tokens_per_s(self) -> float:
         """Generation speed under full load: tokens emitted in rounds where every slot was generating,
-        over those rounds' time. With one slot that is llama.cpp's "predicted per second" (the issue's
-        anchors are in this unit); with N slots, the aggregate throughput of N busy slots, without the
+        over those rounds' time. With one slot that is llama.cpp's "predicted per second" (so it
+        compares with llama.cpp's own figures); with N slots, the aggregate throughput of N busy slots, without the
         tail of a closed batch where the last sequences run alone (a loaded server refills its slots)."""
         if self.loaded_seconds > 0:
             return self.loaded_tokens / self.loaded_seconds

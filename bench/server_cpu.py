@@ -1,8 +1,8 @@
 """CPU time a server on this machine spends per generated token: llama.cpp's decode threads, and the rest.
 
-Wall-clock ratios on a small, shared box move by 10-20% between runs; CPU
-time per token moves far less, and it is what the serving path takes from
-the decode when both share the cores (README 'Serving layouts'). For a
+Wall-clock ratios on a small, shared box move between runs; CPU time per
+token moves far less, and it is what the serving path takes from the decode
+when both share the cores (docs/serving.md). For a
 server reached over loopback, `specray bench --url/--http` reads
 /proc/PID/task/*/stat of every process /v1/stats names (engine replicas,
 ingress replicas, target and companion actors) before and after a run:

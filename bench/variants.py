@@ -102,7 +102,7 @@ def sweep_configs(configs: list[str], base: dict[str, dict[str, Any]], defaults)
 def held_out_winners(speedups: dict[str, list[float]], chain: str) -> list[dict[str, Any]]:
     """--tune-sweep with --repeats >= 2: the tuned chain against the sweep's winner chosen on the *other*
     passes, pass by pass. The best of many fixed settings in one pass is flattered by that pass's noise (the
-    same setting, same texts, can read 1.23x in one pass and 0.99x in the next); a winner picked on other
+    same setting on the same texts reads differently from pass to pass); a winner picked on other
     passes is a fair opponent. `speedups`: label -> speedup over `none` per pass.
 
     >>> sp = {"c+tune": [1.08, 1.00], "c/x=1": [1.23, 0.99], "c/x=2": [0.97, 1.01], "c": [0.95, 0.98]}

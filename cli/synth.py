@@ -13,7 +13,7 @@ template (--vocab-from, default SmolLM2's) and seeded random weights: a target w
 no large model can be had (an offline GPU machine). Its text is meaningless: measure step times and round
 overheads on it, never acceptance, and label every figure from it synthetic (specray cost-curve does).
 
-  specray synth-model --params 1.5B --out /tmp/synth-1.5b.gguf      # ~1.6 GB q8_0, ~30 s of CPU
+  specray synth-model --params 1.5B --out /tmp/synth-1.5b.gguf      # ~1.6 GB at q8_0
   specray cost-curve --model /tmp/synth-1.5b.gguf                  # cost(k)/cost(1), k = 1..16
   specray bench --model /tmp/synth-1.5b.gguf --configs none ngram_mod  # host time per round on it
 """
@@ -37,7 +37,8 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("synth-model", help="write a synthetic llama GGUF of a chosen size (random weights)",
                        description=SYNTH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", required=True, type=_count, metavar="N",
-                   help="parameter count: 1.5B, 300M, 2e9 (the shape lands within 1%% of it)")
+                   help="parameter count: 1.5B, 300M, 2e9 (the shape comes close to it: the line printed says "
+                        "how close)")
     p.add_argument("--out", required=True, metavar="FILE.gguf", help="file to write (replaced if it exists)")
     p.add_argument("--type", dest="wtype", choices=TYPES, default="q8_0",
                    help="weight matrices' type (norms stay f32; default: %(default)s)")

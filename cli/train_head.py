@@ -37,7 +37,7 @@ eagle3 GGUF that the `eagle3` speculator serves (--eagle3-model, or engine.hidde
 Everything lands in --work-dir (default OUT.work): data shards, d2t.npy, checkpoint.pt, summary.json. Run the
 same command again to resume (a finished run only re-exports). Needs torch: pip install -e ".[train]".
 
-  specray train-head --prompts question.jsonl --exclude-categories writing,roleplay,humanities,coding \\
+  specray train-head --exclude-categories writing,roleplay,humanities,coding \\
       --gen-minutes 8 --minutes 30 --out head.gguf --curve head.png
   specray bench --eagle3-model head.gguf --configs none eagle3 ngram_mod,suffix,ngram_cache,grammar,eagle3
 """
@@ -63,7 +63,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--target", default="smollm2-135m", help="target model: alias or .gguf (default: %(default)s)")
     p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help="prompts: 'prompt', 'messages' or Spec-Bench 'turns' per line, optional 'category' "
-                        "(default: the Spec-Bench questions in ../shared/data/spec_bench)")
+                        "(default: $SPECRAY_SPEC_BENCH, else Spec-Bench's questions shipped in the package, "
+                        "bench/data/spec_bench.jsonl)")
     p.add_argument("--out", required=True, metavar="HEAD.gguf", help="the trained head (eagle3 GGUF)")
     p.add_argument("--work-dir", default=None, metavar="DIR",
                    help="data, checkpoints and summary; a second run resumes from it (default: OUT.work)")
@@ -89,8 +90,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "turn, sampled at --temperature; Magpie), then answer them with the file's prompts: chat "
                         "prompts with no data set and none of the measured ones (default 0)")
     d.add_argument("--gen-minutes", type=float, default=None,
-                   help="stop generating answers after this long (default: all of them); the order is shuffled, "
-                        "so a cut still covers every category")
+                   help="stop generating answers after this long; the order is shuffled, so a cut still covers "
+                        "every category (default: no limit, all of them)")
     d.add_argument("--max-prompt-tokens", type=int, default=384, metavar="N",
                    help="skip prompts longer than N tokens, 0: none (a long prompt is decoded twice for one "
                         "answer; default 384)")
@@ -107,7 +108,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "over --max-prompt-tokens); default: that text only after the answers, with what is left")
     d.add_argument("--soft-labels", type=int, default=0, metavar="K",
                    help="also keep the target's K likeliest tokens and their probabilities at each position, for "
-                        "--labels soft (default 0: its top token only; 8 measured no better on held-out chat)")
+                        "--labels soft (default 0: its top token only)")
     d.add_argument("--max-len", type=int, default=1024, help="tokens per training sequence; a longer prompt keeps "
                                                              "its end (default 1024)")
     h = p.add_argument_group("head and training")

@@ -3,15 +3,14 @@
 On a small node llama.cpp's decode threads use every core, and each of them
 waits for the others at every barrier of the graph: whatever else runs on a
 core stalls the whole decode, not just one thread. An idle `specray serve`
-(Ray 2.60, 2 cores) spent ~160 ms of CPU a second outside the engine: the
-Serve controller's 10 Hz control loop ~43 (and the GCS ~27 answering it),
-the replica's and proxy's cached-metrics export at 10 Hz, the raylet's 10 Hz
-resource reports and GC checks. A SmolLM2 decode in another process beside
-that idle server ran at 0.84-1.02x (median 0.90, 12 pairs) of its speed with
-Ray's processes frozen (SIGSTOP; README 'Quiet local Ray'). These settings
-bring the idle CPU to ~90 ms a second; what is left is mostly fixed in Ray (each
-worker's main thread checks for signals every 10 ms, the dashboard agent, the
-log monitor).
+spends CPU outside the engine every second: the Serve controller's 10 Hz
+control loop (and the GCS answering it), the replica's and proxy's
+cached-metrics export at 10 Hz, the raylet's 10 Hz resource reports and GC
+checks, so a decode beside an idle server runs slower than with Ray's
+processes frozen (docs/serving.md, quiet local Ray). These settings cut that
+idle CPU; what is left is mostly
+fixed in Ray (each worker's main thread checks for signals every 10 ms, the
+dashboard agent, the log monitor).
 
 Each setting only slows a loop whose period is far below what it serves:
 - the Serve control loop at 0.5 s instead of 0.1 s: deployment changes,
@@ -33,7 +32,7 @@ Applied only where `specray serve` starts its own local Ray (it sets them in
 its environment before ray.init, and Ray's processes inherit it); a variable
 already set keeps its value; `--no-quiet-ray` leaves Ray's defaults. A
 cluster started with `ray start` gets them by exporting the same variables
-before it (README 'Quiet local Ray').
+before it (docs/serving.md).
 """
 
 from __future__ import annotations

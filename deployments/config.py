@@ -36,7 +36,7 @@ DEFAULT_MODE: Mode = "colocated"
 
 Layout = Literal["fused", "split"]
 
-#: the default serving layout (README 'Serving layouts': measured with specray bench over HTTP)
+#: the default serving layout (docs/serving.md: the layouts, and how `specray bench --url` compares them)
 DEFAULT_LAYOUT: Layout = "fused"
 
 
@@ -60,8 +60,8 @@ class ServeConfig(BaseModel):
         description="distributed: how each round reaches the target actor. actor: one actor call a round; "
         "compiled: a Ray Compiled Graph (shared-memory channels, no task submission per round; "
         "deployments/actors/target_channel.py), whose channels poll a core; auto: compiled where the target's "
-        "node has a core its threads leave free or the target decodes on a GPU, else actor (README, 'Compiled target "
-        "hop')",
+        "node has a core its threads leave free or the target decodes on a GPU, else actor (a polling channel "
+        "without a free core takes CPU from the decode)",
     )
     companion_hop: Literal["auto", "actor", "compiled"] = Field(
         "auto",
@@ -78,8 +78,8 @@ class ServeConfig(BaseModel):
     layout: Layout = Field(
         DEFAULT_LAYOUT,
         description="fused: with one arm, the engine replica deployment serves HTTP itself (a token goes round "
-        "thread -> replica event loop -> Serve's proxy; measured faster on a small CPU box, see README 'Serving "
-        "layouts'); split: an Ingress deployment in front of the engine deployment (one more process and Serve "
+        "thread -> replica event loop -> Serve's proxy: one process and handle hop fewer than split; "
+        "docs/serving.md); split: an Ingress deployment in front of the engine deployment (one more process and Serve "
         "handle hop per token; ingress_replicas / ingress_cpus apply). Several arms or autoscaling are always "
         "split (the Ingress routes between the arms' deployments and keeps the request records of replicas "
         "that scale away)",
@@ -90,8 +90,8 @@ class ServeConfig(BaseModel):
         "itself (Ray Serve's direct ingress, RAY_SERVE_ENABLE_DIRECT_INGRESS), so no HTTP proxy process "
         "handles the requests; Serve's proxy moves to another port. Needs a Ray that specray serve starts (the "
         "setting is in Ray's processes' environment) and one ingress replica (Serve gives each its own port). "
-        "None (the default): on exactly where those hold (a local Ray, one ingress replica); on 2 cores it "
-        "served plain decoding at 0.86x of the in-process engine against 0.73x through the proxy",
+        "None (the default): on exactly where those hold (a local Ray, one ingress replica), as a token then skips "
+        "the proxy process's hop",
     )
     num_replicas: int = Field(1, ge=1, description="engine replicas (ignored when autoscaling is set)")
     autoscaling: dict[str, Any] | None = Field(
@@ -123,24 +123,22 @@ class ServeConfig(BaseModel):
         description="where Ray Serve runs the HTTP-serving replica's async code (the fused engine replica, the split "
         "layout's ingress and engine replicas). shared: on Ray's own event loop (sets "
         "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 in that process), so a streamed chunk wakes one thread instead "
-        "of two: on a 2-core CPU the replica's threads other than the decode ones used 0.26 instead of 0.34 ms of "
-        "CPU a token at 1 client (`specray bench --url`'s srv cpu), and on small nodes that CPU is taken from "
-        "llama.cpp's decode (README 'Serving layouts'). separate: Serve's default, a second event loop thread that "
-        "keeps Ray's loop free of user code. worker_env, if it sets the variable itself, wins")
+        "of two, which saves serving CPU per token that small nodes would otherwise take from llama.cpp's decode "
+        "(`specray bench --url` shows it as srv cpu; docs/serving.md). separate: Serve's default, a second event "
+        "loop thread that keeps Ray's loop free of user code. worker_env, if it sets the variable itself, wins")
     direct_writes: bool = Field(
         True,
         description="where the engine replica holds the client's connection itself (fused layout with direct "
         "ingress, plain HTTP/1.1): the round thread writes each plain streamed delta (no logprobs, tools, echo or "
-        "n > 1) to the socket as an HTTP chunk, instead of waking the replica's event loop every round to do it. "
-        "On 2 cores the serving threads' CPU a token fell from 0.42 to 0.23 ms at 1 client and 0.22 to 0.14 at 8 "
-        "(README 'Direct writes'). A stream where a check fails (TLS, HTTP/1.0, another HTTP server, Serve's "
-        "proxy in front) goes through the event loop, as with false")
+        "n > 1) to the socket as an HTTP chunk, instead of waking the replica's event loop every round to do it, "
+        "which saves serving CPU per token (docs/serving.md). A stream where a check fails (TLS, HTTP/1.0, "
+        "another HTTP server, Serve's proxy in front) goes through the event loop, as with false")
     worker_env: dict[str, str] = Field(
         default_factory=lambda: dict(DEFAULT_WORKER_ENV),
         description="environment of the engine replica and actor processes (set before llama.cpp loads), e.g. "
-        "OMP_WAIT_POLICY=passive (llama.cpp's OpenMP threads sleep at every barrier: ~1.3x faster when other "
-        "processes keep the cores busy, ~4x slower on an idle box) or active (spin: ~10% faster on dedicated "
-        "cores); {} keeps libgomp's default (spin briefly, then sleep)",
+        "OMP_WAIT_POLICY=passive (llama.cpp's OpenMP threads sleep at every barrier: faster when other processes "
+        "keep the cores busy, much slower on an idle box) or active (spin: faster on dedicated cores); {} keeps "
+        "libgomp's default (spin briefly, then sleep)",
     )
 
     # ---- A/B arms (deployments/ab/arms.py) ----------------------------------------------------------------

@@ -3,9 +3,8 @@
 The acceptance tracker (acceptance.py) is right on average but overconfident
 exactly where it costs most: a sequence that just copied a span gets a long
 draft priced as if the copy goes on, and when it does not, one bet of 40
-verify rows yields 4 tokens. Measured on SmolLM2 with 4 slots (ngram_simple,
-Spec-Bench): drafts of 32+ tokens were predicted 38.5 accepted tokens and got
-4.0; three such rounds lost more time than every other draft won.
+verify rows yields 4 tokens: a few such rounds can lose more time than every
+other draft wins.
 
 So every sent draft is scored after its verdict: at each position j the
 tracker predicted P(tokens 0..j all accepted) = p_j, and the verdict says
@@ -16,9 +15,8 @@ a speculator that keeps its long promises (ngram_mod copying a document)
 keeps a factor near 1. The raw estimates are what is scored, so the factor
 measures the tracker's bias, not its own. Raising an estimate takes more
 evidence than lowering it (16 pseudo-tokens against 4): an over-promise costs
-a batch of rejected rows, an under-promise only a draft not sent, and one
-lucky 41-token copy had raised a bucket to 1.48x (SmolLM2, 4 slots), which
-the next long bets paid for.
+a batch of rejected rows, an under-promise only a draft not sent, and a
+bucket raised by one lucky long copy is paid for by the next long bets.
 
 >>> c = PrefixCalibration(prior_tokens=4.0)
 >>> raw = 0.97 ** np.arange(1, 41)   # a 40-token draft promising 22.8 accepted tokens
@@ -87,8 +85,8 @@ class PrefixCalibration:
     def factor_list(self) -> list[float]:
         """Each bucket's factor, (realised + k) / (predicted + k) within [FACTOR_MIN, FACTOR_MAX], k the prior
         (the raising one where realised > predicted), as Python floats; cached until the next update. Python,
-        not numpy's where and clip: recomputed after every sent draft's verdict, it took ~18 us a time in a
-        4-slot round (the values are bitwise the same: tests/unit/test_acceptance_fast.py)."""
+        not numpy's where and clip: it is recomputed after every sent draft's verdict, where numpy's per-call
+        overhead outweighs the arithmetic (the values are bitwise the same: tests/unit/test_acceptance_fast.py)."""
         if self._factor_list is None:
             hi, lo = self.raise_prior_tokens, self.prior_tokens
             self._factor_list = [min(max((r + (hi if r > p else lo)) / (p + (hi if r > p else lo)), FACTOR_MIN),

@@ -5,7 +5,7 @@ only when it is asked again (hidden_base.py: queued pairs; draft.py: the
 history's new tail), in one batched decode: rounds in which it is not asked
 cost its model nothing. The draft that ends a lag pays for it: a sequence's
 first draft catches up its whole prompt, one after 50 rounds unasked 50
-tokens (tens of ms here against a 13 ms round). That is paid once if the
+tokens (a batched decode that can outlast several rounds). That is paid once if the
 speculator then drafts every round (its cache stays a token or two behind),
 so the cost policy spreads it over the rounds the sequence has left. A
 speculator whose drafts are not sent is not asked the next round either: its
@@ -13,10 +13,10 @@ cache lags again and the next draft pays another catch-up. So the catch-up is
 spread over the rounds it is expected to keep drafting: the rounds left times
 its steady share, the share of its recent drafts that were sent.
 
-Issue 28's trained EAGLE-3 head (16% first-token acceptance, SmolLM2, 1 slot)
-was asked once so (its fresh estimate), then only to explore (chain.py's
-`model_explore` budget, which pays the whole catch-up); a head whose
-estimate stays optimistic would be asked to catch up lag after lag.
+With the share, a head whose drafts are rarely worth sending is asked once
+on its fresh estimate, then only to explore (chain.py's `model_explore`
+budget, which pays the whole catch-up); without it, a head whose estimate
+stayed optimistic would be asked to catch up lag after lag.
 
 >>> s = SteadyShare()
 >>> s.share("eagle3")   # never measured: as if it kept drafting

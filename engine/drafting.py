@@ -53,7 +53,8 @@ def draft_round(chain: Chain, config: ChainConfig, reqs: list[SeqDraftRequest], 
     n_decoding = len(reqs)
     t0 = time.perf_counter()
     try:
-        # model drafts are priced before they are made (cost policy): never slower than no draft
+        # model drafts are priced before they are made (cost policy): one is made only where its price model
+        # expects it to beat no draft
         props = chain.propose(reqs, pricing=Pricing(price, base_tokens, n_decoding, config.model_explore))
     except Exception as e:  # degrade to plain decoding this round, disable the culprit for the next ones
         stats.speculator_failures += 1

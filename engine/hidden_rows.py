@@ -21,7 +21,7 @@ A speculator receives the record (`take`) and then, per sequence, the
 scheduler's `process(seq, tokens, pos)` for the same committed tokens;
 `RowStash` matches the two by sequence, position and token ids, so rows that
 belong to another sequence, or arrive out of order, are detected instead of
-silently mixed (llama.cpp's MTP mixed rows across slots, issue 28286).
+silently mixed (a llama.cpp MTP implementation mixed rows across slots so).
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ A round's host time (admission, drafting, verification, bookkeeping,
 emission; round_stages.py) grows with the sequences decoding in it, with the
 draft rows it verifies (each is read, accepted or rolled back) and with the
 tokens it emits (each is mirrored into the speculators, detokenised,
-streamed). On this CPU it is a few percent of a 10 ms decode; on a GPU, where
-a decode of a small model takes 1-2 ms, it is a third of the round or more,
-so the draft planner must price it: a draft row that wins 0.3 tokens is worth
-sending for a 10 ms round and not for a 1.6 ms one whose every extra row costs
-0.1 ms of host work on top of the decode.
+streamed). On a CPU it is a small share of a decode; on a GPU, where a
+decode of a small model is short, it can be a large share of the round, so
+the draft planner must price it: e.g. a draft row that wins 0.3 tokens can be
+worth sending for a 10 ms round and not for a 1.6 ms one whose every extra row
+costs 0.1 ms of host work on top of the decode.
 
 The model is host = a + b * decoding sequences + c * draft rows + d * emitted
 tokens, fitted by least squares over recent rounds (exponential forgetting, so

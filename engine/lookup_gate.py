@@ -1,20 +1,18 @@
 """When a speculator's look-up costs more than its drafts win: ask it only now and then.
 
 Every speculator of a chain is asked for a draft every round, and each look-up
-costs host time (0.03-0.05 ms for the n-gram and suffix speculators here),
-whether or not its draft is the one sent. A speculator whose drafts seldom win
-(another speculator of the chain drafts the same or better) pays that on every
-token for nothing; on a GPU, where a round of a small model takes 1-2 ms,
-three such look-ups are 5-10% of the round. So each speculator's winnings are
+costs host time, whether or not its draft is the one sent. A speculator whose
+drafts seldom win (another speculator of the chain drafts the same or better)
+pays that on every token for nothing; on a GPU, where a round of a small model
+is short, a few such look-ups are a sizeable share of the round. So each speculator's winnings are
 followed: the tokens its draft gets right per look-up (judged against what the
 target emitted, sent or not, so the gate does not follow the planner's cuts;
 an exponential average), worth the round's time per token each. A draft the
 cost policy finds worth nothing (no prefix of it pays its verify time at its
 estimated acceptance: chain.draft_value) wins nothing, however right it turns
-out: at that price it is never sent, so its look-up bought nothing (measured
-at 4 slots on SmolLM2, writing prompts: the chain's look-ups cost 0.66 ms a
-round while one draft token in 256 rounds was sent; right-but-unsendable
-drafts had kept them all asked). That rule waits until `learn` of the
+out: at that price it is never sent, so its look-up bought nothing (without
+this rule, right-but-unsendable drafts would keep every speculator asked while
+almost nothing is sent). That rule waits until `learn` of the
 speculator's drafts have been judged, because its acceptance estimate starts
 from a prior: one that starts low would find every draft worthless and be
 gated. A probe is judged in hindsight instead (chain.judged_worth: did the
@@ -26,9 +24,8 @@ asked `warmup` times and its winnings are worth less than its look-up, it is
 asked only for probes, per sequence: on a sequence's 1st, 2nd, 4th, ... gated
 round, then every `max_probe_every`-th (64). A new request is probed at once,
 so a copy task after chat is seen in its first rounds; a long one is probed
-more and more rarely (at 8 slots under an H100-like decode, probing every
-sequence one round in 8 still cost 0.3 ms a round of look-ups that paid
-nothing). Drafts never change what is emitted, so this is lossless.
+more and more rarely (with many slots and a fast decode, even a fixed probe
+of one round in 8 costs look-ups that pay nothing). Drafts never change what is emitted, so this is lossless.
 
 >>> g = LookupGate(warmup=4, max_probe_every=8)
 >>> for _ in range(8):

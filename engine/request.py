@@ -35,7 +35,8 @@ class GenerationRequest:
     spec_params: dict[str, dict] | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     # requests with the same key and prompt share the prompt's KV cells (OpenAI's n > 1): the first one
-    # prefills, the others copy its cells (Scheduler._admit_fork)
+    # prefills, the others copy its cells (prompt_share.py: Scheduler.submit links them, Scheduler._admit
+    # copies)
     share_prompt: str | None = None
     # context shift (context_shift.py): None takes the engine's setting (EngineConfig.context_shift/n_keep/n_discard)
     context_shift: bool | None = None

@@ -25,10 +25,9 @@ it. Two ways back (llama.cpp PR #19493, ik_llama.cpp's spec checkpoints):
   replayed rows (rollback_price.py prices both).
 - "off": the target decodes without drafts.
 
-"auto" runs checkpoint: on the synthetic LFM2 (specray bench, 1 and 2 slots) it was as fast as snapshots or
-faster (no cap on the draft's length), it is right with any number of slots, and every recurrent
-architecture has it. Snapshots keep the saved states where the model runs (no copy to the host), which
-should matter for a large recurrent state on a GPU: not measured yet.
+"auto" runs checkpoint: it puts no cap on the draft's length, it is right with any number of slots, and
+every recurrent architecture has it. Snapshots keep the saved states where the model runs (no copy to the
+host), which is why they remain an option for a large recurrent state on a GPU.
 
 Any refusal (seq_rm false, a save or restore failing) fails that sequence
 (StepResult.error): nothing ever decodes on a state holding rejected tokens.

@@ -6,8 +6,8 @@ KV rollback and, for a target actor, the hop), acceptance bookkeeping,
 emission (detokenising, finishing) and delivery to the listeners. Every
 second of `Scheduler.step` is in exactly one stage, so the stages add up to
 the round; everything but `decode` is host work, the part that does not shrink
-when the target runs on a faster device (on a GPU, a 1-2 ms decode pays it on
-every token).
+when the target runs on a faster device (on a GPU, where a small model's decode
+is short, it is much of every token's time).
 
 >>> clock = RoundClock(t0=0.0)
 >>> clock.lap("admit", 0.001); clock.lap("draft", 0.004)

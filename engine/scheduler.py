@@ -112,7 +112,7 @@ class RoundStats:
 
 def _memo(f: Callable[[int], float]) -> Callable[[int], float]:
     """f with its answers kept (one round's price of n rows): a dict, not functools.lru_cache, whose wrapper
-    costs ~10 us to make, every round.
+    is dearer to make, and one is made every round.
 
     >>> calls = []
     >>> g = _memo(lambda n: calls.append(n) or 2.0 * n)

@@ -113,8 +113,8 @@ class _Session:
 def top2_margin(rows: np.ndarray) -> np.ndarray:
     """Top-1 minus top-2 logit per row: how near a tie the argmax was (0 for a tie).
 
-    Two max passes around the argmax, not np.partition: with Gemma's 262k vocabulary a partition cost
-    ~2 ms a row, charged to every emitted token of a bench run (record_margins), which deflated every
+    Two max passes around the argmax, not np.partition: with a large vocabulary (Gemma's 262k) a partition
+    per row is dear, and it is charged to every emitted token of a bench run (record_margins), deflating every
     configuration's speed and speculation's ratios most.
 
     >>> top2_margin(np.array([[1.0, 5.0, 3.5], [2.0, 2.0, 0.0]], dtype=np.float32))

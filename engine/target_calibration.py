@@ -101,8 +101,8 @@ def measure_attention_cost(ctx, short: int = CALIBRATION_PREFIX, long: int = 512
     Timed after the short prefix, then after extending it to the long one, then after cutting it
     back, each the fastest of `reps` decodes, and pooled over the batch sizes. Sizes of a few
     rows, as draft rows come: one row's decode also pays the cells' read, which more rows share,
-    and large batches vary too much from run to run (SmolLM2, 16 rows: 83-137 ms). A slope per
-    size with a 1-token decode among them came out anywhere from 0 to 3x between start-ups.
+    and large batches vary too much from run to run; a slope per size with a 1-token decode among
+    them is not stable between start-ups.
     With a unified KV cache the whole cache must be idle: every cell in use is attended.
     """
     long = min(long, ctx.n_ctx_seq - max(sizes) - 1)

@@ -5,9 +5,9 @@ state checkpoints, bindings llama-cpp-python lacks, synthetic test GGUFs. It
 may import specray.engine (for the types it fills), never deployments or bench.
 
 OpenMP waiting is left to libgomp's default (spin a little at a barrier, then
-sleep). Measured here on SmolLM2 (2 threads, idle machine): default 83 tok/s,
-OMP_WAIT_POLICY=active 90, passive 20 (every barrier then pays a futex
-wake-up); with one other busy process on the 2 cores: 22 / 25 / 31. A
-dedicated box should not pay 4x for the oversubscribed case: export
+sleep). OMP_WAIT_POLICY=passive (every barrier pays a futex wake-up) helps
+when other processes keep the cores busy but makes an idle machine's decodes
+several times slower; active (spin) is a little faster on dedicated cores. A
+dedicated machine should not pay for the oversubscribed case: export
 OMP_WAIT_POLICY (or set ServeConfig.worker_env) to choose.
 """

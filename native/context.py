@@ -173,7 +173,7 @@ class Context:
             return np.zeros((0, self.model.n_vocab), dtype=np.float32)
         ptr = llama_cpp.llama_get_logits(self.ptr)
         # a view of llama.cpp's output buffer, made again only when the buffer moved or grew: building it
-        # (np.ctypeslib.as_array) took ~10 us, paid on every round
+        # (np.ctypeslib.as_array) is not free, and would be paid on every round
         addr = ctypes.cast(ptr, ctypes.c_void_p).value
         view = self._logits_view
         if view is None or self._logits_addr != addr or len(view) < n_outputs:

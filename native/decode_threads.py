@@ -8,12 +8,9 @@ it has CPUs, libgomp throttles the spin-wait at its barriers (to 100 spins
 from 300,000): the workers sleep between the graph's operations and every
 decode pays their wake-ups. So a process that decoded on one thread and then
 decodes on another, while the first is still alive, decodes far slower with
-2+ threads. Measured on 2 cores, SmolLM2, 2 threads, plain decoding: 91 tok/s
-when one thread does all decodes, 50 tok/s when a thread that decoded once
-(the engine's set-up) stays alive while another decodes the rounds; a Serve
-replica did exactly that (built the engine on the actor's init thread, then
-decoded on its round thread): its decode took 21 ms a round against 11 ms in
-process.
+2+ threads: a Serve replica that builds the engine on the actor's init thread
+(the engine's set-up decodes) and then decodes on its round thread would do
+exactly that.
 
 `note()` is called by Context.decode whenever the calling thread differs from
 the last one; `live()` names the live threads that have decoded (the served

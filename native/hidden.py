@@ -199,8 +199,8 @@ class PairBatch:
 #: (all-or-none mode, where the head's graph cannot output a subset: PairHead)
 PRE_BATCH_PAIRS = 8
 #: relative L2 distance between a subset output's logits row and the same row of an all-outputs batch above
-#: which the head's graph is taken to mishandle output subsets: the fault gave another pair's rows (1.46-1.5 on
-#: the synthetic heads), a right graph differs by 1e-7 or less (the trained SmolLM2 head: 0)
+#: which the head's graph is taken to mishandle output subsets: the fault gives another pair's rows (a distance
+#: near 1.5), a right graph differs by 1e-7 or less
 SUBSET_TOLERANCE = 0.1
 
 
@@ -224,11 +224,10 @@ class PairHead(SlotBackend):
     feeds back.
 
     Output subsets. The vendored llama.cpp's eagle3 graph applied no output-id selection: given a batch whose
-    outputs were a subset of its pairs, it returned the rows of the batch's first pairs (a catch-up draft was
-    the system prompt's next token, 198 on every SmolLM2 chat prompt; 80% of served drafts agreed with the
-    trained torch module, 98% with every pair outputting). The MTP graphs got the logits right but the output
-    rows, which the next draft step feeds back, wrong the same way (they set the row tensor before selecting
-    the outputs, and the masked copy-out took its first rows). specray's build fixes both
+    outputs were a subset of its pairs, it returned the rows of the batch's first pairs (a catch-up's draft
+    then continued the batch's first pair, in the system prompt, not its last). The MTP graphs got the logits
+    right but the output rows, which the next draft step feeds back, wrong the same way (they set the row
+    tensor before selecting the outputs, and the masked copy-out took its first rows). specray's build fixes both
     (native/patches/llama-eagle3-output-rows.patch, llama-nextn-masked-rows.patch). A build without them (a
     plain PyPI wheel) still gives right drafts: at start a head decodes one probe both ways
     (`subset_outputs_ok`) and, where they differ, every batch has all of its pairs output, or none."""

@@ -12,8 +12,8 @@ folder, so libllama comes from site-packages while its ggml libraries come from
 the build tree; a later load by path (llama_cpp._ggml, a ctypes.CDLL of a file
 in llama_cpp/lib) then maps a second libggml beside the first. Which copy a
 symbol binds to then depends on what was loaded before (numpy's OpenBLAS
-included), which fits the import-order segfault seen on that machine (README,
-*GPUs*). specray's own install builds the wheel with scikit-build-core
+included), which fits the import-order segfault seen on that machine
+(docs/troubleshooting.md). specray's own install builds the wheel with scikit-build-core
 (RUNPATH `$ORIGIN`: one folder), so every library resolves to llama_cpp/lib.
 
 `check_one_copy()` reads /proc/self/maps after llama_cpp is loaded and

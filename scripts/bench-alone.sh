@@ -22,7 +22,7 @@
 #                built on first use, ~10 min on 2 cores)
 #   PORT, LLAMA_PORT  (default 8000, 8090): refused if something listens there
 # Why alone: on a small node each server's idle processes slow the other's
-# decode (README 'Quiet local Ray'); both up at once flatters whichever is
+# decode (docs/serving.md, quiet local Ray); both up at once flatters whichever is
 # measured beside the lighter neighbour.
 set -euo pipefail
 

@@ -12,7 +12,7 @@
 #    kernel that makes a few-token speculative verify cheaper (bitwise the same
 #    results; SPECRAY_GGML_COLS=0 turns it off), and makes EAGLE-3 and MTP head
 #    batches output the rows of the pairs that asked (a subset got the first
-#    pairs' rows: README, "Outputs, subsets and all-or-none").
+#    pairs' rows: native/hidden.py, PairHead).
 # The built wheel is cached in $SPECRAY_WHEEL_CACHE (default
 # ~/.cache/specray/wheels) keyed by version + flags + patches, so only the first
 # install on a machine pays the ~7-10 minute compile. With CUDA (scripts/gpu-flags.sh: detected, or

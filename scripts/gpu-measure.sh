@@ -6,7 +6,7 @@
 # `quick`: 1 slot only (the shape-stable verdict and the round breakdown), then llama-server.
 # `pricing`: only the default chain against plain decoding at 1 and 4 slots, exact shapes and one padded shape
 # (--verify-buckets 4: every round 4 rows a sequence, drafts of at most 3), one text file each.
-# `waiting`: only what issue 32 still waits for, in order of value: `imports` (the import-order crash: which
+# `waiting`: only the measurements still outstanding, in order of value: `imports` (the import-order crash: which
 # library files each order maps, the recipe as it is against one folder), `synth` (the synthetic 1.5B target's
 # cost curve and round overhead; writes ~1.6 GB to $SYNTH_DIR, default /tmp, in ~1-2 min; SYNTH_PARAMS and
 # SYNTH_TYPE change its size and weight type), `hidden` (MTP and
@@ -30,8 +30,7 @@ CATS=${CATS:-coding,math,qa,rag,summarization,translation}
 THREADS=${THREADS:-4}
 MAX_TOKENS=${MAX_TOKENS:-128}  # a dry run elsewhere: MAX_TOKENS=8
 mkdir -p "$OUT"
-# Spec-Bench travels beside the parts (../shared does not): cp ../shared/data/spec_bench/question.jsonl .gpu/pN/
-[ -f /tmp/gpu/question.jsonl ] && export SPECRAY_SPEC_BENCH=${SPECRAY_SPEC_BENCH:-/tmp/gpu/question.jsonl}
+# the prompts: Spec-Bench as the checkout ships it (bench/data/spec_bench.jsonl), unless SPECRAY_SPEC_BENCH is set
 # the device tool returns at most 8 files a run: everything also goes into one archive, rewritten at every
 # progress line, so a run cut off by its time limit still brings back all that finished
 pack() { tar -czf "$OUT.tgz" --exclude=./results.tgz -C "$OUT" . 2>/dev/null && mv "$OUT.tgz" "$OUT/results.tgz"; }
@@ -207,7 +206,7 @@ bench s4 4 4 --configs "${CONFIGS[@]}" --verify-shape both
 bench s8 8 8 --configs "${CONFIGS[@]}" --verify-shape both
 # 6. where the host time goes with the default chain (cProfile of the measured rounds)
 bench s1_profile 1 2 --configs ngram_mod,suffix,ngram_cache --no-llama-baseline --profile "$OUT/s1_profile.prof.txt"
-# 7. what issue 32 still waited for: the synthetic 1.5B target, hidden rows on the GPU (Ray), Gemma
+# 7. the measurements still outstanding: the synthetic 1.5B target, hidden rows on the GPU (Ray), Gemma
 sampling_step
 synth_step
 hidden_step

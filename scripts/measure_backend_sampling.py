@@ -1,5 +1,5 @@
 """Greedy top tokens picked by llama.cpp inside the decode (backend sampling) against the host's argmax over the
-logits rows it copies out, interleaved on one context: issue 31's "greedy verification from a top-1 per row".
+logits rows it copies out, interleaved on one context: can greedy verification work from a top-1 per row?
 
 Each round decodes S sequences x K rows (one committed token and K-1 draft rows, all outputting, as a verify
 does), reads each row's top token one way or the other, then removes the rows again. The two ways alternate,

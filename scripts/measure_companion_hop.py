@@ -7,7 +7,7 @@ companion reports inside it. The two hops alternate in passes, so drift on a noi
 
 Measured on the 2-core EPYC box, idle, SmolLM2 as the draft model, 300 calls a pass, two passes: median
 1.49 / 1.33 ms by actor call, 0.44 / 0.43 ms through the graph; a later run of 200 calls, 1.43 against 0.22 ms
-(README, "Compiled companion hop").
+(docs/serving.md).
 """
 
 from __future__ import annotations

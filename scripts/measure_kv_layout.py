@@ -4,7 +4,7 @@ per sequence, both contexts on one model, interleaved, flash attention on; media
 
     .venv/bin/python scripts/measure_kv_layout.py [--model smollm2-135m] [--steps 64] [--passes 2] [--threads 2]
 
-Measured on the 2-core EPYC box, SmolLM2, idle (README, "Benchmarking the server"): rows 1,1,1,1 (plain
+Measured on the 2-core EPYC box, SmolLM2, idle (docs/benchmarking.md): rows 1,1,1,1 (plain
 decoding) 16.0-16.9 ms unified against 15.3-15.7 ms in streams; rows 1,4,1,3 (verifies of unequal length)
 31.6-31.8 against 42.9-45.6 ms, since llama.cpp splits a batch over streams into ubatches with equally many tokens
 of every sequence; rows 4,4,4,4 54.1-58.2 against 50.5-56.6 ms.

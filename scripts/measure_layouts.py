@@ -1,4 +1,4 @@
-"""Serving layouts side by side (README 'Serving layouts'): wall tok/s and the request path's CPU per token.
+"""Serving layouts side by side (docs/serving.md): wall tok/s and the request path's CPU per token.
 
 Starts a local Ray + Serve (TMPDIR decides its session dir; Linux, reads /proc), deploys the app in both
 layouts (fused, split) on one Serve instance, loads the in-process engine with the served engine's config

@@ -7,8 +7,8 @@ Usage: python3 scripts/spec-bench-prompts.py OUT.jsonl [N] [OUTPUT_TOKENS] [QUES
   OUTPUT_TOKENS  tokens to generate per prompt (default 128); guidellm reads
                  `output_tokens_count` and sends it as max_completion_tokens
                  with ignore_eos, so every server generates exactly that many
-  QUESTION.jsonl default: $SPECRAY_SPEC_BENCH, else ../shared/data/spec_bench/
-                 question.jsonl next to the repository
+  QUESTION.jsonl default: $SPECRAY_SPEC_BENCH, else the repository's
+                 bench/data/spec_bench.jsonl (Spec-Bench's 480 questions)
 
 A line: {"prompt": TEXT, "output_tokens_count": 128, "category": CAT}; guidellm
 sends `prompt` as the user message of a chat completion. Standard library
@@ -27,10 +27,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def default_questions() -> str:
-    for p in (os.environ.get("SPECRAY_SPEC_BENCH", ""), str(REPO.parent / "shared/data/spec_bench/question.jsonl")):
+    # the same default as specray.bench.prompts.default_prompts_path, found from the checkout rather than the
+    # package: this script runs under any Python (the guidellm venv has no specray)
+    for p in (os.environ.get("SPECRAY_SPEC_BENCH", ""), str(REPO / "bench" / "data" / "spec_bench.jsonl")):
         if p and os.path.isfile(p):
             return p
-    sys.exit("spec-bench-prompts: Spec-Bench question.jsonl not found; pass it as the 4th argument "
+    sys.exit("spec-bench-prompts: Spec-Bench questions not found; pass them as the 4th argument "
              "or set SPECRAY_SPEC_BENCH")
 
 

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+from specray.bench.prompts import SPEC_BENCH, default_prompts_path  # noqa: F401  (SPEC_BENCH: the shipped file)
 
 
 def spec_bench_questions() -> list[dict]:
-    path = Path(os.environ.get("SPECRAY_SPEC_BENCH", SPEC_BENCH))
-    with open(path) as f:
+    """The questions `specray bench` reads by default: $SPECRAY_SPEC_BENCH, else the shipped Spec-Bench."""
+    with open(default_prompts_path()) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import defaultdict
+from importlib import resources
 
 from .prompts import read_prompts
 
@@ -70,12 +72,26 @@ def measure(target: str, head: str, prompts, *, n_max: int, max_tokens: int, slo
         eng.close()
 
 
+def default_prompts_path() -> str:
+    """The prompts read without --prompts, the same file as `specray bench`'s default
+    (specray.bench.prompts.default_prompts_path, which train may not import: docs/architecture.md):
+    $SPECRAY_SPEC_BENCH when set, else Spec-Bench as the specray.bench package ships it (bench/data).
+
+    >>> path = default_prompts_path()
+    >>> path == os.environ.get("SPECRAY_SPEC_BENCH") or path.endswith("spec_bench.jsonl")
+    True
+    """
+    # a resource of the package, not an import of its code
+    return os.environ.get("SPECRAY_SPEC_BENCH") or str(resources.files("specray.bench") / "data" / "spec_bench.jsonl")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specray.train.accept", description=__doc__.split("\n\n")[0])
     ap.add_argument("--head", required=True, metavar="HEAD.gguf", help="the EAGLE-3 head to measure")
     ap.add_argument("--target", default="smollm2-135m", help="target model (default: %(default)s)")
     ap.add_argument("--prompts", default=None, metavar="FILE.jsonl",
-                    help="prompts (default: the Spec-Bench questions in ../shared/data/spec_bench)")
+                    help="prompts (default: $SPECRAY_SPEC_BENCH, else Spec-Bench's questions shipped in the package, "
+                         "bench/data/spec_bench.jsonl)")
     ap.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
     ap.add_argument("--per-category", type=int, default=10, help="prompts per category (default: %(default)s)")
     ap.add_argument("--n-max", type=int, default=3, help="draft tokens per round (default: %(default)s)")
@@ -84,12 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default: %(default)s)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
-    path = args.prompts
-    if path is None:
-        import os
-
-        path = os.environ.get("SPECRAY_SPEC_BENCH") or os.path.join(
-            os.path.dirname(__file__), "..", "..", "shared", "data", "spec_bench", "question.jsonl")
+    path = args.prompts or default_prompts_path()
     cats = [c for c in (args.categories or "").split(",") if c] or None
     prompts, seen = [], defaultdict(int)
     for p in read_prompts(path, cats):

@@ -41,10 +41,10 @@ class GenConfig(BaseModel):
                                 "without an answer: more data per minute, text the target did not write")
     soft_labels: int = Field(0, ge=0, le=64, description="besides the target's top token, keep its K likeliest "
                              "tokens and their probabilities at each position, for optim.labels 'soft' (0: the top "
-                             "token only; 8 measured no better than 0 on held-out chat, README)")
+                             "token only)")
     text: list[str] = Field(default_factory=list, description="plain-text files (globs) cut into max_len-token "
-                            "pieces the head learns on with no answer (needs learn_prompts): a prefill's worth of "
-                            "data, about three times the positions a minute of answers makes")
+                            "pieces the head learns on with no answer (needs learn_prompts): prefilled, not "
+                            "generated, so many more positions a minute than answers make")
     rows_minutes: float | None = Field(None, gt=0, description="minutes of the generating budget spent first on "
                                        "text with no answer (the --text pieces, and with learn_prompts the prompts "
                                        "too long to answer); None: that text only after the answers, with what is "

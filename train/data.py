@@ -103,10 +103,10 @@ def generate(cfg: TrainConfig, prompts: list[TrainPrompt], layers: tuple[int, ..
     max_prompt = cfg.gen.max_len - 64
     seq_cells = max_prompt + cfg.gen.max_tokens + 64  # a prompt and its answer
     # flash attention: in one unified KV cache a row attends every slot's cells unless it is on (llama.cpp's CPU
-    # kernel skips masked cells), and long prompts in 8 slots made generation 10x slower without it (measured).
-    # Plain decoding: 8 slots of sampled 256-token answers made 120 tok/s here, 128 with the default chain
-    # (a wash: a verify row costs nearly a sequence's next token at 8 rows), and 16-48 slots 87-100 (each row
-    # of the flash-attention kernel walks the whole unified cache)
+    # kernel skips masked cells): without it long prompts in many slots make generation many times slower.
+    # Plain decoding, not the default chain: at 8 slots a verify row costs nearly a sequence's next token, so
+    # drafts gain little; and more slots do not pay (each row of the flash-attention kernel walks the whole
+    # unified cache)
     eng = LocalEngine(EngineConfig(model=cfg.target, slots=cfg.gen.slots, n_ctx=cfg.gen.slots * seq_cells,
                                    threads=cfg.threads, prompt_cache=False, flash_attn=True,
                                    chain=ChainConfig(speculators=[])))
@@ -129,8 +129,8 @@ def generate(cfg: TrainConfig, prompts: list[TrainPrompt], layers: tuple[int, ..
         shard = len(glob.glob(os.path.join(data_dir, "shard-*.npz")))
         made, tokens, rows_only = 0, 0, []
         if cfg.gen.max_prompt:
-            # a long prompt is paid twice (prefill, then the rows pass) for one answer: Spec-Bench's summarization
-            # and rag prompts (~800 tokens) held answers to 38 tok/s on 2 cores, against 100+ with short prompts
+            # a long prompt is paid twice (prefill, then the rows pass) for one answer: long prompts (Spec-Bench's
+            # summarization and rag, ~800 tokens) make answers come several times slower than short ones
             plen = {pi: len(eng.prompt_tokens(prompts[pi].prompt, prompts[pi].messages))
                     for pi in {j[0] for j in todo}}
             long_ = {pi for pi, n in plen.items() if n > cfg.gen.max_prompt}
@@ -213,9 +213,8 @@ def _rows_only(eng, rows: RowReader, prompts: list[TrainPrompt], pis: list[int],
     first the prompts `pis` (their first max_len tokens), then `pieces` ((prompt id, category, tokens) of the
     --text files, _text_pieces). One rows pass, a prefill, each. Returns (the next shard number, tokens kept).
 
-    A prefill with every position's logits and rows ran at about 540-590 tokens/s on a 2-core EPYC (SmolLM2,
-    1024-token sequences), where an answer came at about 170 with its rows pass (210 against 80 on a slower
-    one): cheaper text, but not the target's own."""
+    A prefill with every position's logits and rows is much faster per token than an answer with its rows
+    pass: cheaper text, but not the target's own."""
     def items():
         for pi in pis:
             yield pi, prompts[pi].category, eng.prompt_tokens(prompts[pi].prompt, prompts[pi].messages)[:max_len]

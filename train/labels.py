@@ -1,7 +1,6 @@
 """The head's labels: the target's top token at each position, and with `gen.soft_labels` K its K most
 likely tokens with their probabilities (the head then learns the target's distribution, not only its
-argmax: more to learn from each of the few positions a CPU budget can make; measured on held-out chat, it
-made no difference: README, "More data per minute")."""
+argmax: more to learn from each of the few positions a CPU budget can make; results: docs/experiments.md)."""
 
 from __future__ import annotations
 
@@ -11,8 +10,8 @@ import numpy as np
 def top_k_probs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(ids int32 [n, k], probabilities float32 [n, k]) of each row's k largest logits, most likely first;
     the probabilities are the full softmax's (they sum to less than 1 when k < vocabulary). The engine's
-    top-n log-softmax (engine/logprobs.py, what `top_logprobs` answers with) does the work: ~0.17 s for 512
-    rows of SmolLM2's 49k vocabulary here, next to ~0.9 s for their prefill.
+    top-n log-softmax (engine/logprobs.py, what `top_logprobs` answers with) does the work, a small cost next
+    to the rows' prefill.
 
     >>> ids, p = top_k_probs(np.log(np.array([[0.1, 0.6, 0.3]], dtype=np.float32)), 2)
     >>> ids.tolist(), [round(float(x), 3) for x in p[0]]

@@ -5,7 +5,7 @@ An instruct model given its chat template up to where a user's first message
 goes writes a user message: the kind of request its own fine-tuning data held
 (for SmolLM2: stories, emails, code, advice, explanations). Sampled, those are
 as many distinct chat prompts as there is time for, with no data set and none
-of the measured prompts: the head then learns on answers to chat like the
+of the prompts the bench measures on: the head then learns on answers to chat like the
 chat it will serve, where a few hundred Spec-Bench questions of other
 categories (question answering, translation, maths) teach it other text.
 

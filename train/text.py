@@ -1,12 +1,11 @@
 """Plain text for the head to learn on: files cut into training sequences, rows only (no answers).
 
-A prefill with every position's rows and logits ran at ~540 tokens/s on a
-2-core EPYC (SmolLM2), an answer with its rows pass at ~170, so text the
-target did not write buys the head about three times the positions per
-minute. Its labels are still the target's: its top tokens (and their
-probabilities, with `gen.soft_labels`) after each position of the text.
-Measured on held-out chat it did not help (README, "More data per minute");
-it is for a corpus that looks like the traffic to serve.
+A prefill with every position's rows and logits is much faster than an
+answer with its rows pass, so text the target did not write buys the head
+more positions per minute. Its labels are still the target's: its top tokens
+(and their probabilities, with `gen.soft_labels`) after each position of the
+text. It is for a corpus that looks like the traffic to serve (the head
+recipes tried: docs/experiments.md).
 """
 
 from __future__ import annotations

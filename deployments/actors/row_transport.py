@@ -307,7 +307,7 @@ class InlineTransport:
 
 class ObjectStoreTransport(InlineTransport):
     """ray.put on the target; the companion gets the reference. Records under `inline_below` bytes go by value
-    (a put costs a fixed ~1.5 ms here, a small copy through the router far less).
+    (a put has a fixed cost however small the record; a small copy through the router costs far less).
 
     The target holds each ref it put until the companion's ack (its `open_handle` read the record) comes
     back through the router, at most `max_pinned` of them (the oldest go first; a companion that never asks

@@ -1,10 +1,9 @@
 """The router's compiled-graph links to the target actor (`ServeConfig.target_hop: compiled`) and to the
 companion (`companion_hop: compiled`, companion_client.py): any actor with `channel(msg)` and `wake()`.
 
-An actor call submits a task each way: about 1.7 ms a round-trip on this 2-core machine, idle, and 3.5 ms
-p50 in a loaded distributed replica. A Ray Compiled Graph (`ray.dag`, `experimental_compile`) keeps one task
-running on the actor and passes each round through shared-memory channels: 0.38 ms for the same payload, idle
-(README, "Compiled target hop"). Two traits of Ray 2.60's channels shape this class:
+An actor call submits a task each way, every round. A Ray Compiled Graph (`ray.dag`, `experimental_compile`)
+keeps one task running on the actor and passes each round through shared-memory channels, a much shorter hop
+for the same payload (docs/serving.md). Two traits of Ray 2.60's channels shape this class:
 
 - A channel read polls (sched_yield) rather than sleeping: the router would spin a core for the whole decode,
   beside llama.cpp's threads. So `call` first sleeps most of what a step with as many rows took inside the
@@ -26,8 +25,8 @@ import time
 def resolve_target_hop(setting: str, info: dict) -> str:
     """The hop a replica uses (ServeConfig.target_hop), from the target actor's `info()`: "auto" takes the
     compiled graph where the actor's node has a core its llama.cpp threads leave free, or the target decodes
-    on a GPU; there the channels' polling costs nothing the decode needs. On 2 cores with 2 threads the graph's
-    shorter hop was paid back in slower decodes (README, "Compiled target hop"), so auto keeps the actor call.
+    on a GPU; there the channels' polling costs nothing the decode needs. Where the threads take every core,
+    the polling slows the decode by more than the shorter hop saves, so auto keeps the actor call.
     Hidden-state heads go either way: the target pins the object refs of their rows until the companion has
     read them (row_transport.ObjectStoreTransport), which a graph's channel, unlike an actor call's return,
     does not do for it.

@@ -1,13 +1,11 @@
 """Direct writes: the round thread writes a stream's plain deltas straight to the client's socket.
 
-Fused with direct ingress, a streamed token's way out was round thread ->
+Fused with direct ingress but without them, a streamed token's way out is round thread ->
 the replica's event loop -> uvicorn -> socket: one wake-up of the loop per
 round, its GIL hand-off, and its Python per chunk. On a node whose cores all
-decode (2 cores, 2 llama.cpp threads) that wake-up takes a core from the
-decode. Measured on 2 cores, SmolLM2, plain decoding, 1 client, interleaved
-per prompt against the in-process engine: 0.61 ms a token of serving
-overhead with the loop delivering every round, 0.23 ms when nothing went
-through the loop per round (README *Direct writes*).
+decode (say 2 cores, 2 llama.cpp threads) that wake-up takes a core from the
+decode; with nothing going through the loop per round, the serving overhead
+a token is much smaller (docs/serving.md).
 
 A `DirectLink` joins one stream's two sides. The loop side (the HTTP
 response, deployments/http/direct_response.py) attaches the connection: its

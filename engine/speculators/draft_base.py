@@ -40,8 +40,8 @@ class DraftParams(ModelDraftParams):
     keep_last: bool | None = Field(
         True,
         description="cross-vocab: keep the last target token of a translated draft although more text could merge "
-        "into it (measured on Gemma 3 270M <- SmolLM2: accepted as often as the others, mean acceptance length "
-        "3.0 vs 2.5 without); None keeps it only when it ends in punctuation or a newline",
+        "into it (such a token is kept by the target about as often as the draft's others); False drops it; None "
+        "keeps it only when it ends in punctuation or a newline",
     )
 
 

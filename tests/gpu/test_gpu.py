@@ -1,8 +1,8 @@
 """On a GPU (a CUDA build of llama.cpp with a device): offload, the import-order crash, lossless speculation.
 
 Skipped where llama.cpp cannot offload (CI, the CPU machines). On the GPU machine, after the offline recipe
-(../shared/gpu/README.md): `SPECRAY_TEST_MODEL=/path/SmolLM2.gguf SPECRAY_SPEC_BENCH=/path/question.jsonl
-python3 -m pytest -q -m gpu tests/gpu` (SPECRAY_TEST_MODEL where the packaged alias is not installed).
+(../shared/gpu/README.md): `SPECRAY_TEST_MODEL=/path/SmolLM2.gguf python3 -m pytest -q -m gpu tests/gpu`
+(SPECRAY_TEST_MODEL where the packaged alias is not installed; the prompts are the shipped Spec-Bench).
 """
 
 from __future__ import annotations

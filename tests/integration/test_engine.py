@@ -147,8 +147,8 @@ def test_a_slow_spell_during_calibration_does_not_become_the_cost_shape(engine, 
 
 
 def test_thread_count_defaults_in_process_and_served(smollm2):
-    """Unset threads: 2 in process; served, all the CPUs the process may use (README, 'Threads when
-    serving'); the context is opened with what the config says, and a set value is kept either way."""
+    """Unset threads: 2 in process; served, all the CPUs the process may use (docs/serving.md,
+    threads when serving); the context is opened with what the config says, and a set value is kept either way."""
     from specray.deployments.builder import build_engine, usable_cpus
     from specray.engine.config import served_threads
 

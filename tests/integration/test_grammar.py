@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from specray.bench.prompts import REPO_ROOT, load_prompts, prompt_grammar
+from specray.bench.prompts import bundled_prompts, load_prompts, prompt_grammar
 from specray.deployments.local_engine import LocalEngine
 from specray.engine.config import ChainConfig, EngineConfig
 from specray.engine.sampling import SamplingParams
@@ -23,7 +23,7 @@ from .test_lossless import ALL, PARAMS
 
 pytestmark = pytest.mark.model
 
-PROMPTS = load_prompts(str(REPO_ROOT / "bench" / "data" / "json_extraction.jsonl"), None, 2)  # 8 prompts
+PROMPTS = load_prompts(bundled_prompts("json_extraction.jsonl"), None, 2)  # 8 prompts
 MAX_TOKENS = 128
 DEFAULT = tuple(ChainConfig().speculators)
 

@@ -2,9 +2,9 @@
 
 The head decodes nothing in rounds it is not asked (process() queues the committed pairs); a draft asked after
 rounds unasked decodes the whole lag in one batch, and drafts exactly what a head asked every round drafts.
-Under the cost policy a losing head must not be asked to catch up each new sequence's prompt: that catch-up
-was its whole cost in issue 28's measurement (catchup_price.py). A stand-in target hands real HiddenRows
-records to the real eagle3 speculator over a counting head (no llama.cpp).
+Under the cost policy a losing head must not be asked to catch up each new sequence's prompt: for a head whose
+drafts are rarely sent, that catch-up is nearly its whole cost (catchup_price.py). A stand-in target hands real
+HiddenRows records to the real eagle3 speculator over a counting head (no llama.cpp).
 """
 
 from __future__ import annotations

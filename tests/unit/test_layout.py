@@ -1,4 +1,4 @@
-"""The layout rules of the README's Architecture section, checked on the source (no imports run).
+"""The layout rules of docs/architecture.md (import rules), checked on the source (no imports run).
 
 engine imports nothing outside engine; native is the only package that imports
 llama_cpp; train is the only one that imports torch; nothing but the CLI (and

@@ -1,4 +1,4 @@
-"""A model speculator whose drafts lose must not price the chain's free drafts out (issue 28's trained head).
+"""A model speculator whose drafts lose must not price the chain's free drafts out (a weak trained head).
 
 A head pays a long catch-up (tens of ms: a whole prompt) on the round of its
 first draft, a few rows sent on its fresh estimate. Left in the host time the round
