@@ -32,7 +32,7 @@ def test_the_plan_downloads_binary_wheels_for_the_given_python_and_platform_and_
     assert "--platform manylinux1_x86_64 --find-links /x/wh/.resolve -d /x/wh -r /x/wh/requirements.txt" in wheels
     assert "manylinux_2_29" not in wheels
     names = reqs.removeprefix("requirements: ").split()
-    assert "ray[serve]>=2.40" in names and "pytest>=8" in names and "scikit-build-core>=0.9.2" in names
+    assert "ray[serve]>=2.60,<2.61" in names and "pytest>=8" in names and "scikit-build-core>=0.9.2" in names
     assert not any(n.startswith("llama-cpp-python") for n in names)  # built from the sdist, not downloaded
     assert not any(n.startswith("torch") for n in names)  # --train only
 
