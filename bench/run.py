@@ -26,6 +26,7 @@ import time
 from specray.deployments.local_engine import LocalEngine
 from specray.engine.chain import Chain
 from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig, HiddenStateConfig
+from specray.engine.speculators.registry import flag_values
 from specray.native.lib import build_has_amx, verify_cols_enabled
 
 from .divergence import classify_divergence, compare_runs, divergence_margin
@@ -190,7 +191,7 @@ def run_bench(
                    "verify_shape": verify_shape, "verify_buckets": list(cfg.verify_buckets),
                    "flash_attn": cfg.flash_attn_on, "policy": policy,
                    "n_max": n_max, "threads": threads, "n_gpu_layers": engine.model.n_gpu_layers,
-                   # the draft model's settings as llama.cpp took them (its load options: README, 'Draft models')
+                   # the draft model's settings as llama.cpp took them (its load options: docs/speculators.md)
                    "draft": engine.draft_model.effective_settings() if engine.draft_model is not None else None,
                    # hidden-state heads (eagle3, ...): file, taps, measured step cost by batch size
                    "hidden": engine.hidden_heads.info() if engine.hidden_heads is not None else None,
@@ -356,9 +357,7 @@ def main_bench(args) -> int:
                        verify_shape=getattr(args, "verify_shape", "exact"),
                        verify_buckets=getattr(args, "verify_buckets", None), profiler=profiler,
                        rollback=args.rollback, rollback_snapshots=args.rollback_snapshots, spec_params=spec_params,
-                       hidden=HiddenStateConfig(mtp=getattr(args, "mtp", False),
-                                                eagle3_model=getattr(args, "eagle3_model", None),
-                                                dflash_model=getattr(args, "dflash_model", None)),
+                       hidden=HiddenStateConfig(**flag_values(args, "hidden")),
                        host_replay=getattr(args, "host_replay", None))
     print(report.host_replay_text if report.host_replay_text else report.table())
     if args.json:

@@ -9,15 +9,15 @@ import sys
 
 from specray.bench.order import ORDERS
 from specray.engine.config import CacheType, ChainConfig, EngineConfig
+from specray.engine.speculators.registry import cli_options, flag_values, model_speculators
 
 # the default chain last: the bench answers "is the default worth it here" without flags
 DEFAULT_BENCH_CONFIGS = ["none", "ngram_simple", "ngram_mod", "ngram_cache", "suffix", "ngram_mod,suffix",
                          ChainConfig().label]
 FLASH_ATTN_HELP = ("flash attention in the target context: on unless --exact (which needs it off), as llama-server's "
-                   "--flash-attn auto on a CPU; --no-flash-attn turns it off. Measured on SmolLM2 here (2 cores, "
-                   "specray bench, 6 categories): plain decoding +2%% at 1 slot and +24%% at 4 (without it every row "
-                   "attends to every slot's KV cells), the default chain +9%%; verify batches of 16+ tokens of one "
-                   "long sequence 15-25%% slower")
+                   "--flash-attn auto on a CPU; --no-flash-attn turns it off. It makes plain decoding faster, most "
+                   "with several slots (without it every row attends to every slot's KV cells), and long verify "
+                   "batches of one sequence slower")
 
 BUCKETS_HELP = ("with bucketed verifies: rows per decoding sequence a decode-only round may take (1 = a plain "
                 "decode); without 1 every round is padded to at least the smallest, so plain rounds and drafts up "
@@ -49,8 +49,9 @@ ROLLBACK_HELP = ("recurrent and hybrid targets (Mamba, RWKV, LFM2, Qwen3-Next, .
                  "checkpoint; off: no drafts on such targets. "
                  "Attention-only targets ignore it")
 ROLLBACK_SNAPSHOTS_HELP = "with --rollback snapshots: recurrent states kept per sequence = the most draft tokens"
-GPU_LAYERS_HELP = ("target layers offloaded to a GPU (companion models follow: all or none); default: all of "
-                   "them where llama.cpp offloads to a GPU it sees (a CUDA build with a device), 0 elsewhere")
+GPU_LAYERS_HELP = ("target layers offloaded to a GPU; companion models follow, all or none (docs/gpus.md; default: "
+                   "all of them where llama.cpp offloads to a GPU it sees, i.e. a CUDA build with a device; 0 "
+                   "elsewhere)")
 
 
 #: the draft's load options: flag, type, metavar, help (dest: the DraftModelConfig field with a draft_ prefix)
@@ -61,14 +62,15 @@ DRAFT_OPTION_FLAGS = [
     ("--draft-threads-batch", int, "N", "CPU threads of the draft context for multi-token batches (-tbd; default: "
                                         "--draft-threads)"),
     ("--draft-n-batch", int, "N", "most tokens in one draft decode (default: the target's n_batch)"),
-    ("--draft-n-ubatch", int, "N", "physical batch of the draft context, at most --draft-n-batch (default: it)"),
+    ("--draft-n-ubatch", int, "N", "physical batch of the draft context, at most --draft-n-batch (default: "
+                                   "--draft-n-batch)"),
     ("--draft-n-gpu-layers", int, "N", "draft layers offloaded to a GPU (-ngld; default: all where llama.cpp "
                                        "offloads to a GPU it sees, 0 elsewhere)"),
     ("--draft-main-gpu", int, "I", "the one GPU holding the whole draft model (-devd with one device; default: "
                                    "the target's --main-gpu and split)"),
     ("--draft-cache-type-k", CacheType, "TYPE", "K cache data type of the draft context (-ctkd; default: f16)"),
-    ("--draft-cache-type-v", CacheType, "TYPE", "V cache data type of the draft context (-ctvd; default: f16); a "
-                                                  "quantised one turns flash attention on for the draft context"),
+    ("--draft-cache-type-v", CacheType, "TYPE", "V cache data type of the draft context; a quantised one turns "
+                                                  "flash attention on for the draft context (-ctvd; default: f16)"),
 ]
 
 
@@ -110,9 +112,8 @@ def _add_draft_args(p: argparse.ArgumentParser, default=None) -> None:
     unless given). The options are named as llama.cpp's draft flags with the --draft- prefix of --draft-model;
     each one unset follows the target (EngineConfig.draft_settings)."""
     g = p.add_argument_group("draft model (the `draft` speculator)")
-    g.add_argument("--draft-model", default=default, metavar="PATH_OR_ALIAS",
-                   help="draft model for the `draft` speculator: packaged alias (smollm2-135m, gemma3-270m) or a "
-                        ".gguf path; name `draft` in the chain to use it")
+    for option in cli_options(hidden_rows=False):
+        _add_speculator_option(g, option, default)
     g.add_argument("--cross-vocab", default=default if default is not None else False,
                    action="store_true",
                    help="allow a draft model whose vocabulary differs from the target's (drafts go through "
@@ -126,25 +127,27 @@ def _add_draft_args(p: argparse.ArgumentParser, default=None) -> None:
                         "quantised --draft-cache-type-v, which --no-draft-flash-attn refuses)")
 
 
+def _add_speculator_option(g, option, default) -> None:
+    """A model speculator's option as its registry entry declares it (`default`: None, or argparse.SUPPRESS)."""
+    if option.switch:
+        g.add_argument(option.flag, default=default if default is not None else False, action="store_true",
+                       help=option.help)
+    else:
+        g.add_argument(option.flag, default=default, metavar=option.metavar, help=option.help)
+
+
 def _add_hidden_args(p: argparse.ArgumentParser, default=None, transport: bool = False) -> None:
-    """--mtp / --eagle3-model / --dflash-model (/ --hidden-transport) (`default=argparse.SUPPRESS` for serve)."""
-    g = p.add_argument_group("hidden-state speculators (`mtp`, `eagle3`, `dflash`)")
-    g.add_argument("--mtp", default=default if default is not None else False, action="store_true",
-                   help="load the target's own NextN (multi-token prediction) head for the `mtp` speculator; the "
-                        "target GGUF must carry NextN layers (e.g. GLM-4.5, DeepSeek-V3, Qwen3.5, MiMo); name `mtp` "
-                        "in the chain to use it")
-    g.add_argument("--eagle3-model", default=default, metavar="PATH",
-                   help="EAGLE-3 draft GGUF trained for this target (architecture eagle3, with its own token "
-                        "embeddings and LM head) for the `eagle3` speculator; name `eagle3` in the chain to use it")
-    g.add_argument("--dflash-model", default=default, metavar="PATH",
-                   help="DFlash (or DFlash2) block-diffusion draft GGUF trained for this target (architecture "
-                        "dflash, with its own token embeddings and LM head) for the `dflash` speculator: one draft "
-                        "decode proposes a whole block per sequence; name `dflash` in the chain to use it")
+    """The hidden-state speculators' options (--mtp / --eagle3-model / --dflash-model, from the registry;
+    / --hidden-transport) (`default=argparse.SUPPRESS` for serve)."""
+    names = ", ".join(f"`{s.name}`" for s in model_speculators(hidden_rows=True))
+    g = p.add_argument_group(f"hidden-state speculators ({names})")
+    for option in cli_options(hidden_rows=True):
+        _add_speculator_option(g, option, default)
     if transport:
         g.add_argument("--hidden-transport", choices=["object_store", "inline", "cuda_ipc"], default=default,
-                       help="--mode distributed: how hidden rows go from the target actor to the companion "
-                            "(default: object_store; cuda_ipc needs GPUs on one node and falls back to the "
-                            "object store, saying why, without them)")
+                       help="--mode distributed: how hidden rows go from the target actor to the companion; "
+                            "cuda_ipc needs GPUs on one node and falls back to the object store, saying why, "
+                            "without them (default: object_store)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,15 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed, with speculation stats",
                          description="Generate for one prompt in-process and print per-request speculation stats.")
     gen.add_argument("--prompt", required=True, help="the prompt text")
-    gen.add_argument("--raw", action="store_true", help="send the prompt as is (default: as a chat user message)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, not as a chat user message")
     gen.add_argument("--spec", default=ChainConfig().label,
                      help="speculator chain, names joined by commas, or 'none' (default: %(default)s)")
     gen.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: %(default)s)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repeat-penalty", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="nucleus sampling: keep the smallest set of best tokens whose probability sums to at "
+                          "least this; 1 = off (default: %(default)s)")
+    gen.add_argument("--min-p", type=float, default=0.0,
+                     help="drop tokens less likely than this times the best token's probability; 0 = off "
+                          "(default: %(default)s)")
+    gen.add_argument("--repeat-penalty", type=float, default=1.0,
+                     help="repetition penalty over the last 64 tokens: their positive logits are divided by it, "
+                          "others multiplied; 1 = off (default: %(default)s)")
     gen.add_argument("--presence-penalty", type=float, default=0.0,
                      help="subtracted once from each token seen in the last 64 tokens, in [-2, 2] (default: 0)")
     gen.add_argument("--frequency-penalty", type=float, default=0.0,
@@ -212,13 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
             "  specray bench --url http://127.0.0.1:8000 --turns 6 --max-tokens 128 --json mt.json"))
     bench.add_argument("--prompts", default=None,
                        help="JSONL: one object per line with 'prompt' (raw text) or 'messages' (chat), optional "
-                            "'category' (default: Spec-Bench questions from ../shared/data/spec_bench)")
+                            "'category' (default: $SPECRAY_SPEC_BENCH, else Spec-Bench's 480 questions shipped "
+                            "in the package, bench/data/spec_bench.jsonl)")
     bench.add_argument("--categories", default=None, help="comma-separated categories to run (default: all)")
     bench.add_argument("--per-category", type=int, default=3, help="prompts per category (default: %(default)s)")
     bench.add_argument("--configs", nargs="+", default=None,
                        help="in-process: chains to compare, e.g. none ngram_mod ngram_mod,suffix ('none' is always "
-                            f"included; default: {' '.join(DEFAULT_BENCH_CONFIGS)}); not with --url/--http "
-                            "(use --spec)")
+                            "included); not with --url/--http, which take --spec "
+                            f"(default: {' '.join(DEFAULT_BENCH_CONFIGS)})")
     bench.add_argument("--spec-param", action="append", default=None, metavar="SPECULATOR.KEY=VALUE",
                        help="in-process: a speculator parameter every configuration starts from, repeatable (e.g. "
                             "--spec-param suffix.p_min=0.2). A configuration can carry its own: "
@@ -239,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--order", choices=ORDERS, default=None,
                        help="in-process: how configurations share the machine. lockstep: each on its own context "
                             "(one model), all advanced one round at a time in turn, so they see the same machine "
-                            "speed (seen here: identical runs drifting between 69 and 94 tok/s in ~30 s waves). "
+                            "speed (on a shared machine the speed of identical runs drifts over time). "
                             "sandwich: one after another, `none` before and after each, each measured against its "
                             "two neighbouring `none` runs; about twice as long. alternate: one after another, the "
                             "order reversed every group (default: lockstep)")
@@ -263,13 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "a run to see where a round's time goes, not for its tok/s")
     bench.add_argument("--host-replay", default=None, metavar="TABLE",
                        help="in-process, instead of the timed run: the round's host cost against a target as fast as "
-                            "TABLE, h100 (SmolLM2 on an H100: 1.6 ms for one row, 2.5 ms for 2-8), measured (this "
+                            "TABLE, h100 (SmolLM2's step times on an H100, bench/host_replay.py), measured (this "
                             "CPU's calibrated decode) or ROWS:MS,... One real plain pass records each prompt's greedy "
                             "output; then every configuration runs the prompts, queued on --slots, with the decode "
                             "replaced by a busy wait of the table's time that returns the recorded tokens' logits. "
                             "Prints host ms per round by stage, and checks every output equals the recording. On a "
-                            "VM like this one a real run's host figures are inflated: caches go cold while the round "
-                            "waits (README, 'Host replay')")
+                            "VM a real run's host figures are inflated: caches go cold while the round waits "
+                            "(docs/benchmarking.md)")
     bench.add_argument("--no-llama-baseline", action="store_true",
                        help="skip the plain llama_cpp.Llama generate reference row (in-process bench)")
     _add_model_args(bench)
@@ -302,8 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--num-prompts", type=int, default=None,
                    help="prompts per row, taken round-robin over the categories (default: 16)")
     h.add_argument("--spec", default=None,
-                   help=f"chain: with --http the apps' and in-process engine's chain (default: {ChainConfig().label}); "
-                        "with --url sent per request as speculative.chain (default: the server's own chain)")
+                   help="chain: with --http the apps' and in-process engine's chain; with --url sent per request "
+                        f"as speculative.chain (default: {ChainConfig().label} with --http; the server's own chain "
+                        "with --url)")
     h.add_argument("--no-in-process", action="store_true",
                    help="skip the in-process engine row (it loads the model in this process)")
     h.add_argument("--api-key", default=None,
@@ -313,20 +324,19 @@ def build_parser() -> argparse.ArgumentParser:
     mt.add_argument("--turns", type=int, default=None, metavar="N",
                     help="run the multi-turn bench instead: conversations of N turns (history grows every turn), "
                          "each turn with cache_prompt true and false; prints TTFT per turn with and without the "
-                         "prompt cache. --prompts must have entries with 2+ 'turns' (default: Spec-Bench's)")
+                         "prompt cache. --prompts must have entries with 2+ 'turns', as Spec-Bench's have")
     mt.add_argument("--conversations", type=int, default=None, metavar="K",
                     help="with --turns: conversations per server, one after another; the table shows per-turn "
                          "medians (default: 3)")
 
     serve = sub.add_parser(
         "serve", help="start the OpenAI-compatible server on Ray Serve",
-        description="Start local Ray and the specray app (OpenAI-compatible HTTP). Settings come from "
+        description="Start the specray app (OpenAI-compatible HTTP) on Ray Serve, in a running Ray cluster or a "
+                    "local Ray it starts. Settings come from "
                     "ServeConfig's defaults, then --config FILE, then every flag given on the command line "
                     "(a flag always wins over the file, even when it repeats the default; a flag not given "
                     "never overrides the file).")
-    _add_serve_args(serve)
-    _add_draft_args(serve, argparse.SUPPRESS)
-    _add_hidden_args(serve, argparse.SUPPRESS, transport=True)
+    _add_serve_args(serve)  # the draft-model and hidden-state groups too, after speculation
 
     ab = sub.add_parser(
         "ab-report", help="compare the A/B arms of a server (or a saved /v1/stats) with confidence intervals",
@@ -360,8 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    """`specray serve` flags: default SUPPRESS (absent unless given), so config_from_args can tell
-    a flag from the file; the help shows ServeConfig's real defaults."""
+    """`specray serve` flags, grouped by topic: default SUPPRESS (absent unless given), so config_from_args can
+    tell a flag from the file; the help shows ServeConfig's real defaults."""
     from specray.deployments.config import ServeConfig
     from specray.engine.config import ChainConfig, EngineConfig
 
@@ -370,91 +380,45 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     def d(model, name: str) -> str:
         f = model.model_fields[name]
         v = f.default_factory() if f.default_factory is not None else f.default
+        if isinstance(v, bool):
+            v = "on" if v else "off"
+        elif isinstance(v, (list, tuple)):
+            v = " ".join(map(str, v))
         return f"(default: {v})"
 
-    p.add_argument("--config", default=None, help="YAML file of ServeConfig fields (flags override it)")
-    p.add_argument("--host", default=S, help=f"bind address {d(ServeConfig, 'host')}")
-    p.add_argument("--port", type=int, default=S, help=f"HTTP port {d(ServeConfig, 'port')}")
-    p.add_argument("--address", default=None, metavar="ADDR",
-                   help="Ray cluster to join: HOST:PORT, 'auto' (the one `ray start` left on this machine) or "
-                   "'local' (always a new one). Default: $RAY_ADDRESS, else the running cluster `ray start` "
-                   "recorded here, else a new local Ray; the first line printed says which")
-    p.add_argument("--quiet-ray", action=argparse.BooleanOptionalAction, default=True,
-                   help="where specray serve starts its own local Ray: slower periodic loops in Ray's own processes "
-                   "(Serve's control loop 0.5 s, metrics export and the raylet's reports 1 s, the log monitor's "
-                   "folder listing 2 s, the dashboard agent's node report 10 s), about 40%% less of their idle "
-                   "CPU, which a small node's decode threads would otherwise lose; a variable already set keeps "
-                   "its value (README 'Quiet local Ray'; default: on)")
-    p.add_argument("--mode", choices=["colocated", "distributed"], default=S,
-                   help=f"target in the router process, or in its own actor {d(ServeConfig, 'mode')}")
-    p.add_argument("--target-hop", choices=["auto", "actor", "compiled"], default=S,
-                   help="--mode distributed: each round reaches the target actor by an actor call, or through a Ray "
-                   "Compiled Graph (shared-memory channels; they poll, so it pays where a core is left beside the "
-                   "target's threads); auto: compiled where the target's node has a spare core or a GPU "
-                   f"(README, 'Compiled target hop') {d(ServeConfig, 'target_hop')}")
-    p.add_argument("--companion-hop", choices=["auto", "actor", "compiled"], default=S,
-                   help="--mode distributed: the same for each round's draft call to the companion actor (draft "
-                   "model, mtp, eagle3, dflash); auto: compiled where the node has a core beyond the target's and "
-                   f"the companion's threads, or the target decodes on a GPU {d(ServeConfig, 'companion_hop')}")
-    p.add_argument("--user-code-loop", choices=["shared", "separate"], default=S,
-                   help="where Ray Serve runs the serving replica's async code: shared (Ray's own event loop; one "
-                   "thread wake-up per streamed chunk instead of two, less CPU taken from llama.cpp's decode on "
-                   "small nodes) or separate (Serve's default: a second event loop thread; README 'Serving "
-                   f"layouts') {d(ServeConfig, 'user_code_loop')}")
-    p.add_argument("--layout", choices=["fused", "split"], default=S,
-                   help="fused: with one arm, the engine replica deployment serves HTTP itself (one process "
-                   "fewer per streamed token: replica -> Serve's proxy -> client); split: an Ingress deployment in "
-                   "front of the engine deployment (replica -> ingress -> proxy). Several --arm, or autoscaling, always run split "
-                   f"{d(ServeConfig, 'layout')}")
-    p.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=S,
-                   help="the ingress replica (fused: the engine replica) listens on --port itself, no HTTP proxy "
-                   "process in between (Ray Serve's direct ingress; Serve's proxy moves to a free port). Needs the "
-                   "local Ray specray serve starts (not a joined cluster) and one ingress replica. Default: on "
-                   "exactly where those hold; --no-direct-ingress keeps Serve's proxy in front")
-    p.add_argument("--direct-writes", action=argparse.BooleanOptionalAction, default=S,
-                   help="fused layout with direct ingress: the round thread writes each plain streamed delta to the "
-                   "client's socket itself, so no event loop wakes per token (plain HTTP/1.1; other streams, and "
-                   "any stream where a check fails, go through the event loop; README 'Direct writes') "
-                   f"{d(ServeConfig, 'direct_writes')}")
-    p.add_argument("--slots", type=int, default=S, help=f"concurrent sequences per replica {d(EngineConfig, 'slots')}")
-    p.add_argument("--api-key", default=S,
-                   help="require `Authorization: Bearer KEY` on every endpoint but /health (default: the file's "
-                        "api_key, else $SPECRAY_API_KEY, else none)")
+    p.add_argument("--config", default=None, help="YAML file of ServeConfig fields (flags override it; "
+                                                  "docs/configuration.md lists the fields)")
+
     g = p.add_argument_group("model and context")
     g.add_argument("--model", default=S,
                    help=f"packaged alias (smollm2-135m, gemma3-270m) or a .gguf path {d(EngineConfig, 'model')}")
     g.add_argument("--chat-template", default=S,
-                   help="chat template name (e.g. gemma, chatml) for models whose GGUF has none")
+                   help="chat template name (e.g. gemma, chatml) for models whose GGUF has none (default: the "
+                        "GGUF's own)")
     g.add_argument("--threads", type=int, default=S,
-                   help="CPU threads for the target (default: the CPUs the target's process may use; set it so that "
-                   "several replicas on one node add up to the cores)")
-    g.add_argument("--n-gpu-layers", type=int, default=S, metavar="N", help=GPU_LAYERS_HELP)
-    _add_gpu_split_args(g, default=S)
+                   help="CPU threads for the target; set it so that several replicas on one node add up to the "
+                        "cores (default: the CPUs the target's process may use)")
     g.add_argument("--n-ctx", type=int, default=S, help=f"context cells shared by all slots {d(EngineConfig, 'n_ctx')}")
     g.add_argument("--exact", action=argparse.BooleanOptionalAction, default=S,
                    help="batch-invariant target (greedy output token-identical to plain decoding, at some speed "
-                        f"cost); --no-exact turns off a file's exact: true {d(EngineConfig, 'exact')}")
+                        f"cost); --no-exact turns off a file's exact: true (docs/serving.md; "
+                        f"default: {'on' if EngineConfig().exact else 'off'})")
     g.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=S,
-                   help=f"{FLASH_ATTN_HELP} {d(EngineConfig, 'flash_attn')}")
-    g.add_argument("--verify-shape", choices=["exact", "bucketed"], default=S,
-                   help="bucketed: pad decode-only rounds' verifies to a few batch shapes (engine.verify_buckets) so "
-                        "a GPU backend can replay its graphs; costs speed on CPU (README, 'Shape-stable verifies') "
-                        f"{d(EngineConfig, 'verify_shape')}")
-    g.add_argument("--verify-buckets", type=int, nargs="+", default=S, metavar="ROWS",
-                   help=BUCKETS_HELP + f" {d(EngineConfig, 'verify_buckets')}")
+                   help=f"{FLASH_ATTN_HELP} (docs/serving.md; default: on unless --exact)")
     g.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=S,
                    help="keep finished requests' KV in their slots and reuse the longest common prefix for new "
                         "prompts (the next turn of a chat prefills only the new message); requests opt out with "
-                        f"`cache_prompt: false`. Usage reports prompt_tokens_details.cached_tokens "
-                        f"{d(EngineConfig, 'prompt_cache')}")
+                        "`cache_prompt: false`. Usage reports prompt_tokens_details.cached_tokens "
+                        f"(docs/serving.md; default: {'on' if EngineConfig().prompt_cache else 'off'})")
     g.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=S,
                    help="a generation that reaches its context discards old tokens and goes on (llama-server's "
                         "--context-shift; requests may set context_shift, n_keep, n_discard themselves) "
                         f"{d(EngineConfig, 'context_shift')}")
+
     g = p.add_argument_group("speculation")
     g.add_argument("--spec", default=S,
-                   help=f"default speculator chain, names joined by commas, or 'none' "
-                        f"(default: {ChainConfig().label}); a file's per-speculator params are kept")
+                   help="default speculator chain (docs/speculators.md): names joined by commas, or 'none'; a "
+                        f"file's per-speculator params are kept (default: {ChainConfig().label})")
     g.add_argument("--policy", choices=["first", "expected", "cost"], default=S,
                    help=f"how a chain picks one draft per sequence {d(ChainConfig, 'policy')}")
     g.add_argument("--n-max", type=int, default=S,
@@ -468,13 +432,80 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"{ROLLBACK_HELP} {d(EngineConfig, 'rollback')}")
     g.add_argument("--rollback-snapshots", type=int, default=S, metavar="N",
                    help=f"{ROLLBACK_SNAPSHOTS_HELP} {d(EngineConfig, 'rollback_snapshots')}")
+    _add_draft_args(p, S)
+    _add_hidden_args(p, S, transport=True)
+
+    g = p.add_argument_group("serving (HTTP, layouts)")
+    g.add_argument("--host", default=S, help=f"bind address {d(ServeConfig, 'host')}")
+    g.add_argument("--port", type=int, default=S, help=f"HTTP port {d(ServeConfig, 'port')}")
+    g.add_argument("--api-key", default=S,
+                   help="require `Authorization: Bearer KEY` on every endpoint but /health (default: the file's "
+                        "api_key, else $SPECRAY_API_KEY, else none)")
+    g.add_argument("--slots", type=int, default=S,
+                   help=f"concurrent sequences per replica {d(EngineConfig, 'slots')}")
+    g.add_argument("--layout", choices=["fused", "split"], default=S,
+                   help="fused: with one arm, the engine replica deployment serves HTTP itself (one process "
+                   "fewer per streamed token: replica -> Serve's proxy -> client); split: an Ingress deployment in "
+                   "front of the engine deployment (replica -> ingress -> proxy). Several --arm, or autoscaling, "
+                   f"always run split (docs/serving.md; default: {ServeConfig().layout})")
+    g.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=S,
+                   help="the ingress replica (fused: the engine replica) listens on --port itself, no HTTP proxy "
+                   "process in between (Ray Serve's direct ingress; Serve's proxy moves to a free port). Needs the "
+                   "local Ray specray serve starts (not a joined cluster) and one ingress replica; "
+                   "--no-direct-ingress keeps Serve's proxy in front (docs/serving.md; default: on exactly where "
+                   "those hold)")
+    g.add_argument("--direct-writes", action=argparse.BooleanOptionalAction, default=S,
+                   help="fused layout with direct ingress: the round thread writes each plain streamed delta to the "
+                   "client's socket itself (plain HTTP/1.1), so no event loop wakes per token; other streams, and "
+                   "any stream where a check fails, go through the event loop (docs/serving.md; "
+                   f"default: {'on' if ServeConfig().direct_writes else 'off'})")
+    g.add_argument("--user-code-loop", choices=["shared", "separate"], default=S,
+                   help="where Ray Serve runs the serving replica's async code: shared (Ray's own event loop; one "
+                   "thread wake-up per streamed chunk instead of two, less CPU taken from llama.cpp's decode on "
+                   "small nodes) or separate, Serve's default: a second event loop thread (docs/serving.md; "
+                   f"default: {ServeConfig().user_code_loop})")
+
+    g = p.add_argument_group("Ray and cluster")
+    g.add_argument("--address", default=None, metavar="ADDR",
+                   help="Ray cluster to join: HOST:PORT, 'auto' (the one `ray start` left on this machine) or "
+                   "'local' (always a new one); the first line printed says which (docs/cluster.md; default: "
+                   "$RAY_ADDRESS, else the running cluster `ray start` recorded here, else a new local Ray)")
+    g.add_argument("--quiet-ray", action=argparse.BooleanOptionalAction, default=True,
+                   help="where specray serve starts its own local Ray: slower periodic loops in Ray's own processes "
+                   "(Serve's control loop 0.5 s, metrics export and the raylet's reports 1 s, the log monitor's "
+                   "folder listing 2 s, the dashboard agent's node report 10 s), so that they take less of the "
+                   "idle CPU a small node's decode threads would otherwise lose; a variable already set keeps "
+                   "its value (docs/serving.md; default: on)")
+    g.add_argument("--mode", choices=["colocated", "distributed"], default=S,
+                   help=f"target in the router process, or in its own actor {d(ServeConfig, 'mode')}")
+    g.add_argument("--target-hop", choices=["auto", "actor", "compiled"], default=S,
+                   help="--mode distributed: each round reaches the target actor by an actor call, or through a Ray "
+                   "Compiled Graph (shared-memory channels; they poll, so it pays where a core is left beside the "
+                   "target's threads); auto: compiled where the target's node has a spare core or a GPU "
+                   f"(docs/serving.md; default: {ServeConfig().target_hop})")
+    g.add_argument("--companion-hop", choices=["auto", "actor", "compiled"], default=S,
+                   help="--mode distributed: the same for each round's draft call to the companion actor (draft "
+                   "model, mtp, eagle3, dflash); auto: compiled where the node has a core beyond the target's and "
+                   f"the companion's threads, or the target decodes on a GPU {d(ServeConfig, 'companion_hop')}")
+
+    g = p.add_argument_group("GPU")
+    g.add_argument("--n-gpu-layers", type=int, default=S, metavar="N", help=GPU_LAYERS_HELP)
+    _add_gpu_split_args(g, default=S)
+    g.add_argument("--verify-shape", choices=["exact", "bucketed"], default=S,
+                   help="bucketed: pad decode-only rounds' verifies to a few batch shapes (--verify-buckets) so "
+                        "a GPU backend can replay its graphs; costs speed on CPU (docs/serving.md; "
+                        f"default: {EngineConfig().verify_shape})")
+    g.add_argument("--verify-buckets", type=int, nargs="+", default=S, metavar="ROWS",
+                   help=BUCKETS_HELP + f" {d(EngineConfig, 'verify_buckets')}")
+
     g = p.add_argument_group("A/B arms")
     g.add_argument("--arm", action="append", default=S, metavar="NAME=CHAIN[@WEIGHT]",
                    help="an A/B arm, repeatable: its own engine deployment running CHAIN ('none' = no "
-                        "speculation), receiving WEIGHT of the traffic (default 1), e.g. --arm base=none@1 --arm "
+                        "speculation), receiving WEIGHT of the traffic (1 if not given), e.g. --arm base=none@1 --arm "
                         "fast=ngram_mod,suffix@1. Requests stick to an arm by their `user` field or X-Session-Id "
                         "header; X-Specray-Arm forces one. An arm the --config file also names keeps its other "
-                        "settings (params, autoscaling); given --arm flags replace the file's set of arms")
+                        "settings (params, autoscaling); given --arm flags replace the file's set of arms "
+                        "(docs/ab-testing.md; default: the file's arms, else one arm running --spec)")
 
 
 def _grammar_arg(args) -> str | None:
@@ -505,8 +536,7 @@ def _cmd_generate(args) -> int:
                        tensor_split=args.tensor_split, n_ctx=args.n_ctx, exact=args.exact, flash_attn=args.flash_attn,
                        chain=chain, rollback=args.rollback, rollback_snapshots=args.rollback_snapshots,
                        draft=DraftModelConfig.from_flags(args),
-                       hidden=HiddenStateConfig(mtp=args.mtp, eagle3_model=args.eagle3_model,
-                                                dflash_model=args.dflash_model))
+                       hidden=HiddenStateConfig(**flag_values(args, "hidden")))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
                               frequency_penalty=args.frequency_penalty, seed=args.seed, grammar=_grammar_arg(args))

@@ -8,6 +8,7 @@ import sys
 import time
 
 from specray.engine.config import DRAFT_LOAD_FIELDS, parse_chain
+from specray.engine.speculators.registry import cli_options
 
 from specray.cluster.ray_env import environment, quiet_ray_env
 from specray.deployments.ab.arms import parse_arm_flag, resolve_arms
@@ -46,12 +47,10 @@ _FLAG_FIELDS = {
     "spec_tune": ("engine", "chain", "tune"),
     "rollback": ("engine", "rollback"),
     "rollback_snapshots": ("engine", "rollback_snapshots"),
-    "draft_model": ("engine", "draft", "model"),
+    # the model speculators' options (--draft-model, --mtp, --eagle3-model, ...), as their registry entries declare
+    **{o.dest: ("engine", *o.config_path) for o in cli_options()},
     "cross_vocab": ("engine", "draft", "cross_vocab"),
     **{f"draft_{f}": ("engine", "draft", f) for f in DRAFT_LOAD_FIELDS},
-    "mtp": ("engine", "hidden", "mtp"),
-    "eagle3_model": ("engine", "hidden", "eagle3_model"),
-    "dflash_model": ("engine", "hidden", "dflash_model"),
     "hidden_transport": ("engine", "hidden", "transport"),
 }
 
@@ -224,12 +223,12 @@ def main_serve(args) -> int:
     from specray.native.models import resolve_model
 
     resolve_model(cfg.engine.model)  # fail fast (exit 2) on a bad model before starting Ray
-    if cfg.engine.draft.model:
-        resolve_model(cfg.engine.draft.model)
-    if cfg.engine.hidden.eagle3_model:
-        resolve_model(cfg.engine.hidden.eagle3_model)
-    if cfg.engine.hidden.dflash_model:
-        resolve_model(cfg.engine.hidden.dflash_model)
+    for option in cli_options():  # the model speculators' model files (--draft-model, --eagle3-model, ...)
+        path = cfg.engine
+        for part in option.config_path:
+            path = getattr(path, part)
+        if not option.switch and path:
+            resolve_model(path)
 
     proxy_port = cfg.port
     address, why = find_ray_target(getattr(args, "address", None))

@@ -129,10 +129,9 @@ def open_draft(config: EngineConfig, target, target_ctx):
     an incompatible pair raises VocabMismatchError unless config.draft.cross_vocab."""
     if not config.draft.model:
         return None
-    from specray.native.draft_backend import DraftModel
+    from specray.native.backends import BACKENDS
 
-    return DraftModel(config.draft, target, slots=config.slots, target_n_ctx=target_ctx.n_ctx,
-                      settings=config.draft_settings(), calibrate=config.calibrate)
+    return BACKENDS["draft"].open(config, target, target_n_ctx=target_ctx.n_ctx)
 
 
 def open_hidden(config: EngineConfig, target, target_ctx, runner):

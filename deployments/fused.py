@@ -27,6 +27,7 @@ from ray import serve
 from specray.deployments.ab.stats import aggregate_replicas
 from specray.deployments.http.ingress import IngressRoutes, app
 from specray.deployments.replica.deployment import EngineReplica
+from specray.deployments.replica.request import EngineRequest
 
 log = logging.getLogger("specray.fused")
 
@@ -63,13 +64,13 @@ class InProcessEngine:
         self.replica = replica
         self.peers_fn = peers_fn
 
-    async def generate(self, req: dict) -> dict:
+    async def generate(self, req: EngineRequest) -> dict:
         return await self.replica.generate(req)
 
     #: the replica runs in this process: a stream may take a DirectLink (deployments/replica/direct.py)
     in_process = True
 
-    def stream(self, req: dict, direct=None) -> LocalStream:
+    def stream(self, req: EngineRequest, direct=None) -> LocalStream:
         return LocalStream(self.replica.generate_stream(req, direct=direct))
 
     async def health(self) -> dict:

@@ -122,7 +122,8 @@ class Pricing:
 
     def time_in_tokens_list(self, n: int) -> list[float]:
         """time_in_tokens(n) as Python floats, memoised for the round (empty if the round is free). Python, not
-        numpy: a new Pricing every round computes it for its first draft (~17 us a time with numpy)."""
+        numpy: a new Pricing every round computes it for its first draft, where numpy's per-call overhead outweighs
+        the arithmetic."""
         if len(self._time_list) < n:
             base = self.cost(self.base_tokens)
             if base <= 0:
@@ -244,7 +245,6 @@ class Chain:
         self.trackers: dict[str, AcceptanceTracker] = {}
         self.calibrations: dict[str, PrefixCalibration] = {}  # per speculator: its tracker's bias by position
         self.explore_budget: dict[str, float] = {}  # model speculator -> seconds it may spend exploring
-        self._exploring: set[str] = set()  # model speculators asked for an exploring draft this round
         # each speculator's look-ups: their host time, and whether its winnings pay for them (cost policy)
         self.gate = LookupGate()
         for name in config.speculators:
@@ -381,14 +381,13 @@ class Chain:
                 if not idx:
                     continue
                 n_max = {i: requests[i].n_max for i in idx}
+                exploring = False
                 if policy == "cost" and pricing is not None and isinstance(spec, ModelSpeculator):
                     score_drafts(self, props, unscored, best_score, policy, pricing)
-                    n_max = price_model_drafts(self, name, spec, idx, requests, best_score, pricing)
+                    n_max, exploring = price_model_drafts(self, name, spec, idx, requests, best_score, pricing)
                     idx = [i for i in idx if i in n_max]
                     if not idx:
                         continue
-                exploring = name in self._exploring
-                self._exploring.discard(name)
                 t0 = time.perf_counter()
                 estimate = None if self.tuner is None else _shadow_estimate(self, name, spec)
                 drafts = draft_tuned(spec, name, [requests[i] for i in idx], [n_max[i] for i in idx], self.tuner,
@@ -464,12 +463,16 @@ class Chain:
 def price_model_drafts(
     chain: "Chain", name: str, spec: ModelSpeculator, idx: list[int], requests: list[SeqDraftRequest],
     best_score: list[float], pricing: Pricing,
-) -> dict[int, int]:
+) -> tuple[dict[int, int], bool]:
     """Which sequences a model speculator drafts for this round, and how many tokens each: only where
     its expected accepted tokens beat the best free draft, and the planner finds the draft time worth
     paying: the draft steps (shared among the sequences drafting together) plus, per sequence, the
     catch-up of a draft cache that lags (up to its whole prompt), spread over the rounds the speculator is
-    expected to keep drafting for it (catchup_price.py). {request index: n_max}."""
+    expected to keep drafting for it (catchup_price.py).
+
+    Returns ({request index: n_max}, exploring): exploring is True when the only draft chosen is the 1-token
+    one that keeps measuring the model's acceptance; the caller then charges its draft time, as measured,
+    to chain.explore_budget."""
     cands: list[int] = []
     probs: list[np.ndarray] = []
     for i in idx:
@@ -478,7 +481,7 @@ def price_model_drafts(
             cands.append(i)
             probs.append(pp)
     if not cands:
-        return {}
+        return {}, False
     share = spec.draft_seconds(len(cands), max(len(p) for p in probs)) / len(cands)
     catchup = [spec.catchup_seconds(requests[i].seq_id, requests[i].history_for(spec)) for i in cands]
     extra = []
@@ -489,6 +492,7 @@ def price_model_drafts(
     # a draft cut this short must still beat the free one, or its time is wasted
     chosen = {i: k for i, k, pp in zip(cands, lengths, probs)
               if k > 0 and draft_value(pp[:k], pricing) > best_score[i]}
+    exploring = False
     if not chosen and pricing.explore > 0:
         # keep measuring the model's acceptance, within a time budget: each round saves `explore` x its
         # plain decode time; a 1-token draft (the cheapest catch-up of the candidates, the draft step and
@@ -501,9 +505,9 @@ def price_model_drafts(
         if price <= budget:
             chosen = {cands[j]: 1}
             budget -= pricing.cost(pricing.base_tokens + 1) - base  # the verify row; propose() charges the rest
-            chain._exploring.add(name)
+            exploring = True
         chain.explore_budget[name] = budget
-    return chosen
+    return chosen, exploring
 
 
 

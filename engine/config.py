@@ -19,31 +19,33 @@ class ChainConfig(BaseModel):
 
     speculators: list[str] = Field(
         default_factory=lambda: ["ngram_mod", "suffix", "ngram_cache", "grammar"],
-        description="speculator names in priority order; empty = no speculation. The default's n-gram part was "
-        "within 0.04x of the fastest chain in every Spec-Bench run on both packaged models; every other chain "
-        "measured fell 0.08x or more behind in one (README, 'Which chain'). `grammar` drafts only for requests "
-        "with a grammar (structured outputs)",
+        description="speculator names in priority order; empty = no speculation. The default is the three "
+        "model-free n-gram speculators, which draft from text already in the context at no model cost, then "
+        "`grammar`, which drafts only for requests with a grammar (structured outputs). Choosing another chain: "
+        "docs/speculators.md",
     )
     params: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="per-speculator parameters, by speculator name"
     )
     policy: Policy = Field(
         "cost",
-        description="first: first non-empty draft wins (llama.cpp); expected: highest acceptance rate x "
-        "draft length; cost: highest expected accepted tokens, then cut to the length that maximises "
-        "expected tokens per second given the measured verify cost (never slower than plain decoding)",
+        description="first: the first non-empty draft wins (llama.cpp's rule); expected: the highest acceptance "
+        "rate x draft length; cost: the highest expected accepted tokens, cut to the length that maximises expected "
+        "tokens per second under the verify cost calibrated at start-up. The cost policy sends a draft only where "
+        "its price model expects a gain; where that model is wrong it can lose to plain decoding (known on GPUs "
+        "and with flash attention on CPU: docs/benchmarks.md)",
     )
     n_max: int = Field(
         64, ge=0, le=256,
         description="cap on draft tokens per sequence per round (the cost policy cuts each draft to what pays; "
-        "long copies of 48-64 tokens are where n-gram drafts win most)",
+        "the default leaves room for the long copies where n-gram drafts gain most)",
     )
     explore: float = Field(
         0.0, ge=0.0, le=1.0,
         description="cost policy: share of rounds in which a free speculator's draft the planner would drop is "
-        "still sent with one token (worst case ~explore x one verify row). Off by default: every draft, sent or "
-        "not, is judged against the tokens the target emits, which teaches its first position as well as a "
-        "1-token send would; at 4 slots on SmolLM2, 0.03 cost 0.5-1.5% of throughput",
+        "still sent with one token (at most about explore x one verify row of extra work). Off by default: every "
+        "draft, sent or not, is judged against the tokens the target emits, which teaches its first position as "
+        "well as a 1-token send would, so the sends cost throughput for little to learn",
     )
     model_explore: float = Field(
         0.01, ge=0.0, le=1.0,
@@ -208,20 +210,23 @@ class HiddenStateConfig(BaseModel):
         "in-process without a copy")
     inline_below_bytes: int = Field(
         96 * 1024, ge=0, description="object_store / cuda_ipc: a round's rows smaller than this go by value "
-        "instead (a ray.put costs 1.3-2.6 ms here however small the record, and Ray passes results and arguments "
+        "instead (a ray.put has a fixed cost however small the record, and Ray passes results and arguments "
         "under 100 KiB by value itself; 0: never)")
     flush_behind: bool | None = Field(
         None, description="distributed mode: the router's flush of buffered rows (every 16 records without a draft "
-        "request) goes without waiting for the companion, which replays them while the target decodes; None: where "
-        "the node has a core beyond the target's and the companion's threads, or the target decodes on a GPU (on "
-        "this 2-core box the replay competed with the decode: no gain measured)")
+        "request) goes without waiting for the companion, which replays them while the target decodes; None: on where "
+        "the node has a core beyond the target's and the companion's threads, or the target decodes on a GPU "
+        "(without a spare core the replay competes with the decode for it)")
     n_ctx: int | None = Field(
         None, ge=64, description="head context cells shared by all slots (None: the target's n_ctx + 16 per slot)")
     threads: int | None = Field(None, ge=1, description="CPU threads of the head contexts (None: the engine's)")
 
     @property
     def enabled(self) -> bool:
-        return self.mtp or bool(self.eagle3_model) or bool(self.dflash_model)
+        """Whether any hidden-state speculator is configured (engine/speculators/registry.SPECULATORS)."""
+        from .speculators.registry import model_speculators
+
+        return any(bool(getattr(self, s.config_field[1])) for s in model_speculators(hidden_rows=True))
 
 
 @dataclass(frozen=True)
@@ -247,9 +252,8 @@ IN_PROCESS_THREADS = 2
 
 
 def served_threads(n_cpus: int) -> int:
-    """Target threads of a served engine on a host with n_cpus usable CPUs: all of them, as in process. (It
-    used to leave one core to the request pipeline; that only hid a slow-down of the served engine's own:
-    README, 'Threads when serving'.)
+    """Target threads of a served engine on a host with n_cpus usable CPUs: all of them, as in process: leaving
+    a core to the request pipeline does not speed the served engine up (docs/serving.md).
 
     >>> [served_threads(n) for n in (1, 2, 4, 16)]
     [1, 2, 4, 16]
@@ -287,11 +291,10 @@ class EngineConfig(BaseModel):
         "by free memory (llama.cpp's default)")
     flash_attn: bool | None = Field(
         None, description="flash attention in the target context; None (the default): on, except in exact mode "
-        "(its batch-invariant kernels need it off), as llama-server's --flash-attn auto on a CPU. Measured on SmolLM2 "
-        "here (specray bench, 6 categories): plain decoding +2% at 1 slot and +24% at 4 slots (without it every "
-        "row attends to every slot's KV cells, masked or not), the default chain +9% at both; verify batches of "
-        "16+ tokens of one long sequence cost 15-25% more. With several slots a token's logits then depend on "
-        "where the other sequences' KV cells lie (the bench's tie bound measures it)")
+        "(its batch-invariant kernels need it off), as llama-server's --flash-attn auto on a CPU. Without it every "
+        "row attends to every slot's KV cells, masked or not, so it gains most with several slots; long verify "
+        "batches of one sequence cost more with it. With several slots a token's logits then depend on where the "
+        "other sequences' KV cells lie (the bench's tie bound measures it)")
     exact: bool = Field(
         False,
         description="batch-invariant target: llamafile sgemm, tiled K-quant matmuls, weight repacking and "
@@ -299,8 +302,9 @@ class EngineConfig(BaseModel):
         "do not depend on what else shares its batch; greedy output is then token-identical to plain decoding",
     )
     use_extra_bufts: bool | None = Field(
-        None, description="weight repacking buffers; None = on unless the build has AMX kernels (they crash "
-        "here) or exact mode is on (repacked K-quant kernels are not batch-invariant)"
+        None, description="weight repacking buffers; None = on unless the build has AMX kernels (they "
+        "crash at the first decode: docs/troubleshooting.md) or exact mode is on (repacked K-quant kernels are not "
+        "batch-invariant)"
     )
     prompt_cache: bool = Field(
         True, description="keep a finished sequence's KV in its slot; a new prompt sharing a prefix with it (the "
@@ -338,7 +342,7 @@ class EngineConfig(BaseModel):
         "rows that are then rejected, to the same bucket of verify_buckets (the smallest holding the round's longest "
         "verify; drafts are cut to the largest bucket - 1), so the batch takes a few shapes and a GPU backend can "
         "replay its captured graphs (engine/verify_shape.py). Lossless either way; the cost policy prices the padded "
-        "shape. Off by default: on CPU a padded row costs nearly a real one (README, 'Shape-stable verifies')")
+        "shape. Off by default: on CPU a padded row costs nearly a real one (docs/serving.md)")
     verify_buckets: tuple[int, ...] = Field(
         DEFAULT_BUCKETS, description="verify_shape=bucketed: rows per decoding sequence a decode-only round may "
         "take (1 = a plain decode; without 1, rounds without drafts are padded too)")
@@ -348,7 +352,7 @@ class EngineConfig(BaseModel):
         "llama.cpp keeps each sequence's state after each of its last rollback_snapshots tokens and rolls back to "
         "one (some architectures only, at most 2 slots; drafts capped at that many tokens). checkpoint: the state is "
         "saved before a verify that carries drafts, restored after a partial rejection, and the accepted tokens "
-        "replayed in the next round's batch. auto: checkpoint (as fast or faster where measured, any slot count). "
+        "replayed in the next round's batch. auto: checkpoint (it works at any slot count). "
         "off: no drafts on such targets. Either way such targets run without the prompt cache and with "
         "verify_shape exact")
     rollback_snapshots: int = Field(

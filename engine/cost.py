@@ -1,7 +1,7 @@
 """What a target decode of n tokens costs, measured, not assumed.
 
-On a CPU a verify batch of k tokens costs far more than one token (SmolLM2:
-prompt processing is only ~2.4x faster per token than decoding), so the chain
+On a CPU a verify batch of k tokens costs far more than one token (prompt
+processing is only a few times faster per token than decoding), so the chain
 must know the price of every draft token it sends. Two parts:
 
 - a table by batch size, measured at start-up after a short prefix and
@@ -9,15 +9,15 @@ must know the price of every draft token it sends. Two parts:
 - attention: every token of a batch attends every KV cell of its stream, so a
   token costs more the longer the context. With one KV stream shared by all
   slots (llama.cpp's unified cache) a token attends the cells of *every*
-  slot: with 4 busy slots of 600 tokens, a draft token costs ~2x the
-  calibration's price. The model adds `attn_seconds` per (token x cell)
+  slot: with several busy slots of long contexts, a draft token costs a
+  multiple of the calibration's price. The model adds `attn_seconds` per (token x cell)
   beyond the calibration's prefix, measured at start-up and learnt online;
-- the machine's speed: these shared VMs drift by 20% and more within a
-  minute, and almost every round is a 1-row decode (one per busy slot), while
-  draft-sized batches are seen rarely. Learnt per size, the often-seen entry
-  followed the drift and the rare ones did not: after a fast spell a 2-row
-  verify was priced at 2.3x a 1-row one (1.7x measured) and drafting stopped
-  for good, since no draft meant no observation to correct it. So every
+- the machine's speed: a shared machine drifts within a minute, and almost
+  every round is a 1-row decode (one per busy slot), while draft-sized
+  batches are seen rarely. Learnt per size, the often-seen entry would follow
+  the drift and the rare ones would not: after a fast spell a 2-row verify
+  would be priced far above its cost and drafting would stop for good, since
+  no draft means no observation to correct it. So every
   decode first updates one speed factor that scales the whole table, and the
   table (the shape) learns only what that factor does not explain. The size
   seen most often is the unit of the shape and stays fixed: its drift is all
@@ -52,11 +52,10 @@ def paired_decode_costs(sizes: Sequence[int], reps: int, timed: Callable[[int], 
     """Seconds per decode by batch size, from `timed(n)` (one decode of n rows, in seconds).
 
     Each size is timed right after a 1-row decode, `reps` times in alternating size order, and priced
-    at the median pair ratio times the median 1-row time. These shared VMs drift by 20% within seconds:
-    timed size by size, one slow spell became the table's shape (SmolLM2: 2 rows at 2.5x one row,
-    against 1.8x paired), which priced every short draft out for the run, since a draft never sent
-    is never observed to correct it. A spell scales both halves of a pair; the median drops a pair
-    that straddles its edge.
+    at the median pair ratio times the median 1-row time. A shared machine's speed drifts within seconds:
+    timed size by size, one slow spell would become the table's shape and price every short draft out for
+    the run, since a draft never sent is never observed to correct it. A spell scales both halves of a pair;
+    the median drops a pair that straddles its edge.
 
     >>> decodes = []
     >>> def timed(n):   # 10 ms + 5 ms per extra row; the host is 3x slower from the 3rd decode on
@@ -82,7 +81,10 @@ def paired_decode_costs(sizes: Sequence[int], reps: int, timed: Callable[[int], 
 class DecodeCostModel:
     def __init__(self, seconds_by_n: dict[int, float] | None = None, ema: float = 0.05,
                  attn_seconds: float = 0.0, ref_cells: int = 64, speed_ema: float = 0.2,
-                 read_seconds: float = 0.0, learn: bool = True) -> None:
+                 read_seconds: float = 0.0, learn: bool = True,
+                 shape_ratios: tuple[float, float] = (1.0, 1.0)) -> None:
+        """shape_ratios: the first and second decode of a new batch shape over the table's price, to start from
+        (a GPU's learnt values, as a cost table of another device is injected; they are learnt from here on)."""
         # a plausible CPU shape until calibrated: 10 ms + 2.5 ms per extra token
         table = seconds_by_n or {1: 0.010, 2: 0.0125, 4: 0.0175, 8: 0.0275, 16: 0.0475, 32: 0.0875}
         self._ns = sorted(table)
@@ -105,7 +107,7 @@ class DecodeCostModel:
         # later ones: a GPU backend replays a captured graph only while the shape stays (llama.cpp's CUDA graphs
         # run the first decode of a new shape uncaptured and capture on the second), so the two decodes after a
         # change cost more than their size says; on a CPU all three stay near 1
-        self._ratio_after = [1.0, 1.0]
+        self._ratio_after = [float(shape_ratios[0]), float(shape_ratios[1])]
         self._ratio_same = 1.0
         self._lock = threading.Lock()
 
@@ -141,9 +143,8 @@ class DecodeCostModel:
     def shape_change_penalty(self) -> float:
         """What a change of the batch's shape costs beyond decodes of an unchanged shape, as a share of one
         decode's price: the excess of the first two decodes of the new shape (0 on a CPU; on a GPU the first runs
-        without a captured graph and the second captures one). Measured on the H100 (SmolLM2, 1 slot): a 1-row
-        decode took 1.46 ms replayed and ~2.7 ms uncaptured, and each draft that changed the shape and back cost
-        ~3.3 ms of decode beyond its rows.
+        without a captured graph and the second captures one, so a draft that changes the shape and back can cost
+        more decode time than its rows).
 
         >>> m = DecodeCostModel({1: 0.002, 8: 0.003})
         >>> for _ in range(200):

@@ -4,8 +4,8 @@ A round costs the target's decode (DecodeCostModel: by batch size, context
 and the machine's speed; more right after the batch's shape changed, where a
 GPU backend must capture a new graph) plus the host's work (HostCostModel:
 per round, per decoding sequence and per draft row). On a CPU the decode is
-nearly all of it; on a GPU a 1-2 ms decode makes the host's share decide
-whether a draft row pays.
+nearly all of it; on a GPU a small model's short decode makes the host's
+share decide whether a draft row pays.
 
 >>> from specray.engine.cost import DecodeCostModel
 >>> p = RoundPricer(DecodeCostModel({1: 0.0016, 2: 0.0025, 8: 0.0025}, learn=False))
@@ -36,8 +36,8 @@ class RoundPricer:
         planner maximises tokens per second against.
 
         >>> from specray.engine.cost import DecodeCostModel
-        >>> p = RoundPricer(DecodeCostModel({1: 0.0015, 4: 0.0017}, learn=False))
-        >>> p.cost._ratio_after = [1.8, 1.6]   # an H100's CUDA graphs: 1.8x uncaptured, 1.6x capturing
+        >>> # CUDA graphs: a new shape's first decode runs uncaptured (1.8x), the second captures (1.6x)
+        >>> p = RoundPricer(DecodeCostModel({1: 0.0015, 4: 0.0017}, learn=False, shape_ratios=(1.8, 1.6)))
         >>> p.last_shape = 1
         >>> [round(p.price(n, 1, 1, None) * 1e3, 2) for n in (1, 4)]   # steady plain, a 3-token draft
         [1.5, 5.16]

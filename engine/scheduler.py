@@ -200,7 +200,7 @@ def draft_requests(decoding: list[Sequence], disabled: set[str], n_ctx: int,
             n_max = 0
         # model speculators' caches are by KV position: after a context shift they draft from the shifted tokens
         reqs.append(SeqDraftRequest(s.slot, chain, s.history_view(), n_max, s.tokens_left, s.req.tune_class,
-                                    s.req.spec_params, s.kv_history() if s.shift_keep is not None else None))
+                                    kv_history=s.kv_history() if s.shift_keep is not None else None))
     return reqs
 
 
@@ -486,7 +486,7 @@ class Scheduler:
             return [Proposal(s.slot, None) for s in decoding]
         buckets = self.config.shape_buckets
         reqs = draft_requests(decoding, self.disabled_speculators, self.n_ctx, buckets, self.memory.draft_cap)
-        # a decode-only round is padded (TargetRunner._pads): drafts are priced by the shape the target runs
+        # a decode-only round is padded (target.verify_pads): drafts are priced by the shape the target runs
         padded = buckets is not None and base_tokens == len(decoding)
         rows = functools.partial(batch_rows, buckets=buckets, limit=self.config.n_batch) if padded else None
         price = price or self.cost.cost

@@ -129,6 +129,79 @@ def top2_margin(rows: np.ndarray) -> np.ndarray:
     return out
 
 
+def emitted_margins(rows: np.ndarray, masked: list | None) -> np.ndarray:
+    """top2_margin of each emitted token's row; where a grammar overrode the argmax (`masked[i]`: row i with the
+    disallowed tokens masked, else None), the margin over the allowed tokens. Entries of `masked` past the
+    rows are ignored.
+
+    >>> emitted_margins(np.array([[1.0, 5.0, 3.5], [2.0, 0.0, 1.0]], np.float32), [np.array([1.0, -np.inf, 3.5])])
+    array([2.5, 1. ], dtype=float32)
+    """
+    margins = top2_margin(rows)
+    for i, m in enumerate((masked or [])[: len(rows)]):
+        if m is not None:
+            margins[i] = top2_margin(m[None, :])[0]
+    return margins
+
+
+def verify_pads(items: list[StepItem], buckets: tuple[int, ...], n_batch: int,
+                n_ctx_seq: int | None) -> dict[int, int]:
+    """Pad rows per sequence under shape-stable verifies (seq_id -> rows after its own; none: not padded): in a
+    decode-only round (every item one committed token + its draft) all verifies are padded to one bucket
+    (verify_shape.padded_rows); prompt-chunk rounds, and rounds where a padded verify would pass a sequence's
+    context (n_ctx_seq; None: not known), are not.
+
+    >>> its = [StepItem(0, np.array([5, 6, 7], np.int32), 10, n_draft=2), StepItem(1, np.array([9], np.int32), 4)]
+    >>> verify_pads(its, (4, 8), 512, None), verify_pads(its, (4, 8), 512, 12)
+    ({0: 1, 1: 3}, {})
+    """
+    if any(not it.sample or it.n_commit != 1 for it in items):
+        return {}
+    real = [len(it.tokens) for it in items]
+    padded = padded_rows(real, buckets, n_batch)
+    if n_ctx_seq is not None and any(it.pos0 + n > n_ctx_seq for it, n in zip(items, padded)):
+        return {}
+    return {it.seq_id: n - r for it, n, r in zip(items, padded, real) if n > r}
+
+
+def pack_decodes(items: list[StepItem], n_batch: int) -> list[list[StepItem]]:
+    """Split items, in order, into decodes of at most n_batch tokens, keeping each item whole (ValueError for an
+    item longer than n_batch).
+
+    >>> its = [StepItem(i, np.zeros(n, np.int32), 0) for i, n in enumerate((300, 200, 100))]
+    >>> [[it.seq_id for it in g] for g in pack_decodes(its, 512)]
+    [[0, 1], [2]]
+    """
+    groups: list[list[StepItem]] = [[]]
+    used = 0
+    for it in items:
+        n = len(it.tokens)
+        if n > n_batch:
+            raise ValueError(f"item of {n} tokens exceeds n_batch {n_batch}")
+        if used + n > n_batch:
+            groups.append([])
+            used = 0
+        groups[-1].append(it)
+        used += n
+    return [g for g in groups if g]
+
+
+@dataclass
+class _Round:
+    """One step's working state, as TargetRunner.step's stages hand it on."""
+
+    order: list[int]  # the items' seq ids, as given: the results' order
+    groups: list[list[StepItem]]  # the items to decode, one list per llama_decode
+    pads: dict[int, int]  # seq_id -> pad rows after its own (shape-stable verifies)
+    results: dict[int, StepResult]
+    rollback_before: RollbackStats | None  # the rollback counters before the round (a recurrent target)
+    hidden: list | None  # (seq_id, pos0, tokens, rows) of committed tokens, where a speculator wants them
+    decode_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    sizes: list[int] = field(default_factory=list)  # tokens per llama_decode
+    seqs: list[int] = field(default_factory=list)  # sequences per llama_decode
+
+
 def _with_replay(it: StepItem, tokens: np.ndarray, pos0: int, n_replay: int) -> StepItem:
     """`it` with `n_replay` rows replayed in front of its own (tokens: those rows, then its own)."""
     return StepItem(it.seq_id, tokens, pos0, it.n_draft, it.sample, it.hidden, n_replay)
@@ -206,7 +279,25 @@ class TargetRunner:
             sess.constraint = None
 
     def step(self, items: list[StepItem]) -> StepOutput:
-        """Decode every item's rows, verify drafts, roll back rejected rows."""
+        """Decode every item's rows, verify drafts, roll back rejected rows; one StepResult per item, in the
+        items' order. Four stages: `_prepare` (context shifts, replayed rows, pad rows, the items packed into
+        decodes of at most n_batch rows) -> per decode, `_decode` (fill the batch, one llama_decode) and
+        `_verify` (each item's draft against its rows, rollback, what it emits) -> `_finish` (the output).
+
+        A sequence that cannot go on (its context cannot shift, its state cannot be rolled back, its grammar
+        has no allowed token) gets a result with `error` and no tokens; the others are unaffected."""
+        rnd = self._prepare(items)
+        for group in rnd.groups:
+            logits, taps = self._decode(group, rnd)
+            t0 = time.perf_counter()
+            self._verify(group, logits, taps, rnd)
+            rnd.verify_seconds += time.perf_counter() - t0
+        return self._finish(rnd)
+
+    def _prepare(self, items: list[StepItem]) -> _Round:
+        """The round's decodes: context shifts applied, a rolled-back sequence's replayed rows put in front of
+        its own (rollback.py), pad rows chosen (shape-stable verifies), the items packed into decodes of at most
+        n_batch rows. A sequence whose shift or replay fails gets its error result here and is not decoded."""
         results: dict[int, StepResult] = {}
         before = RollbackStats(**self.rollback.stats.to_dict()) if self.rollback.mode != "trim" else None
         order = [it.seq_id for it in items]
@@ -214,115 +305,123 @@ class TargetRunner:
         items, failed = self.rollback.prepare(items, _with_replay)
         for seq_id, why in failed.items():
             results[seq_id] = StepResult(seq_id, np.zeros(0, dtype=np.int32), error=why)
-        pads = self._pads(items)  # seq_id -> pad rows after its real rows (shape-stable verifies)
-        groups = self._pack(items)
-        t_decode = verify_s = 0.0
-        sizes, seqs = [], []
-        hidden_entries: list | None = [] if self.hidden_out is not None and any(it.hidden for it in items) else None
-        # rows are a view into llama.cpp's buffer: copied if another decode of this step follows
-        keep_rows = (lambda a: a.copy()) if len(groups) > 1 else (lambda a: a)
-        for group in groups:
-            batch = self.ctx.batch
-            batch.clear()
-            for it in group:
-                pad = pads.get(it.seq_id, 0)
-                # pad rows get logits: n_outputs is shape; echo: every prompt row but the sampled one too
-                n_logits = (it.n_draft + 1 + pad if it.sample else 0) + self._echo_rows(it)
-                # pad token: the last real token repeated. Any valid id would do (its logits are never read, its
-                # cells are removed below); this one is valid for every vocabulary and costs no look-up
-                toks = np.concatenate([it.tokens, np.full(pad, it.tokens[-1], dtype=np.int32)]) if pad else it.tokens
-                batch.add_seq(it.seq_id, toks, it.pos0, n_logits)
-            want_rows = hidden_entries is not None and any(it.hidden for it in group)
-            if self.hidden_out is not None:
-                self.hidden_out.set_enabled(want_rows)
-            t0 = time.perf_counter()
-            logits = self.ctx.decode(batch)
-            t_decode += time.perf_counter() - t0
-            rows_all = self.hidden_out.rows(batch.n_tokens) if want_rows else None
-            first_row = 0
-            sizes.append(batch.n_tokens)
-            seqs.append(len(group))
-            self.step_decodes += 1
-            self.step_decode_seqs += len(group)
-            if len(group) > 1:
-                self.multi_seq_decodes += 1
-            self.max_seqs_in_decode = max(self.max_seqs_in_decode, len(group))
-            row = 0
-            t_verify = time.perf_counter()
-            replay_rows = sum(it.n_replay for it in group)
-            if replay_rows:  # their share of this decode, by rows
-                self.rollback.stats.replay_rows += replay_rows
-                self.rollback.stats.replay_seconds += (time.perf_counter() - t0) * replay_rows / batch.n_tokens
-            for it in group:
-                sess = self.sessions[it.seq_id]
-                sess.push(it.tokens[it.n_replay : it.n_commit])
-                pad = pads.get(it.seq_id, 0)
-                it_row, first_row = first_row, first_row + len(it.tokens) + pad
-                echo = self._echo_rows(it)
-                plp = None
-                if echo:  # row j predicts the prompt token after it
-                    p0 = it.pos0 + 1
-                    plp = token_logprobs(logits[row : row + echo], sess.prompt[p0 : p0 + echo], sess.params.logprobs or 0)
-                    row += echo
-                if not it.sample:
-                    results[it.seq_id] = StepResult(it.seq_id, np.zeros(0, dtype=np.int32), prompt_logprobs=plp)
-                    if rows_all is not None and it.hidden:
-                        rows_it = keep_rows(rows_all[it_row : it_row + len(it.tokens)])
-                        hidden_entries.append((it.seq_id, it.pos0, it.tokens, rows_it))
-                    continue
-                it_row += it.n_replay  # the hidden rows of replayed tokens went out when they were first decoded
-                k = it.n_draft
-                rows = logits[row : row + k + 1]  # the real rows only: verification never sees a pad row
-                row += k + 1 + pad
-                draft = it.tokens[it.n_commit :]
-                # the grammar's masked rows where it overrode the argmax: the margins are over allowed tokens
-                masked = [] if self.record_margins and sess.constraint is not None else None
-                try:
-                    if sess.params.greedy:
-                        verdict = verify_greedy(rows, draft, sess.window, sess.params, sess.constraint, masked)
-                    else:
-                        # row i predicts the token at position pos0 + n_commit + i
-                        rngs = sess.position_rngs(it.pos0 + it.n_commit, k + 1)
-                        verdict = verify_sampled_coupled(rows, draft, sess.params, rngs, sess.window,
-                                                         sess.constraint)
-                except ConstraintError as e:  # the grammar cannot go on: this sequence ends with the error
-                    self.rollback.undo(self.ctx, it, 0, pad)
-                    results[it.seq_id] = StepResult(it.seq_id, np.zeros(0, dtype=np.int32), error=str(e))
-                    continue
-                n_acc = verdict.n_accepted
-                # rejected draft rows, and pad rows always, leave the sequence's memory
-                error = self.rollback.undo(self.ctx, it, n_acc, pad)
-                if error is not None:  # nothing may decode on this state: the sequence ends here
-                    results[it.seq_id] = StepResult(it.seq_id, np.zeros(0, dtype=np.int32), error=error)
-                    continue
-                sess.push(draft[:n_acc])
-                out = np.empty(n_acc + 1, dtype=np.int32)
-                out[:n_acc] = draft[:n_acc]
-                out[n_acc] = verdict.next_token
-                margins = top2_margin(rows[: n_acc + 1]) if self.record_margins else None
-                for i, m in enumerate(masked or []):
-                    if m is not None and i <= n_acc:
-                        margins[i] = top2_margin(m[None, :])[0]
-                # each emitted token's own row: what target-only decoding would have reported for it
-                lps = None if sess.params.logprobs is None else token_logprobs(rows[: n_acc + 1], out,
-                                                                                sess.params.logprobs)
-                results[it.seq_id] = StepResult(it.seq_id, out, n_acc, margins,
-                                                n_replay=self.rollback.pending_rows(it.seq_id), logprobs=lps,
-                                                prompt_logprobs=plp)
-                if rows_all is not None and it.hidden:  # the committed tokens' rows: context + accepted draft
-                    n_kept = it.n_commit + n_acc
-                    p0 = it.pos0 + it.n_replay
-                    rows_it = keep_rows(rows_all[it_row : it_row + n_kept - it.n_replay])
-                    hidden_entries.append((it.seq_id, p0, it.tokens[it.n_replay : n_kept], rows_it))
-            verify_s += time.perf_counter() - t_verify
+        pads = {} if self.verify_buckets is None else verify_pads(
+            items, self.verify_buckets, self.ctx.n_batch, getattr(self.ctx, "n_ctx_seq", None))
+        self.pad_rows += sum(pads.values())
+        groups = pack_decodes(items, self.ctx.n_batch)
+        hidden: list | None = [] if self.hidden_out is not None and any(it.hidden for it in items) else None
+        return _Round(order, groups, pads, results, before, hidden)
+
+    def _decode(self, group: list[StepItem], rnd: _Round) -> tuple[np.ndarray, np.ndarray | None]:
+        """One llama_decode of `group`'s rows (each item's pad rows after its own), counted. Returns its logits
+        rows, each item's in turn: its echo rows (SamplingParams.prompt_logprobs), then, sampled, n_draft + 1
+        verify rows and its pad rows; and, where an item wants hidden rows, the decode's hidden rows (one per
+        token; None else). Both are views of llama.cpp's buffers, valid until the next decode."""
+        batch = self.ctx.batch
+        batch.clear()
+        for it in group:
+            pad = rnd.pads.get(it.seq_id, 0)
+            # pad rows get logits: n_outputs is shape; echo: every prompt row but the sampled one too
+            n_logits = (it.n_draft + 1 + pad if it.sample else 0) + self._echo_rows(it)
+            # pad token: the last real token repeated. Any valid id would do (its logits are never read, its
+            # cells are removed in _verify); this one is valid for every vocabulary and costs no look-up
+            toks = np.concatenate([it.tokens, np.full(pad, it.tokens[-1], dtype=np.int32)]) if pad else it.tokens
+            batch.add_seq(it.seq_id, toks, it.pos0, n_logits)
+        want_rows = rnd.hidden is not None and any(it.hidden for it in group)
+        if self.hidden_out is not None:
+            self.hidden_out.set_enabled(want_rows)
+        t0 = time.perf_counter()
+        logits = self.ctx.decode(batch)
+        rnd.decode_seconds += time.perf_counter() - t0
+        taps = self.hidden_out.rows(batch.n_tokens) if want_rows else None
+        rnd.sizes.append(batch.n_tokens)
+        rnd.seqs.append(len(group))
+        self.step_decodes += 1
+        self.step_decode_seqs += len(group)
+        if len(group) > 1:
+            self.multi_seq_decodes += 1
+        self.max_seqs_in_decode = max(self.max_seqs_in_decode, len(group))
+        replay_rows = sum(it.n_replay for it in group)
+        if replay_rows:  # their share of this decode, by rows
+            self.rollback.stats.replay_rows += replay_rows
+            self.rollback.stats.replay_seconds += (time.perf_counter() - t0) * replay_rows / batch.n_tokens
+        return logits, taps
+
+    def _verify(self, group: list[StepItem], logits: np.ndarray, taps: np.ndarray | None, rnd: _Round) -> None:
+        """Each item of one decode (`_decode`'s logits and hidden rows): its result into rnd.results and, where
+        a speculator wants them, its committed tokens' hidden rows into rnd.hidden (a replayed token's went out
+        when it was first decoded). Verification never sees a pad row."""
+        row = tap = 0  # the item's first logits row, its first token's hidden row
+        for it in group:
+            pad = rnd.pads.get(it.seq_id, 0)
+            echo = self._echo_rows(it)
+            n_real = echo + (it.n_draft + 1 if it.sample else 0)
+            res = self._verify_item(it, logits[row : row + n_real], echo, pad)
+            rnd.results[it.seq_id] = res
+            if taps is not None and it.hidden and res.error is None:
+                skip, end = (it.n_replay, it.n_commit + res.n_accepted) if it.sample else (0, len(it.tokens))
+                rows = taps[tap + skip : tap + end]
+                # rows are a view into llama.cpp's buffer: copied if another decode of this step follows
+                rnd.hidden.append((it.seq_id, it.pos0 + skip, it.tokens[skip:end],
+                                   rows.copy() if len(rnd.groups) > 1 else rows))
+            row += n_real + (pad if it.sample else 0)
+            tap += len(it.tokens) + pad
+
+    def _verify_item(self, it: StepItem, rows: np.ndarray, echo: int, pad: int) -> StepResult:
+        """One item's result from its logits rows (`echo` echo rows, then, sampled, its n_draft + 1 verify rows):
+        the prompt's logprobs where asked; a sampled item's draft verified (greedy, or sampled with one generator
+        per position), its rejected draft rows and `pad` pad rows rolled back, and what it emits: the accepted
+        draft and then the target's own token, with their top-2 margins (record_margins) and logprobs where asked.
+        A grammar with no allowed token, or a state that cannot be rolled back, ends the sequence (error)."""
+        sess = self.sessions[it.seq_id]
+        sess.push(it.tokens[it.n_replay : it.n_commit])
+        plp = None
+        if echo:  # row j predicts the prompt token after it
+            p0 = it.pos0 + 1
+            plp = token_logprobs(rows[:echo], sess.prompt[p0 : p0 + echo], sess.params.logprobs or 0)
+        if not it.sample:
+            return StepResult(it.seq_id, np.zeros(0, dtype=np.int32), prompt_logprobs=plp)
+        k = it.n_draft
+        rows = rows[echo:]
+        draft = it.tokens[it.n_commit :]
+        # the grammar's masked rows where it overrode the argmax: the margins are over allowed tokens
+        masked = [] if self.record_margins and sess.constraint is not None else None
+        try:
+            if sess.params.greedy:
+                verdict = verify_greedy(rows, draft, sess.window, sess.params, sess.constraint, masked)
+            else:
+                # row i predicts the token at position pos0 + n_commit + i
+                rngs = sess.position_rngs(it.pos0 + it.n_commit, k + 1)
+                verdict = verify_sampled_coupled(rows, draft, sess.params, rngs, sess.window, sess.constraint)
+        except ConstraintError as e:  # the grammar cannot go on: this sequence ends with the error
+            self.rollback.undo(self.ctx, it, 0, pad)
+            return StepResult(it.seq_id, np.zeros(0, dtype=np.int32), error=str(e))
+        n_acc = verdict.n_accepted
+        # rejected draft rows, and pad rows always, leave the sequence's memory
+        error = self.rollback.undo(self.ctx, it, n_acc, pad)
+        if error is not None:  # nothing may decode on this state: the sequence ends here
+            return StepResult(it.seq_id, np.zeros(0, dtype=np.int32), error=error)
+        sess.push(draft[:n_acc])
+        out = np.empty(n_acc + 1, dtype=np.int32)
+        out[:n_acc] = draft[:n_acc]
+        out[n_acc] = verdict.next_token
+        margins = emitted_margins(rows[: n_acc + 1], masked) if self.record_margins else None
+        # each emitted token's own row: what target-only decoding would have reported for it
+        lps = None if sess.params.logprobs is None else token_logprobs(rows[: n_acc + 1], out, sess.params.logprobs)
+        return StepResult(it.seq_id, out, n_acc, margins, n_replay=self.rollback.pending_rows(it.seq_id),
+                          logprobs=lps, prompt_logprobs=plp)
+
+    def _finish(self, rnd: _Round) -> StepOutput:
+        """The round's output: the results in the items' order, its decodes and their time, its verify time,
+        its rollback work (a recurrent target) and the committed tokens' hidden rows, packed (HiddenRows)."""
         self.rounds += 1
-        out = StepOutput([results[seq_id] for seq_id in order], t_decode, sum(sizes), len(groups), sizes, seqs,
-                         verify_seconds=verify_s)
-        if before is not None:
-            out.rollback = self.rollback.stats.minus(before)
-        if hidden_entries:
+        out = StepOutput([rnd.results[seq_id] for seq_id in rnd.order], rnd.decode_seconds, sum(rnd.sizes),
+                         len(rnd.groups), rnd.sizes, rnd.seqs, verify_seconds=rnd.verify_seconds)
+        if rnd.rollback_before is not None:
+            out.rollback = self.rollback.stats.minus(rnd.rollback_before)
+        if rnd.hidden:
             h = self.hidden_out
-            out.hidden = pack_rows(self.rounds, h.taps, h.tap_widths, hidden_entries)
+            out.hidden = pack_rows(self.rounds, h.taps, h.tap_widths, rnd.hidden)
             self.hidden_rows += out.hidden.n_rows
         return out
 
@@ -354,33 +453,3 @@ class TargetRunner:
         if sess is None or sess.prompt is None or it.n_draft:
             return 0
         return prompt_rows(len(it.tokens), it.pos0, len(sess.prompt), it.sample)
-
-    def _pads(self, items: list[StepItem]) -> dict[int, int]:
-        """Pad rows per sequence under shape-stable verifies: in a decode-only round (every item one committed
-        token + its draft) all verifies are padded to one bucket (verify_shape.padded_rows); prompt-chunk rounds,
-        and rounds where a padded verify would pass a sequence's context, are not."""
-        if self.verify_buckets is None or any(not it.sample or it.n_commit != 1 for it in items):
-            return {}
-        real = [len(it.tokens) for it in items]
-        padded = padded_rows(real, self.verify_buckets, self.ctx.n_batch)
-        n_ctx_seq = getattr(self.ctx, "n_ctx_seq", None)
-        if n_ctx_seq is not None and any(it.pos0 + n > n_ctx_seq for it, n in zip(items, padded)):
-            return {}
-        self.pad_rows += sum(padded) - sum(real)
-        return {it.seq_id: n - r for it, n, r in zip(items, padded, real) if n > r}
-
-    def _pack(self, items: list[StepItem]) -> list[list[StepItem]]:
-        """Split items into decodes of at most n_batch tokens, keeping each item whole."""
-        cap = self.ctx.n_batch
-        groups: list[list[StepItem]] = [[]]
-        used = 0
-        for it in items:
-            n = len(it.tokens)
-            if n > cap:
-                raise ValueError(f"item of {n} tokens exceeds n_batch {cap}")
-            if used + n > cap:
-                groups.append([])
-                used = 0
-            groups[-1].append(it)
-            used += n
-        return [g for g in groups if g]

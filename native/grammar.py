@@ -161,11 +161,10 @@ class GrammarCompiler:
 
     @classmethod
     def of(cls, model) -> "GrammarCompiler":
-        """`model`'s shared compiler (made at first use; it lives as long as the model)."""
-        comp = getattr(model, "_specray_grammar_compiler", None)
+        """`model`'s shared compiler, `model.grammar_compiler` (made at first use; it lives as long as the model)."""
+        comp = model.grammar_compiler
         if comp is None:
-            comp = cls(model)
-            model._specray_grammar_compiler = comp
+            comp = model.grammar_compiler = cls(model)
         return comp
 
     def __call__(self, gbnf: str, root: str = "root") -> Grammar:

@@ -119,6 +119,9 @@ class Model:
         self._jinja = bool(self.chat_template) and is_jinja(self.chat_template) and self._compiles(self.chat_template)
         self._piece_cache: dict[int, bytes] = {}
         self._lock = threading.Lock()
+        # the GrammarCompiler every part serving this model shares (native/grammar.py GrammarCompiler.of makes
+        # it at first use): its compiled grammars live as long as the model
+        self.grammar_compiler = None
 
     # ---- facts -------------------------------------------------------------
     @property

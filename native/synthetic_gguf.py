@@ -153,7 +153,7 @@ class HybridTargetSpec:
     seed: int = 0
 
 
-def _vocab_fields(model: str) -> list[tuple[str, int, object, int | None]]:
+def vocab_fields(model: str) -> list[tuple[str, int, object, int | None]]:
     """The tokenizer.* metadata (vocabulary, merges, special ids, chat template) of a GGUF."""
     return [(k, *v) for k, v in read_metadata(model).items() if k.startswith("tokenizer.")]
 
@@ -162,7 +162,8 @@ def _meta(model: str, key: str):
     return read_metadata(model)[key][1]
 
 
-def _copy_fields(writer, fields) -> None:
+def copy_fields(writer, fields) -> None:
+    """Add `fields` (as vocab_fields returns them: key, value type, value, array sub-type) to a GGUFWriter."""
     import gguf
 
     for key, vtype, value, sub in fields:
@@ -170,7 +171,10 @@ def _copy_fields(writer, fields) -> None:
                              sub_type=None if sub is None else gguf.GGUFValueType(sub))
 
 
-def _write(path: str, arch: str, keys: dict, vocab_fields, tensors: dict[str, np.ndarray | tuple]) -> str:
+def write_gguf(path: str, arch: str, keys: dict, vocab, tensors: dict[str, np.ndarray | tuple]) -> str:
+    """Write a GGUF at `path` (through path + ".part", then renamed) and return path: `keys` by their Python
+    type (bool, float32, uint32, string, array), the tokenizer fields `vocab` (vocab_fields), then `tensors`
+    (an array, or (bytes, ggml type) for a quantized tensor copied as it is)."""
     import gguf
 
     tmp = path + ".part"
@@ -188,7 +192,7 @@ def _write(path: str, arch: str, keys: dict, vocab_fields, tensors: dict[str, np
             w.add_array(k, list(v))
         else:  # pragma: no cover - a writer bug
             raise TypeError(f"{k}: {type(v)}")
-    _copy_fields(w, vocab_fields)
+    copy_fields(w, vocab)
     for name, arr in tensors.items():
         if isinstance(arr, tuple):  # (bytes [rows, row bytes], ggml type): a quantized tensor copied as it is
             w.add_tensor(name, arr[0], raw_dtype=arr[1])
@@ -330,10 +334,10 @@ def write_mtp_target(path: str, spec: MtpTargetSpec = MtpTargetSpec(), vocab_fro
         f"{a}.expert_gating_func": 2,  # sigmoid, as GLM-4.5
         f"{a}.vocab_size": n_vocab,
     }
-    return _write(path, a, keys, _vocab_fields(vocab_from), tensors)
+    return write_gguf(path, a, keys, vocab_fields(vocab_from), tensors)
 
 
-def _head_keys(a: str, target: str, arch: str, n_embd: int, n_layer: int, s, head_dim: int, layers,
+def head_keys(a: str, target: str, arch: str, n_embd: int, n_layer: int, s, head_dim: int, layers,
                n_vocab: int) -> dict:
     """The metadata an EAGLE-3 or DFlash draft shares: its shape, rope, and the target layers it reads."""
     return {
@@ -383,10 +387,10 @@ def write_eagle3_draft(path: str, spec: Eagle3DraftSpec = Eagle3DraftSpec(), tar
     a = EAGLE3
     keys = {
         "general.name": f"specray synthetic eagle3 draft for {os.path.basename(resolve_model(target))}",
-        **_head_keys(a, target, arch, s.n_embd, 1, s, head_dim, layers, n_vocab),
+        **head_keys(a, target, arch, s.n_embd, 1, s, head_dim, layers, n_vocab),
         f"{a}.target_hidden_size": n_embd_tgt,
     }
-    return _write(path, a, keys, _vocab_fields(target), tensors)
+    return write_gguf(path, a, keys, vocab_fields(target), tensors)
 
 
 def write_dflash_draft(path: str, spec: DFlashDraftSpec = DFlashDraftSpec(), target: str = "smollm2-135m") -> str:
@@ -448,15 +452,15 @@ def write_dflash_draft(path: str, spec: DFlashDraftSpec = DFlashDraftSpec(), tar
     keys = {
         "general.name": f"specray synthetic {'dflash2' if k else 'dflash'} draft for "
                         f"{os.path.basename(resolve_model(target))}",
-        **_head_keys(a, target, arch, n_embd, s.n_layer, s, head_dim, layers, n_vocab),
+        **head_keys(a, target, arch, n_embd, s.n_layer, s, head_dim, layers, n_vocab),
         f"{a}.block_size": s.block_size,
     }
     if k:
         keys |= {f"{a}.selector_top_k": k, f"{a}.selector_rank": s.selector_rank,
                  f"{a}.conv_kernel_size": s.conv_kernel_size, f"{a}.conv_group_size": s.conv_group_size}
-    vocab = [f for f in _vocab_fields(target) if f[0] != "tokenizer.ggml.mask_token_id"]
+    vocab = [f for f in vocab_fields(target) if f[0] != "tokenizer.ggml.mask_token_id"]
     vocab.append(("tokenizer.ggml.mask_token_id", 4, int(s.mask_token), None))  # 4: uint32
-    return _write(path, a, keys, vocab, tensors)
+    return write_gguf(path, a, keys, vocab, tensors)
 
 
 def write_recurrent_target(path: str, spec: RecurrentTargetSpec = RecurrentTargetSpec(),
@@ -504,7 +508,7 @@ def write_recurrent_target(path: str, spec: RecurrentTargetSpec = RecurrentTarge
         f"{a}.attention.layer_norm_rms_epsilon": 1e-5,
         f"{a}.vocab_size": n_vocab,
     }
-    return _write(path, a, keys, _vocab_fields(vocab_from), tensors)
+    return write_gguf(path, a, keys, vocab_fields(vocab_from), tensors)
 
 
 def _check_loop(loop_len: int, loop_tie: float) -> None:
@@ -587,7 +591,7 @@ def write_hybrid_target(path: str, spec: HybridTargetSpec = HybridTargetSpec(),
         f"{a}.shortconv.l_cache": s.l_cache,
         f"{a}.vocab_size": n_vocab,
     }
-    return _write(path, a, keys, _vocab_fields(vocab_from), tensors)
+    return write_gguf(path, a, keys, vocab_fields(vocab_from), tensors)
 
 
 def cache_path(name: str) -> str:

@@ -40,7 +40,7 @@ import numpy as np
 
 from .gguf_meta import read_metadata
 from .models import resolve_model
-from .synthetic_gguf import _copy_fields, _vocab_fields
+from .synthetic_gguf import copy_fields, vocab_fields
 
 LLAMA = "llama"
 NAME_PREFIX = "specray synthetic llama"
@@ -193,7 +193,7 @@ def write_synthetic_llama(path: str, params: int, *, wtype: str = "q8_0", vocab_
 
     if wtype not in TYPES:
         raise ValueError(f"weight type must be one of {', '.join(TYPES)}, got {wtype!r}")
-    vocab = _vocab_fields(vocab_from)
+    vocab = vocab_fields(vocab_from)
     n_vocab = len(read_metadata(vocab_from)["tokenizer.ggml.tokens"][1])
     s = shape_for_params(params, n_vocab)
     if wtype != "f16" and (s.n_embd % 32 or s.n_ff % 32):  # pragma: no cover - widths and n_ff are multiples of 32
@@ -211,7 +211,7 @@ def write_synthetic_llama(path: str, params: int, *, wtype: str = "q8_0", vocab_
         w.add_uint32(k, v)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32(f"{a}.rope.freq_base", 10000.0)
-    _copy_fields(w, vocab)
+    copy_fields(w, vocab)
     for name, shape, _ in plan:
         dtype = np.float16 if len(shape) == 2 and wtype == "f16" else np.float32
         w.add_tensor_info(name, shape, np.dtype(dtype), _nbytes(shape, wtype), raw_dtype=_qtype(wtype, len(shape)))

@@ -15,7 +15,7 @@ import os
 import numpy as np
 import torch
 
-from specray.native.synthetic_gguf import EAGLE3, _head_keys, _vocab_fields, _write
+from specray.native.synthetic_gguf import EAGLE3, head_keys, vocab_fields, write_gguf
 
 from .head import Dims, Eagle3Module
 from .init import TargetWeights
@@ -38,7 +38,7 @@ def write_head(m: Eagle3Module, path: str, target: str, tw: TargetWeights, weigh
     """Write `m` to `path` (atomically). Matrices as `weight_type` (q8_0, f16 or f32; a head step on a CPU
     reads every weight once, so q8_0 halves what f16 costs); norms f32. fc stays f16 with q8_0: llama.cpp
     quantizes a q8_0 matmul's input to 8 bits per block of 32, and the target rows fc reads have outliers
-    (SmolLM2's reach 2.5e4 among values of a few hundred), which that crushes (fc rows 2% off, measured)."""
+    (SmolLM2's reach 2.5e4 among values of a few hundred), which that crushes."""
     import gguf
     from gguf.quants import quantize
 
@@ -62,17 +62,17 @@ def write_head(m: Eagle3Module, path: str, target: str, tw: TargetWeights, weigh
     a = EAGLE3
     keys = {
         "general.name": name or f"specray eagle3 head for {os.path.basename(target)}",
-        **_head_keys(a, target, tw.arch, d.n_embd, 1, spec, d.head_dim, d.target_layers, d.n_vocab),
+        **head_keys(a, target, tw.arch, d.n_embd, 1, spec, d.head_dim, d.target_layers, d.n_vocab),
         f"{a}.attention.layer_norm_rms_epsilon": float(d.eps),
         f"{a}.rope.freq_base": float(d.rope_base),
         f"{a}.target_hidden_size": d.target_width,
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    return _write(path, a, keys, _vocab_fields(target), tensors)
+    return write_gguf(path, a, keys, vocab_fields(target), tensors)
 
 
 class _Spec:
-    """What _head_keys reads from a synthetic spec."""
+    """What head_keys reads from a synthetic spec."""
 
     def __init__(self, n_ff: int, n_head: int, n_head_kv: int) -> None:
         self.n_ff, self.n_head, self.n_head_kv = n_ff, n_head, n_head_kv

@@ -33,12 +33,7 @@ from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE
 from specray.engine.speculators.draft_base import DraftParams
 
 from specray.deployments.actors.companion_proxy import CompanionProxy, answer_draft_requests
-from specray.engine.speculators.registry import Factory, speculator_factory
-
-#: speculator names that run in the companion
-MODEL_SPECULATORS = frozenset({"draft", "mtp", "eagle3", "dflash"})
-#: ... of which these exist
-IMPLEMENTED = frozenset({"draft", "mtp", "eagle3", "dflash"})
+from specray.engine.speculators.registry import MODEL_SPECULATOR_PARAMS, Factory, speculator_factory
 
 EMPTY = EMPTY_DRAFT
 
@@ -70,13 +65,12 @@ class CompanionService:
         self.target_vocab = None
         cfg = self.config
         if cfg.draft.model:
-            from specray.native.draft_backend import DraftModel
+            from specray.native.backends import BACKENDS
             from specray.native.model import Model
 
             # the target's vocabulary only: the compatibility check, and text for cross-vocab drafting
             self.target_vocab = Model(cfg.model, chat_template=cfg.chat_template, vocab_only=True)
-            self.draft_model = DraftModel(cfg.draft, self.target_vocab, slots=cfg.slots, target_n_ctx=cfg.n_ctx,
-                                          settings=cfg.draft_settings(), calibrate=cfg.calibrate)
+            self.draft_model = BACKENDS["draft"].open(cfg, self.target_vocab, target_n_ctx=cfg.n_ctx)
         self.hidden = None  # mtp / eagle3 / dflash heads (deployments/actors/companion_hidden.py)
         if cfg.hidden.enabled:
             from specray.native.model import Model
@@ -97,7 +91,7 @@ class CompanionService:
              "gpu_ids": [str(g) for g in ray.get_gpu_ids()] if ctx else [],
              "speculators": (["draft"] if self.draft_model is not None else [])
              + (self.hidden.names if self.hidden is not None else []),
-             "model_speculators_known": sorted(MODEL_SPECULATORS), "draft": None,
+             "model_speculators_known": sorted(MODEL_SPECULATOR_PARAMS), "draft": None,
              "cpus": self.cpus, "threads": self.threads()}
         if self.draft_model is not None:
             d["draft"] = self.draft_model.info()
@@ -229,10 +223,6 @@ class CompanionService:
 CompanionActor = ray.remote(CompanionService)
 
 
-def needs_companion(chain: tuple[str, ...] | list[str]) -> bool:
-    return any(n in MODEL_SPECULATORS for n in chain)
-
-
 class CompanionDraftProxy(CompanionProxy):
     """The router's `draft` speculator: buffers begin/process/end, one companion call per round that drafts."""
 
@@ -299,5 +289,5 @@ def companion_speculator_factory(client, config: EngineConfig, ack_sink=None, ex
     builders = dict(extra or {}) | hidden_proxy_builders(client, config, ack_sink)
     if config.draft.model:
         costs = client.sup.info.get("draft_decode_costs")
-        builders["draft"] = lambda p: CompanionDraftProxy(p, client, costs)
+        builders[CompanionDraftProxy.name] = lambda p: CompanionDraftProxy(p, client, costs)
     return speculator_factory(builders or None)

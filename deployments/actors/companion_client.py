@@ -17,12 +17,14 @@ sequences draft again). The router's `draft` speculator in distributed mode
 per round as `client.call("round", payload, default=None)`.
 
 With `companion_hop: compiled` (`use_hop`) the round calls (`round`, `hidden_round`) go through a Ray
-compiled graph to the companion instead (target_channel.CompiledChannel, as the target's rounds do: about
-0.4 ms against 1.7 ms a round trip here, idle), one graph per companion generation, made on the first round
+compiled graph to the companion instead (target_channel.CompiledChannel, as the target's rounds do: a
+shorter round trip than an actor call's), one graph per companion generation, made on the first round
 call to it; a graph that fails counts as any failed call. Every other call stays an actor call.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from specray.deployments.actors.supervisor import UP, ActorSupervisor
 
@@ -131,9 +133,22 @@ class CompanionClient:
         except Exception as e:
             self._failed(e, epoch)
             return None
-        p = Pending(self, ref, epoch)
+        p = Pending(ref, epoch, self._read)
         self._inflight.append(p)
         return p
+
+    def _read(self, p: Pending):
+        """The answer of a submitted call, which then leaves the calls in flight; None if it failed (the
+        companion is then replaced)."""
+        import ray
+
+        try:
+            return ray.get(p.ref, timeout=self.timeout_s)
+        except Exception as e:
+            self._failed(e, p.epoch)
+            return None
+        finally:
+            self._inflight.remove(p)
 
     def _reach(self):
         """(handle, epoch) of the companion for a call about to be made, counted; None (counted as skipped) if it
@@ -182,22 +197,16 @@ class CompanionClient:
 
 class Pending:
     """A round call sent by `CompanionClient.submit`; `result()` waits for its answer once (None: it failed, and
-    the companion is being replaced)."""
+    the companion is being replaced). `read` is the client's: it waits, and handles a failure."""
 
-    def __init__(self, client: CompanionClient, ref, epoch: int) -> None:
-        self.client, self.ref, self.epoch = client, ref, epoch
+    def __init__(self, ref, epoch: int, read: Callable[[Pending], object]) -> None:
+        self.ref, self.epoch = ref, epoch
+        self._read = read
         self.done = False
         self.value = None
 
     def result(self):
         if not self.done:
-            import ray
-
             self.done = True
-            try:
-                self.value = ray.get(self.ref, timeout=self.client.timeout_s)
-            except Exception as e:
-                self.client._failed(e, self.epoch)
-            finally:
-                self.client._inflight.remove(self)
+            self.value = self._read(self)
         return self.value

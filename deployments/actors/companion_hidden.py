@@ -32,7 +32,7 @@ from specray.engine.config import EngineConfig
 from specray.engine.cost import DecodeCostModel
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE
 from specray.engine.speculators.dflash import block_draft_seconds
-from specray.engine.speculators.registry import make_params
+from specray.engine.speculators.registry import enabled_speculators, make_params
 
 from specray.deployments.actors.companion_proxy import CompanionProxy, answer_draft_requests
 from specray.deployments.actors.row_transport import HiddenReceiver
@@ -41,7 +41,6 @@ log = logging.getLogger("specray.companion.hidden")
 
 #: records buffered by the proxy before it sends them without a draft request
 FLUSH_RECORDS = 16
-HIDDEN_SPECULATORS = ("mtp", "eagle3", "dflash")
 
 
 class HiddenCompanion:
@@ -249,10 +248,12 @@ class CompanionDFlashProxy(CompanionHiddenProxy):
     """The router's `dflash` speculator: priced as one injection decode and ONE block decode for all the
     sequences drafting together (engine/speculators/dflash.block_draft_seconds), not one decode per token."""
 
+    name = "dflash"
+
     def __init__(self, params, client, cost_table: dict[int, float] | None = None,
                  ack_sink: Callable[[list], None] | None = None, inject_table: dict[int, float] | None = None,
                  block_size: int = 16) -> None:
-        super().__init__("dflash", params, client, cost_table, ack_sink)
+        super().__init__(self.name, params, client, cost_table, ack_sink)
         self.max_steps = max(1, min(params.n_max, block_size - 1))
         self.inject_cost = DecodeCostModel(inject_table or None, ema=0.1)
 
@@ -277,14 +278,13 @@ def hidden_proxy_builders(client, config: EngineConfig, ack_sink=None) -> dict[s
         return {}
     info = client.sup.info or {}
     costs = info.get("hidden_decode_costs") or {}
-    names = [n for n, on in (("mtp", config.hidden.mtp), ("eagle3", bool(config.hidden.eagle3_model)),
-                             ("dflash", bool(config.hidden.dflash_model))) if on]
+    names = enabled_speculators(config, hidden_rows=True)
 
     def builder(name: str):
         table = {int(k): v for k, v in (costs.get(name) or {}).items()}
-        if name == "dflash":
+        if name == CompanionDFlashProxy.name:  # priced per block, with its injection costs
             inject = {int(k): v for k, v in ((info.get("hidden_inject_costs") or {}).get(name) or {}).items()}
-            block_size = int(((info.get("hidden") or {}).get("dflash") or {}).get("block_size", 16))
+            block_size = int(((info.get("hidden") or {}).get(name) or {}).get("block_size", 16))
             return lambda p: CompanionDFlashProxy(p, client, table, ack_sink, inject, block_size)
         return lambda p: CompanionHiddenProxy(name, p, client, table, ack_sink)
 

@@ -279,6 +279,11 @@ class RemoteTarget:
     def pending(self) -> bool:
         return bool(self._releases or self._starts)
 
+    @property
+    def pending_releases(self) -> int:
+        """Slot releases buffered for the next step (/v1/stats `pending_releases`)."""
+        return len(self._releases)
+
     def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray, n_keep: int = 0,
               copy_from: int | None = None) -> None:
         self._starts.append((seq_id, params, np.asarray(prompt, dtype=np.int32), n_keep, copy_from))

@@ -21,24 +21,26 @@ from specray.deployments.http.openai_schema import (
     now,
 )
 from specray.deployments.http.sse import handle_error, sse
+from specray.deployments.replica.request import EngineRequest, replace
 from specray.deployments.http.tool_calls import ToolCallStream
 
 __all__ = ["fan_out", "merge_results", "generate_choices"]
 
 
-def fan_out(req: dict, n: int) -> list[dict]:
+def fan_out(req: EngineRequest, n: int) -> list[EngineRequest]:
     """The n engine requests of one: the same prompt under one share_prompt key, seeds seed + i.
 
-    >>> [(r["request_id"], r["sampling"]["seed"]) for r in fan_out({"request_id": "c1", "sampling": {"seed": 7}}, 2)]
-    [('c1-0', 7), ('c1-1', 8)]
+    >>> from specray.engine.sampling import SamplingParams
+    >>> rs = fan_out(EngineRequest(prompt="hi", request_id="c1", sampling=SamplingParams(seed=7), n=2), 2)
+    >>> [(r.request_id, r.sampling.seed, r.share_prompt, r.share_prompt_n, r.n) for r in rs]
+    [('c1-0', 7, 'c1', 2, 1), ('c1-1', 8, 'c1', 2, 1)]
     """
     out = []
+    seed = req.sampling.seed
     for i in range(n):
-        r = dict(req, request_id=f"{req['request_id']}-{i}", share_prompt=req["request_id"], share_prompt_n=n)
-        seed = req["sampling"].get("seed")
-        r["sampling"] = dict(req["sampling"], seed=None if seed is None else (seed + i) % (1 << 64))
-        r.pop("n", None)
-        out.append(r)
+        sampling = req.sampling.model_copy(update={"seed": None if seed is None else (seed + i) % (1 << 64)})
+        out.append(replace(req, request_id=f"{req.request_id}-{i}", share_prompt=req.request_id, share_prompt_n=n,
+                           sampling=sampling, n=1))
     return out
 
 
@@ -68,13 +70,13 @@ def merge_results(rid: str, model: str, results: list[dict], chat: bool, logprob
     return out
 
 
-async def generate_choices(routes, req: dict, body, chat: bool, arm: str, n: int):
+async def generate_choices(routes, req: EngineRequest, body, chat: bool, arm: str, n: int):
     """IngressRoutes._generate for n > 1 (routes: the IngressRoutes; its engines, records and model id)."""
     engine, records = routes.engines[arm], routes.records[arm]
-    rid, model = req["request_id"], routes.model_id
+    rid, model = req.request_id, routes.model_id
     reqs = fan_out(req, n)
-    wants = req["sampling"].get("logprobs") is not None
-    tools = bool(req.get("tools"))
+    wants = req.sampling.logprobs is not None
+    tools = bool(req.tools)
     if not body.stream:
         try:
             results = await asyncio.gather(*(engine.generate(r) for r in reqs))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 
 from specray.deployments.ab.stats import aggregate_replicas
+from specray.deployments.replica.request import EngineRequest  # a frozen dataclass: pickled across the handle
 
 #: handle errors that mean "the replica is gone or not there yet", not a bug: one died (its node lost, or
 #: killed) or is being replaced. Serve's back-pressure is not one: an overloaded arm is answered at once.
@@ -89,7 +90,7 @@ class HandleEngine:
     def _count_retry(self) -> None:
         self.retried += 1
 
-    async def generate(self, req: dict) -> dict:
+    async def generate(self, req: EngineRequest) -> dict:
         retried = 0
         while True:
             try:
@@ -101,7 +102,7 @@ class HandleEngine:
             self._count_retry()
             await asyncio.sleep(RETRY_DELAY_S)
 
-    def stream(self, req: dict) -> RetryingStream:
+    def stream(self, req: EngineRequest) -> RetryingStream:
         # a DeploymentResponseGenerator underneath: async iteration, and cancel() frees the replica's slot
         return RetryingStream(lambda: self.handle.options(stream=True).generate_stream.remote(req),
                               on_retry=self._count_retry)

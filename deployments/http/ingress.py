@@ -44,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specray.deployments.ab.stats import ArmRecords, merge_snapshots
 from specray.deployments.ab.arms import ARM_HEADER, SESSION_HEADER, ArmTable, resolve_arms
 from specray.deployments.replica.direct import DirectLink
+from specray.deployments.replica.request import EngineRequest, replace
 from specray.deployments.http.direct_response import DirectStreamingResponse
 from specray.deployments.http.engine_link import HandleEngine
 from specray.deployments.http.guard import Guard, configure
@@ -276,12 +277,12 @@ class IngressRoutes:
         req = body.to_engine()
         return await self._generate(req, body, chat=True, arm=arm, request=request)
 
-    async def _generate(self, req: dict, body, chat: bool, arm: str, request: Request):
+    async def _generate(self, req: EngineRequest, body, chat: bool, arm: str, request: Request):
         clock = StreamClock(request.scope)
         rid = new_id("chatcmpl" if chat else "cmpl")
-        req["request_id"] = rid
-        if req.get("n", 1) > 1:  # n choices: n engine requests sharing the prompt's cells (choices.py)
-            return await generate_choices(self, req, body, chat, arm, req["n"])
+        req = replace(req, request_id=rid)
+        if req.n > 1:  # n choices: n engine requests sharing the prompt's cells (choices.py)
+            return await generate_choices(self, req, body, chat, arm, req.n)
         engine, records = self.engines[arm], self.records[arm]
         arm_header = {ARM_HEADER: arm}
         if not body.stream:
@@ -296,8 +297,8 @@ class IngressRoutes:
                 return _error_response(result["message"], result["status"], result.get("param"), result.get("code"),
                                        headers=arm_header)
             records.add(result)
-            wants = req["sampling"].get("logprobs") is not None
-            body_out = (chat_response(rid, self.model_id, result, logprobs=wants, tools=bool(req.get("tools")))
+            wants = req.sampling.logprobs is not None
+            body_out = (chat_response(rid, self.model_id, result, logprobs=wants, tools=bool(req.tools))
                         if chat else completion_response(rid, self.model_id, result, logprobs=wants))
             return JSONResponse(body_out | {"arm": arm},
                                 headers=arm_header
@@ -324,8 +325,8 @@ class IngressRoutes:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         body_iter = sse_body(gen, rid, self.model_id, self.records[arm], chat, include_usage, arm, clock,
                              wants_timing(request.headers),
-                             logprobs_on=req["sampling"].get("logprobs") is not None,
-                             tools=ToolCallStream() if chat and req.get("tools") else None, direct=direct)
+                             logprobs_on=req.sampling.logprobs is not None,
+                             tools=ToolCallStream() if chat and req.tools else None, direct=direct)
         kw = dict(media_type="text/event-stream",
                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | arm_header
                   | (_truncation_header(first.get("truncated_prompt_tokens", 0)) or {}))
@@ -333,7 +334,7 @@ class IngressRoutes:
             return DirectStreamingResponse(body_iter, link=direct, **kw)
         return StreamingResponse(body_iter, **kw)
 
-    def _direct_link(self, engine, req: dict, chat: bool) -> DirectLink | None:
+    def _direct_link(self, engine, req: EngineRequest, chat: bool) -> DirectLink | None:
         """A DirectLink for this stream where the round thread may write its deltas (direct writes,
         deployments/replica/direct.py): the engine runs in this process (fused), this process serves HTTP
         itself (Serve's direct ingress: behind Serve's proxy there is no socket here to write to), direct_writes
@@ -341,8 +342,8 @@ class IngressRoutes:
         if not (self.cfg.direct_writes and getattr(engine, "in_process", False)
                 and serve_constants.RAY_SERVE_ENABLE_DIRECT_INGRESS):
             return None
-        s = req["sampling"]
-        if s.get("logprobs") is not None or s.get("prompt_logprobs") or (chat and req.get("tools")):
+        s = req.sampling
+        if s.logprobs is not None or s.prompt_logprobs or (chat and req.tools):
             return None
         return DirectLink()
 

@@ -28,13 +28,22 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
+from specray.deployments.replica.request import DEFAULT_MAX_TOKENS, Constraint, EngineRequest
 from specray.engine.config import parse_chain
+from specray.engine.sampling import SamplingParams
 
 from .tool_calls import check_tools, parse_tool_calls, tool_call_schema
 
-DEFAULT_MAX_TOKENS = 256
 #: the most choices (n) one request may ask for; the replica also refuses more than its slots
 MAX_CHOICES = 16
+#: request fields the ingress handles itself, never sent to the engine: `stream` / `stream_options` (the
+#: response's shape), `user` (the A/B arm's session key), `model` (one model is served and answers any name)
+#: and `parallel_tool_calls` (accepted; a reply's calls are parsed however many there are)
+HTTP_FIELDS = frozenset({"model", "user", "stream", "stream_options", "parallel_tool_calls"})
+#: request fields refused with a 400 naming them when set to anything but their default
+REFUSED_FIELDS = frozenset({"best_of", "suffix"})
+#: message fields accepted and not shown to the model (the chat templates take role and content only)
+MESSAGE_IGNORED_FIELDS = frozenset({"name"})
 
 
 class OpenAIError(Exception):
@@ -164,36 +173,36 @@ class _Common(BaseModel):
             out[t] = float(v)
         return out
 
-    def constraint(self) -> dict | None:
-        """What the output must follow, for the replica to compile: {'kind': 'gbnf' | 'json_object' |
-        'json_schema', 'value': ..., 'param': the field it came from}; None for free text. 400s name the field."""
+    def constraint(self) -> Constraint | None:
+        """What the output must follow, for the replica to compile (kind 'gbnf' | 'json_object' | 'json_schema',
+        its value, and the field it came from); None for free text. 400s name the field."""
         found = []
         if self.grammar is not None:
             if not isinstance(self.grammar, str) or not self.grammar.strip():
                 raise OpenAIError("grammar must be a non-empty GBNF string", param="grammar")
-            found.append({"kind": "gbnf", "value": self.grammar, "param": "grammar"})
+            found.append(Constraint("gbnf", self.grammar, "grammar"))
         if self.json_schema is not None:
-            found.append({"kind": "json_schema", "value": self.json_schema, "param": "json_schema"})
+            found.append(Constraint("json_schema", self.json_schema, "json_schema"))
         rf = self.response_format
         if rf is not None:
             kind = rf.get("type", "text")
             if kind == "json_object":
                 schema = rf.get("schema")  # llama-server also takes a schema here
-                found.append({"kind": "json_schema", "value": schema, "param": "response_format"} if schema else
-                             {"kind": "json_object", "value": None, "param": "response_format"})
+                found.append(Constraint("json_schema", schema, "response_format") if schema else
+                             Constraint("json_object", None, "response_format"))
             elif kind == "json_schema":
                 js = rf.get("json_schema")
                 schema = js.get("schema") if isinstance(js, dict) else rf.get("schema")
                 if not isinstance(schema, dict):
                     raise OpenAIError("response_format json_schema needs json_schema.schema (a JSON schema object)",
                                       param="response_format")
-                found.append({"kind": "json_schema", "value": schema, "param": "response_format"})
+                found.append(Constraint("json_schema", schema, "response_format"))
             elif kind != "text":
                 raise OpenAIError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
                                   param="response_format")
         if len(found) > 1:
             raise OpenAIError("give at most one of grammar, json_schema and a JSON response_format",
-                              param=found[1]["param"])
+                              param=found[1].param)
         return found[0] if found else None
 
     def stops(self) -> list[str]:
@@ -202,41 +211,73 @@ class _Common(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         return [s for s in stops if s]
 
-    def engine_fields(self, max_tokens: int | None) -> dict:
-        """The replica's request dict, minus the prompt."""
+    def to_engine(self) -> EngineRequest:
+        """The engine request of this body: the one place an OpenAI request becomes what the replica takes.
+        Every field either reaches the EngineRequest, is read by the ingress (HTTP_FIELDS) or is refused with
+        a 400 naming it (REFUSED_FIELDS); tests/unit/test_engine_request.py walks them all.
+
+        >>> r = CompletionRequest(prompt="hi", max_tokens=3, stop="\\n", speculative={"chain": "suffix"}).to_engine()
+        >>> r.prompt, r.max_tokens, r.stop, r.chain, r.sampling.temperature
+        ('hi', 3, ('\\n',), ('suffix',), 1.0)
+        """
+        self.refuse_unsupported()
         self.check_supported()
         spec = self.speculative
         try:
             chain = spec.chain_names() if spec else None
         except ValueError as e:
             raise OpenAIError(str(e), param="speculative.chain") from None
-        temperature = 1.0 if self.temperature is None else self.temperature
-        return {
-            "max_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-            "sampling": {
-                "temperature": temperature,
-                "top_p": 1.0 if self.top_p is None else self.top_p,
-                "top_k": self.top_k,
-                "min_p": self.min_p,
-                "repeat_penalty": self.repeat_penalty,
-                "presence_penalty": self.presence_penalty or 0.0,
-                "frequency_penalty": self.frequency_penalty or 0.0,
-                "logit_bias": self.bias(),
-                "logprobs": self.logprob_count(),
-                "seed": self.seed,
-            },
-            "stop": self.stops(),
-            "chain": chain,
-            "n_max": spec.n_max if spec else None,
-            "tune_class": spec.tune_class if spec else None,
-            "ignore_eos": self.ignore_eos,
-            "cache_prompt": self.cache_prompt,
-            "context_shift": self.context_shift,
-            "n_keep": self.n_keep,
-            "n_discard": self.n_discard,
-            "constraint": self.constraint(),
-            "n": self.n or 1,
-        }
+        try:
+            sampling = SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                repeat_penalty=self.repeat_penalty,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                logit_bias=self.bias(),
+                logprobs=self.logprob_count(),
+                prompt_logprobs=self.prompt_logprobs(),
+                seed=self.seed,
+            )
+        except ValueError as e:  # pydantic's ValidationError; the fields above are checked already
+            raise OpenAIError(str(e)) from None
+        constraint = self.constraint()
+        inputs, constraint = self.inputs(constraint)
+        max_tokens = self.max_tokens_asked()
+        return EngineRequest(
+            **inputs,
+            max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            sampling=sampling,
+            stop=tuple(self.stops()),
+            chain=None if chain is None else tuple(chain),
+            n_max=spec.n_max if spec else None,
+            tune_class=spec.tune_class if spec else None,
+            ignore_eos=self.ignore_eos,
+            cache_prompt=self.cache_prompt,
+            context_shift=self.context_shift,
+            n_keep=self.n_keep,
+            n_discard=self.n_discard,
+            constraint=constraint,
+            n=self.n or 1,
+        )
+
+    # ---- what the two bodies do differently (to_engine's steps) --------------------------------------
+    def refuse_unsupported(self) -> None:
+        """A 400 for a field this body cannot honour (checked before anything else)."""
+
+    def prompt_logprobs(self) -> bool:
+        """Whether the prompt's tokens come back (completions' echo)."""
+        return False
+
+    def max_tokens_asked(self) -> int | None:
+        return self.max_tokens
+
+    def inputs(self, constraint: Constraint | None) -> tuple[dict, Constraint | None]:
+        """The EngineRequest fields that carry the input (prompt / prompt_tokens / messages, tools), and the
+        constraint as the input leaves it (a forced tool call adds one)."""
+        raise NotImplementedError
 
 
 class CompletionRequest(_Common):
@@ -250,28 +291,31 @@ class CompletionRequest(_Common):
     def logprob_count(self) -> int | None:
         return self.logprobs
 
-    def to_engine(self) -> dict:
+    def refuse_unsupported(self) -> None:
         if self.best_of not in (None, 1):
             raise OpenAIError("best_of is not supported", param="best_of")
         if self.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
-        d = self.engine_fields(self.max_tokens)
+
+    def prompt_logprobs(self) -> bool:
         # echo: the prompt comes back in front of the text, as its tokens (with their logprobs where asked)
-        d["sampling"]["prompt_logprobs"] = self.echo
+        return self.echo
+
+    def inputs(self, constraint: Constraint | None) -> tuple[dict, Constraint | None]:
         p = self.prompt
         if isinstance(p, list) and not p:
             raise OpenAIError("prompt is empty", param="prompt")
         if isinstance(p, list) and all(isinstance(x, int) for x in p):
-            d["prompt_tokens"] = list(p)
+            d = {"prompt_tokens": list(p)}
         elif isinstance(p, list):
             if len(p) != 1:
                 raise OpenAIError("send exactly one prompt per request (a list of one string)", param="prompt")
-            d["prompt"] = p[0]
+            d = {"prompt": p[0]}
         else:
-            d["prompt"] = p
+            d = {"prompt": p}
         if not d.get("prompt") and not d.get("prompt_tokens"):
             raise OpenAIError("prompt is empty", param="prompt")
-        return d
+        return d, constraint
 
 
 class ContentPart(BaseModel):
@@ -324,12 +368,15 @@ class ChatCompletionRequest(_Common):
             raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def to_engine(self) -> dict:
+    def refuse_unsupported(self) -> None:
         if not self.messages:
             raise OpenAIError("messages must not be empty", param="messages")
-        mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        d = self.engine_fields(mt)
-        d["messages"] = [m.to_engine() for m in self.messages]
+
+    def max_tokens_asked(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def inputs(self, constraint: Constraint | None) -> tuple[dict, Constraint | None]:
+        d: dict = {"messages": [m.to_engine() for m in self.messages]}
         if self.tools and self.tool_choice != "none":
             try:
                 funcs, forced = check_tools(self.tools, self.tool_choice)
@@ -337,14 +384,13 @@ class ChatCompletionRequest(_Common):
                 raise OpenAIError(str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
             d["tools"] = funcs  # shown to the model (chat template), and its output parsed for calls
             if forced is not None:  # a call it must make: held to it by a grammar
-                if d["constraint"] is not None:
+                if constraint is not None:
                     raise OpenAIError("tool_choice that forces a call cannot be combined with "
-                                      f"{d['constraint']['param']}", param="tool_choice")
-                d["constraint"] = {"kind": "tool_call", "value": tool_call_schema(funcs, forced),
-                                   "param": "tool_choice"}
+                                      f"{constraint.param}", param="tool_choice")
+                constraint = Constraint("tool_call", tool_call_schema(funcs, forced), "tool_choice")
         elif self.tool_choice not in (None, "none", "auto"):
             raise OpenAIError("tool_choice needs tools", param="tool_choice")
-        return d
+        return d, constraint
 
 
 # ---- responses -----------------------------------------------------------------------------------

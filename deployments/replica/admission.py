@@ -1,4 +1,4 @@
-"""Admission: a replica request dict -> an engine request, or a RequestError that names what is wrong.
+"""Admission: an EngineRequest (request.py) -> the engine's request, or a RequestError that names what is wrong.
 
 Runs on the caller's (asyncio) side, before the round thread sees anything,
 so a bad request costs no round and its answer names the limit it broke.
@@ -15,7 +15,8 @@ import numpy as np
 
 from specray.engine.config import ChainConfig
 from specray.engine.request import GenerationRequest
-from specray.engine.sampling import SamplingParams
+
+from .request import Constraint, EngineRequest
 
 #: stop strings: OpenAI allows 4; the cap keeps the per-token stop matching cheap
 MAX_STOPS, MAX_STOP_CHARS = 16, 512
@@ -77,8 +78,8 @@ class Admission:
         self.can_shift = can_shift  # the target's memory can shift positions (not recurrent or hybrid)
         self._grammars = None  # compiles requests' grammars (native.grammar.GrammarCompiler), made at first use
 
-    def make_request(self, request: dict) -> ServeRequest:
-        """The engine request for a replica request dict; RequestError (400) for anything wrong with it."""
+    def make_request(self, request: EngineRequest) -> ServeRequest:
+        """The engine request for the ingress's EngineRequest; RequestError (400) for anything wrong with it."""
         try:
             return self._make_request(request)
         except RequestError:
@@ -88,14 +89,14 @@ class Admission:
         except (ValueError, TypeError, OverflowError) as e:
             raise RequestError(str(e)) from None
 
-    def grammar(self, constraint: dict) -> str:
-        """The GBNF of a request's constraint ({'kind', 'value', 'param'}, openai_schema), compiled once against
-        this vocabulary: a 400 naming the field if it does not."""
+    def grammar(self, constraint: Constraint) -> str:
+        """The GBNF of a request's constraint, compiled once against this vocabulary: a 400 naming the field if
+        it does not."""
         from specray.native.grammar import (JSON_OBJECT_GBNF, GrammarCompiler, GrammarError, schema_to_gbnf,
                                             tool_call_gbnf)
 
-        param = constraint.get("param") or "grammar"
-        kind, value = constraint.get("kind"), constraint.get("value")
+        param = constraint.param or "grammar"
+        kind, value = constraint.kind, constraint.value
         try:
             gbnf = (value if kind == "gbnf" else JSON_OBJECT_GBNF if kind == "json_object"
                     else schema_to_gbnf(value) if kind == "json_schema"
@@ -109,15 +110,15 @@ class Admission:
             raise RequestError(str(e), param=param, code="invalid_grammar") from None
         return gbnf
 
-    def prompt_tokens(self, request: dict) -> np.ndarray:
-        if request.get("messages") is not None:
-            msgs = request["messages"]
+    def prompt_tokens(self, request: EngineRequest) -> np.ndarray:
+        if request.messages is not None:
+            msgs = request.messages
             if not msgs:
                 raise RequestError("messages must not be empty", param="messages")
-            return self.model.chat_tokens(msgs, tools=request.get("tools"))
-        if request.get("prompt_tokens") is not None:
-            return self._token_ids(request["prompt_tokens"])
-        prompt = request.get("prompt")
+            return self.model.chat_tokens(msgs, tools=request.tools)
+        if request.prompt_tokens is not None:
+            return self._token_ids(request.prompt_tokens)
+        prompt = request.prompt
         if not prompt:
             raise RequestError("prompt is empty", param="prompt")
         return self.model.tokenize(prompt, add_special=True, parse_special=True)
@@ -136,54 +137,54 @@ class Admission:
             raise RequestError(bad, param="prompt")
         return toks.astype(np.int32)
 
-    def _make_request(self, request: dict) -> ServeRequest:
+    def _make_request(self, request: EngineRequest) -> ServeRequest:
         kw: dict[str, Any] = {}
-        if request.get("request_id"):
-            kw["request_id"] = request["request_id"]
-        chain = request.get("chain")
-        stop = list(request.get("stop") or [])
+        if request.request_id:
+            kw["request_id"] = request.request_id
+        chain = request.chain
+        stop = list(request.stop or [])
         if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
             raise RequestError(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters",
                                param="stop")
-        max_tokens = int(request.get("max_tokens", 256))
+        max_tokens = int(request.max_tokens)
         if max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-        n_max = request.get("n_max")
+        n_max = request.n_max
         prompt = self.prompt_tokens(request)
         c = self.chain_config()
         speculates = bool(c.speculators) if chain is None else bool(chain)
         draft_room = min(c.n_max, c.n_max if n_max is None else n_max) if speculates else 0
-        sampling = SamplingParams.model_validate(request.get("sampling") or {})
-        if request.get("constraint"):
-            sampling = sampling.model_copy(update={"grammar": self.grammar(request["constraint"])})
+        sampling = request.sampling
+        if request.constraint is not None:
+            sampling = sampling.model_copy(update={"grammar": self.grammar(request.constraint)})
         if sampling.logit_bias and max(sampling.logit_bias) >= self.model.n_vocab:
             raise RequestError(f"logit_bias token {max(sampling.logit_bias)} is outside the vocabulary "
                                f"[0, {self.model.n_vocab})", param="logit_bias")
-        shift = request.get("context_shift")
+        shift = request.context_shift
         shift = self.context_shift if shift is None else bool(shift)
         if shift and not self.can_shift:
             raise RequestError("context_shift is not possible on this model: its memory (recurrent or hybrid) "
                                "cannot shift positions", param="context_shift")
         # a shifting sequence goes past its context: only its prompt (and one token) must fit
         dropped = fit_prompt(len(prompt), 1 if shift else max_tokens, self.n_ctx_seq, draft_room, self.truncate)
-        if request.get("share_prompt") is not None and self.slots is not None:
-            n = int(request["share_prompt_n"]) if request.get("share_prompt_n") else 1
+        if request.share_prompt is not None and self.slots is not None:
+            n = int(request.share_prompt_n) if request.share_prompt_n else 1
             if n > self.slots:
                 raise RequestError(f"n ({n}) is more than this server's {self.slots} slots", param="n")
         return ServeRequest(
-            share_prompt=request.get("share_prompt"),
+            share_prompt=request.share_prompt,
             prompt_tokens=prompt[dropped:].copy() if dropped else prompt,
             max_tokens=max_tokens,
             sampling=sampling,
             stop=stop,
             chain=None if chain is None else tuple(chain),
             n_max=n_max,
-            ignore_eos=bool(request.get("ignore_eos", False)),
-            cache_prompt=bool(request.get("cache_prompt", True)),
-            tune_class=request.get("tune_class") or "default",
-            context_shift=request.get("context_shift"),
-            n_keep=request.get("n_keep"),
-            n_discard=request.get("n_discard"),
+            ignore_eos=bool(request.ignore_eos),
+            cache_prompt=bool(request.cache_prompt),
+            tune_class=request.tune_class or "default",
+            context_shift=request.context_shift,
+            n_keep=request.n_keep,
+            n_discard=request.n_discard,
             truncated_prompt_tokens=dropped,
             **kw,
         )

@@ -36,6 +36,7 @@ from specray.native import decode_threads
 from . import stats
 from .admission import Admission, RequestError, ServeRequest  # noqa: F401  (re-exported)
 from .faults import Faults
+from .request import EngineRequest
 from .slots import ReliabilityStats, Slots
 from .streams import Op, Outbox, Stream, flush, next_chunk  # noqa: F401  (next_chunk re-exported)
 
@@ -115,10 +116,10 @@ class RouterCore:
         self.slots.observer = obs
 
     # ---- request side (asyncio) ------------------------------------------------------------
-    def make_request(self, request: dict) -> ServeRequest:
+    def make_request(self, request: EngineRequest) -> ServeRequest:
         return self.admission.make_request(request)
 
-    def prompt_tokens(self, request: dict):
+    def prompt_tokens(self, request: EngineRequest):
         return self.admission.prompt_tokens(request)
 
     async def submit(self, req: GenerationRequest, direct=None) -> tuple[Sequence, asyncio.Queue]:

@@ -1,10 +1,7 @@
 """EngineReplica: the Serve deployment that routes requests into rounds.
 
-Request dicts come from the ingress (already validated, OpenAI fields mapped):
-
-    {"prompt": str} | {"prompt_tokens": [int]} | {"messages": [{"role", "content"}]},
-    "max_tokens": int, "sampling": {SamplingParams fields}, "stop": [str],
-    "chain": [str] | None, "n_max": int | None, "tune_class": str | None, "ignore_eos": bool, "request_id": str
+Requests come from the ingress as EngineRequests (request.py: already validated, the OpenAI fields
+mapped by openai_schema's `to_engine`).
 
 `generate_stream` yields dict chunks:
 
@@ -38,6 +35,7 @@ from specray.deployments.ab.arms import DEFAULT_ARM
 from specray.deployments.replica.core import RequestError, RouterCore
 from specray.deployments.replica.direct import DirectLink
 from specray.deployments.replica.metrics import replica_stages
+from specray.deployments.replica.request import EngineRequest
 from specray.deployments.replica.streams import next_chunk_stamped
 from specray.deployments.config import ServeConfig, deep_merge
 
@@ -85,7 +83,7 @@ class EngineReplica:
         self.cfg = self.core.cfg
         log.info("arm %s: chain updated at run time: %s", self.arm, result)
 
-    async def generate_stream(self, request: dict, direct: DirectLink | None = None):
+    async def generate_stream(self, request: EngineRequest, direct: DirectLink | None = None):
         """The request's chunks (module docstring). `direct`: the stream's DirectLink, where the caller runs
         in this process with the client's socket (the fused layout with direct ingress; direct.py): the round
         thread then writes plain deltas to the socket itself and this generator yields only the rest. Each
@@ -141,7 +139,7 @@ class EngineReplica:
             if not done:  # the caller went away (or we were cancelled): free the slot
                 self.core.cancel(seq)
 
-    async def generate(self, request: dict) -> dict:
+    async def generate(self, request: EngineRequest) -> dict:
         """The whole result at once: {"id", "text", "finish_reason", "usage", "speculative"} or an error chunk."""
         parts: list[str] = []
         lps: list = []  # the tokens' logprob entries (streams.logprob_entries), where asked for

@@ -91,7 +91,7 @@ def round_snapshot(core) -> dict:
     if parts.remote is not None:
         d["hop"] = parts.remote.hop_stats()
         d["placement"] = core.placement
-        d["pending_releases"] = len(parts.remote._releases)
+        d["pending_releases"] = parts.remote.pending_releases
     return d
 
 

@@ -34,9 +34,9 @@ from specray.engine.feature_window import FeatureWindow, KvOp
 from specray.engine.hidden_rows import HiddenRows, RowStash, Tap
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE, DraftRequest
 
-from .draft import _Tokens
-from .draft_base import ModelDraftParams, ModelSpeculator, SlotMirror
-from .hidden_base import audit_rows, commit_rows
+from .draft import TokenBuffer
+from .draft_base import ModelDraftParams, ModelSpeculator
+from .hidden_base import RowMirror
 
 log = logging.getLogger("specray.dflash")
 
@@ -122,11 +122,11 @@ class DFlashCounters:
 @dataclass
 class _DSeq:
     window: FeatureWindow
-    committed: _Tokens = field(default_factory=_Tokens)  # tokens the target committed (process)
+    committed: TokenBuffer = field(default_factory=TokenBuffer)  # tokens the target committed (process)
     lost: bool = False  # rows went missing: the window cannot follow this sequence any more
 
 
-class DFlashSpeculator(SlotMirror, ModelSpeculator):
+class DFlashSpeculator(RowMirror, ModelSpeculator):
     name = "dflash"
 
     def __init__(self, params: DFlashParams | None, backend: DFlashBackend) -> None:
@@ -199,7 +199,7 @@ class DFlashSpeculator(SlotMirror, ModelSpeculator):
 
     def process(self, seq_id: int, tokens: np.ndarray, pos: int) -> None:
         """The target committed `tokens` at positions pos...; their rows must be in the stash."""
-        got = commit_rows(self, seq_id, tokens, pos)
+        got = self._commit_rows(seq_id, tokens, pos)
         if got is None:
             return
         st, tokens, rows = got
@@ -213,7 +213,7 @@ class DFlashSpeculator(SlotMirror, ModelSpeculator):
             st.committed.truncate(pos)
             if seq_id in self.audit:
                 self.audit[seq_id] = {q: v for q, v in self.audit[seq_id].items() if q < pos}
-        audit_rows(self, seq_id, tokens, pos, rows)
+        self._audit_rows(seq_id, tokens, pos, rows)
         st.committed.extend(tokens)
         self._apply(seq_id, st.window.append(pos, rows))
 
@@ -226,7 +226,7 @@ class DFlashSpeculator(SlotMirror, ModelSpeculator):
         self.counters.shifts += 1
         self._apply(seq_id, st.window.shift(n_keep, n_discard))
         kept = np.delete(st.committed.view(), np.s_[n_keep : n_keep + n_discard])
-        st.committed = _Tokens()
+        st.committed = TokenBuffer()
         st.committed.extend(kept)
         self.stash.drop(seq_id)
         if seq_id in self.audit:

@@ -89,7 +89,7 @@ class Translator(Protocol):
     skip: frozenset[int]  # target tokens left out of the text (its BOS)
 
 
-class _Tokens:
+class TokenBuffer:
     """A growable int32 array (a sequence's tokens)."""
 
     __slots__ = ("buf", "n")
@@ -124,8 +124,8 @@ class _Tokens:
 
 @dataclass
 class _SeqState:
-    kv: _Tokens = field(default_factory=_Tokens)  # draft-vocab tokens in the draft KV cache, index = position
-    committed: _Tokens = field(default_factory=_Tokens)  # target tokens the target committed (via process)
+    kv: TokenBuffer = field(default_factory=TokenBuffer)  # draft-vocab tokens in the draft KV cache, index = position
+    committed: TokenBuffer = field(default_factory=TokenBuffer)  # target tokens the target committed (via process)
     text: TextMirror | None = None  # cross-vocab: the sequence's text and its draft-vocab tokens
     text_cursor: HistoryCursor = field(default_factory=HistoryCursor)  # history the text mirror was built from
     drafted_at: int = -1  # history length at the last draft call (-1: never drafted)

@@ -40,7 +40,7 @@ from specray.engine.cost import DecodeCostModel
 from specray.engine.hidden_rows import ROW_DTYPE, HiddenRows, RowMismatch, RowStash, Tap, mtp_input_rows
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE, DraftRequest
 
-from .draft import _Tokens, common_prefix
+from .draft import TokenBuffer, common_prefix
 from .draft_base import ModelDraftParams, ModelSpeculator, SlotMirror
 
 log = logging.getLogger("specray.hidden")
@@ -82,8 +82,8 @@ class HiddenBackend(Protocol):
 
 @dataclass
 class _HSeq:
-    committed: _Tokens = field(default_factory=_Tokens)  # tokens the target committed (process)
-    kv: _Tokens = field(default_factory=_Tokens)  # head input tokens in the KV cache, index = position
+    committed: TokenBuffer = field(default_factory=TokenBuffer)  # tokens the target committed (process)
+    kv: TokenBuffer = field(default_factory=TokenBuffer)  # head input tokens in the KV cache, index = position
     prev_row: np.ndarray | None = None  # the target's row after the last committed token
     queue: list[tuple[np.ndarray, int, np.ndarray]] = field(default_factory=list)  # pairs not decoded yet
     lost: bool = False  # rows went missing: the head cannot mirror this sequence any more
@@ -111,7 +111,47 @@ class HiddenCounters:
     failures: int = 0  # head decodes that failed
 
 
-class HiddenStateSpeculator(SlotMirror, ModelSpeculator):
+class RowMirror(SlotMirror):
+    """A model speculator whose per-sequence state follows the target's hidden rows (mtp, eagle3, dflash).
+
+    A subclass keeps `seqs` (seq_id -> state with `committed` and `lost`), `stash` (a RowStash the round's rows
+    are filed in), `counters` (with `mismatched`), `params` (with `audit`) and `audit`, and says how a sequence
+    starts over (`_reset`) and stops drafting (`_lose`); this class pairs a commit with its rows.
+    """
+
+    def _reset(self, seq_id: int):
+        """A fresh state for seq_id (its cells and rows cleared); returns it."""
+        raise NotImplementedError
+
+    def _lose(self, seq_id: int, st, why: str) -> None:
+        """seq_id stops drafting (its rows went missing or no longer follow its tokens)."""
+        raise NotImplementedError
+
+    def _commit_rows(self, seq_id: int, tokens, pos: int):
+        """(state, tokens, rows) of a commit whose rows the stash holds; None where the sequence no longer
+        drafts, or its rows do not match (it then stops drafting: never a draft from a wrong row)."""
+        st = self.seqs.get(seq_id) or self._reset(seq_id)
+        if st.lost:
+            self.stash.drop(seq_id)
+            return None
+        tokens = np.asarray(tokens, dtype=TOKEN_DTYPE)
+        try:
+            rows = self.stash.pop(seq_id, tokens, pos)
+        except RowMismatch as e:
+            self.counters.mismatched += 1
+            self._lose(seq_id, st, str(e))
+            return None
+        return st, tokens, rows
+
+    def _audit_rows(self, seq_id: int, tokens: np.ndarray, pos: int, rows: np.ndarray) -> None:
+        """With params.audit: keep (token, row) by position, for the tests that check rows against a solo run."""
+        if self.params.audit:
+            log_ = self.audit.setdefault(seq_id, {})
+            for j, t in enumerate(tokens):
+                log_[pos + j] = (int(t), np.array(rows[j], dtype=ROW_DTYPE))
+
+
+class HiddenStateSpeculator(RowMirror, ModelSpeculator):
     """Base of mtp and eagle3; subclasses set `name` and `pos_offset`."""
 
     #: KV position of the pair whose token is x_q, minus q (MTP 0, EAGLE-3 -1)
@@ -129,8 +169,8 @@ class HiddenStateSpeculator(SlotMirror, ModelSpeculator):
         self.step_cost = DecodeCostModel(backend.decode_costs() or None, ema=0.1)
         self.catchup_per_seq = 2.0
         self.overhead_seconds = 0.0
-        # the encoder's time per row of a catch-up (EAGLE-3's fc over each target row: ~1/3 of a prompt's catch-up
-        # here), learnt from encodes of CATCHUP_ROWS+ rows; a steady draft's encode is in overhead_seconds
+        # the encoder's time per row of a catch-up (EAGLE-3's fc over each target row: a large share of a
+        # prompt's catch-up), learnt from encodes of CATCHUP_ROWS+ rows; a steady draft's encode is in overhead_seconds
         self.encode_row_seconds = 0.0
         self.audit: dict[int, dict[int, tuple[int, np.ndarray]]] = {}  # seq -> pos -> (token, row)
 
@@ -192,7 +232,7 @@ class HiddenStateSpeculator(SlotMirror, ModelSpeculator):
 
     def process(self, seq_id: int, tokens: np.ndarray, pos: int) -> None:
         """The target committed `tokens` at positions pos...; their rows must be in the stash."""
-        got = commit_rows(self, seq_id, tokens, pos)
+        got = self._commit_rows(seq_id, tokens, pos)
         if got is None:
             return
         st, tokens, rows = got
@@ -200,7 +240,7 @@ class HiddenStateSpeculator(SlotMirror, ModelSpeculator):
             self.counters.mismatched += 1
             self._lose(seq_id, st, f"tokens committed at {pos}, the head mirrors {st.committed.n}")
             return
-        audit_rows(self, seq_id, tokens, pos, rows)
+        self._audit_rows(seq_id, tokens, pos, rows)
         st.committed.extend(tokens)
         prev = st.prev_row if st.prev_row is not None else np.zeros(rows.shape[1], dtype=ROW_DTYPE)
         inp = mtp_input_rows(rows, prev)
@@ -316,29 +356,3 @@ class HiddenStateSpeculator(SlotMirror, ModelSpeculator):
         self.overhead_seconds += 0.1 * (max(0.0, wall - decode_s) - self.overhead_seconds)
         self.stats.time_draft_s += wall
         return out
-
-
-def commit_rows(spec, seq_id: int, tokens, pos: int):
-    """(state, tokens, rows) of a commit whose rows the speculator's stash holds; None where the sequence no
-    longer drafts, or its rows do not match (it then stops drafting: never a draft from a wrong row). Shared by
-    the hidden-row speculators (mtp, eagle3 here; dflash)."""
-    st = spec.seqs.get(seq_id) or spec._reset(seq_id)
-    if st.lost:
-        spec.stash.drop(seq_id)
-        return None
-    tokens = np.asarray(tokens, dtype=TOKEN_DTYPE)
-    try:
-        rows = spec.stash.pop(seq_id, tokens, pos)
-    except RowMismatch as e:
-        spec.counters.mismatched += 1
-        spec._lose(seq_id, st, str(e))
-        return None
-    return st, tokens, rows
-
-
-def audit_rows(spec, seq_id: int, tokens: np.ndarray, pos: int, rows: np.ndarray) -> None:
-    """With params.audit: keep (token, row) by position, for the tests that check rows against a solo run."""
-    if spec.params.audit:
-        log_ = spec.audit.setdefault(seq_id, {})
-        for j, t in enumerate(tokens):
-            log_[pos + j] = (int(t), np.array(rows[j], dtype=ROW_DTYPE))

@@ -5,9 +5,8 @@ Mirrors llama.cpp's `common_ngram_mod` (common/ngram-mod.cpp) and
 
 * one pool of `pool_size` int32 entries (-1 = empty), shared by all sequences
   of the speculator, allocated with the speculator (as llama.cpp does): the
-  first 16 MiB of a fresh process cost 69 ms of page faults on the 2-core VM,
-  which a first use inside a round made the first admission round pay, and
-  every sequence decoding in it;
+  page faults of a fresh pool's first use would otherwise fall on the first
+  admission round, and on every sequence decoding in it;
 * slot of an n-gram = (sum_i t_i * C**(n-1-i) mod 2**64) mod pool_size with
   C = 6364136223846793005 (llama.cpp's `idx`); `add` stores the token that
   followed the n-gram, overwriting (no collision check: a collision makes a
@@ -72,15 +71,18 @@ class NgramModPool:
     (-1, 3)
     """
 
-    def __init__(self, n: int, size: int) -> None:
+    def __init__(self, n: int, size: int, allocate: bool = False) -> None:
+        """allocate: the table now (size int32 slots), not at the first add."""
         self.n = int(n)
         self.size = int(size)
-        self.entries: np.ndarray | None = None  # allocated on first add
+        self.entries: np.ndarray | None = None  # allocated on first add (or now: allocate)
         self.used = 0
         # C**(n-1-i) mod 2**64 for i in 0..n-1
         pw = [pow(HASH_MUL, self.n - 1 - i, 1 << 64) for i in range(self.n)]
         self._powers = np.array(pw, dtype=np.uint64)
         self._top = pw[0]  # C**(n-1): weight of the token leaving the window
+        if allocate:
+            self._alloc()
 
     def _alloc(self) -> np.ndarray:
         if self.entries is None:
@@ -213,8 +215,8 @@ class NgramModSpeculator(Speculator):
     def __init__(self, params: NgramModParams | None = None) -> None:
         super().__init__()
         self.params = params or NgramModParams()
-        self.pool = NgramModPool(self.params.n_match, self.params.pool_size)
-        self.pool._alloc()  # here, not in the first round that adds (see the module docstring)
+        # allocated here, not in the first round that adds (see the module docstring)
+        self.pool = NgramModPool(self.params.n_match, self.params.pool_size, allocate=True)
         self._seqs: dict[int, _SeqInfo] = {}
         self.n_resets = 0  # pool resets (occupancy or low acceptance)
 

@@ -1,10 +1,14 @@
-"""Speculators by name (llama.cpp `--spec-type` names with underscores).
+"""Speculators by name (llama.cpp `--spec-type` names with underscores), each declared once: `SPECULATORS`.
 
-Model-free speculators are built from their parameters alone. Model
-speculators (`draft`) also need a model: whoever owns it (the co-located
-engine, the companion actor, the router's proxy to it) passes a builder to
-`speculator_factory`, which gives the `(name, params) -> Speculator` factory
-a `Chain` takes.
+A `SpeculatorSpec` says everything the rest of specray needs to know about a
+speculator. A model-free one is built from its parameters alone (`speculator`).
+A model speculator (`draft`, `mtp`, `eagle3`, `dflash`) also needs a model:
+whoever owns it (the co-located engine, the companion actor, the router's proxy
+to it) passes a builder to `speculator_factory`, which gives the
+`(name, params) -> Speculator` factory a `Chain` takes. Its entry says what it
+needs (`needs`), the EngineConfig field that enables it (`config_field`), the
+error when that is unset (`missing`) and the command-line option(s) that set
+it (`cli`); its native backend is native/backends.BACKENDS[name].
 
 >>> spec = make_speculator("ngram_simple", {"size_n": 4})
 >>> spec.name, spec.params.size_n
@@ -17,11 +21,16 @@ ValueError: unknown speculator 'nope'; known: dflash, draft, eagle3, grammar, mt
 Traceback (most recent call last):
 ...
 ValueError: speculator 'draft' needs a draft model: start with --draft-model PATH_OR_ALIAS (engine.draft.model)
+>>> [s.name for s in model_speculators(hidden_rows=True)]
+['mtp', 'eagle3', 'dflash']
+>>> SPECULATORS["eagle3"].cli[0].dest, SPECULATORS["eagle3"].cli[0].config_path
+('eagle3_model', ('hidden', 'eagle3_model'))
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -33,7 +42,6 @@ from .draft_base import DraftParams
 from .eagle3 import Eagle3Params
 from .grammar import GrammarParams, GrammarSpeculator
 from .mtp import MtpParams
-
 from .ngram_cache import NgramCacheParams, NgramCacheSpeculator
 from .ngram_map_k import NgramMapKParams, NgramMapKSpeculator
 from .ngram_map_k4v import NgramMapK4vParams, NgramMapK4vSpeculator
@@ -41,28 +49,161 @@ from .ngram_mod import NgramModParams, NgramModSpeculator
 from .ngram_simple import NgramSimpleParams, NgramSimpleSpeculator
 from .suffix import SuffixParams, SuffixSpeculator
 
-SPECULATOR_TYPES: dict[str, tuple[type[BaseModel], type[Speculator]]] = {
-    NgramSimpleSpeculator.name: (NgramSimpleParams, NgramSimpleSpeculator),
-    NgramMapKSpeculator.name: (NgramMapKParams, NgramMapKSpeculator),
-    NgramMapK4vSpeculator.name: (NgramMapK4vParams, NgramMapK4vSpeculator),
-    NgramModSpeculator.name: (NgramModParams, NgramModSpeculator),
-    NgramCacheSpeculator.name: (NgramCacheParams, NgramCacheSpeculator),
-    SuffixSpeculator.name: (SuffixParams, SuffixSpeculator),
+#: what a model speculator can need beyond its parameters
+NEEDS = ("model", "hidden_rows", "companion")
+
+
+@dataclass(frozen=True)
+class CliOption:
+    """One command-line option that configures a model speculator: it sets EngineConfig at `config_path`.
+
+    `metavar` None: a switch (store_true, default False); else an option taking a value (default None).
+
+    >>> o = CliOption("--eagle3-model", ("hidden", "eagle3_model"), "EAGLE-3 draft GGUF", "PATH")
+    >>> o.dest, o.switch, o.default
+    ('eagle3_model', False, None)
+    """
+
+    flag: str
+    config_path: tuple[str, ...]
+    help: str
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def switch(self) -> bool:
+        return self.metavar is None
+
+    @property
+    def default(self) -> bool | None:
+        return False if self.switch else None
+
+
+@dataclass(frozen=True)
+class SpeculatorSpec:
+    """One speculator, declared once.
+
+    Model-free: `name`, `params` and `speculator` (built from its parameters alone). Model speculator
+    (`speculator` None): `needs` (a subset of NEEDS), `config_field` (the EngineConfig path whose value
+    enables it), `missing` (what to say when it is named but not configured) and `cli` (its options);
+    its native backend is native/backends.BACKENDS[name].
+
+    >>> s = SPECULATORS["dflash"]
+    >>> s.model, s.hidden_rows, s.config_field
+    (True, True, ('hidden', 'dflash_model'))
+    """
+
+    name: str
+    params: type[BaseModel]
+    speculator: type[Speculator] | None = None
+    needs: tuple[str, ...] = ()
+    config_field: tuple[str, ...] | None = None
+    missing: str = ""
+    cli: tuple[CliOption, ...] = ()
+
+    @property
+    def model(self) -> bool:
+        """Needs a model (built through `speculator_factory`'s builders)."""
+        return self.speculator is None
+
+    @property
+    def hidden_rows(self) -> bool:
+        """Reads the target's hidden rows (the target outputs them; distributed, they travel to the companion)."""
+        return "hidden_rows" in self.needs
+
+    def enabled(self, engine_config) -> bool:
+        """Whether `engine_config` (an EngineConfig) configures this model speculator."""
+        value = engine_config
+        for part in self.config_field or ():
+            value = getattr(value, part)
+        return self.config_field is not None and bool(value)
+
+
+def _model_free(params: type[BaseModel], cls: type[Speculator]) -> SpeculatorSpec:
+    return SpeculatorSpec(cls.name, params, cls)
+
+
+def _hidden_model_option(name: str, what: str, arch: str, extra: str = "") -> CliOption:
+    return CliOption(f"--{name}-model", ("hidden", f"{name}_model"), metavar="PATH", help=(
+        f"{what} draft GGUF trained for this target (architecture {arch}, with its own token embeddings and LM "
+        f"head) for the `{name}` speculator{extra}; name `{name}` in the chain to use it"))
+
+
+_SPECS = (
+    _model_free(NgramSimpleParams, NgramSimpleSpeculator),
+    _model_free(NgramMapKParams, NgramMapKSpeculator),
+    _model_free(NgramMapK4vParams, NgramMapK4vSpeculator),
+    _model_free(NgramModParams, NgramModSpeculator),
+    _model_free(NgramCacheParams, NgramCacheSpeculator),
+    _model_free(SuffixParams, SuffixSpeculator),
     # drafts only with the vocabulary an engine's builder passes it (deployments/builder.grammar_builders)
-    GrammarSpeculator.name: (GrammarParams, GrammarSpeculator),
-}
+    _model_free(GrammarParams, GrammarSpeculator),
+    SpeculatorSpec(
+        "draft", DraftParams, needs=("model", "companion"), config_field=("draft", "model"),
+        missing="a draft model: start with --draft-model PATH_OR_ALIAS (engine.draft.model)",
+        cli=(CliOption("--draft-model", ("draft", "model"), metavar="PATH_OR_ALIAS", help=(
+            "draft model for the `draft` speculator: packaged alias (smollm2-135m, gemma3-270m) or a .gguf path; "
+            "name `draft` in the chain to use it")),)),
+    SpeculatorSpec(
+        "mtp", MtpParams, needs=("model", "hidden_rows", "companion"), config_field=("hidden", "mtp"),
+        missing="the target's NextN (MTP) head: start with --mtp (engine.hidden.mtp) on a target whose GGUF has "
+        "NextN layers",
+        cli=(CliOption("--mtp", ("hidden", "mtp"), help=(
+            "load the target's own NextN (multi-token prediction) head for the `mtp` speculator; the target GGUF "
+            "must carry NextN layers (e.g. GLM-4.5, DeepSeek-V3, Qwen3.5, MiMo); name `mtp` in the chain to use "
+            "it")),)),
+    SpeculatorSpec(
+        "eagle3", Eagle3Params, needs=("model", "hidden_rows", "companion"), config_field=("hidden", "eagle3_model"),
+        missing="an EAGLE-3 draft model: start with --eagle3-model PATH (engine.hidden.eagle3_model)",
+        cli=(_hidden_model_option("eagle3", "EAGLE-3", "eagle3"),)),
+    SpeculatorSpec(
+        "dflash", DFlashParams, needs=("model", "hidden_rows", "companion"), config_field=("hidden", "dflash_model"),
+        missing="a DFlash draft model: start with --dflash-model PATH (engine.hidden.dflash_model)",
+        cli=(_hidden_model_option("dflash", "DFlash (or DFlash2) block-diffusion", "dflash",
+                                  ": one draft decode proposes a whole block per sequence"),)),
+)
+
+#: every speculator by name, in declaration order (model-free first, then the model speculators)
+SPECULATORS: dict[str, SpeculatorSpec] = {s.name: s for s in _SPECS}
+
+#: model-free speculators: name -> (parameters, class)
+SPECULATOR_TYPES: dict[str, tuple[type[BaseModel], type[Speculator]]] = {
+    s.name: (s.params, s.speculator) for s in _SPECS if not s.model}
 
 #: speculators that need a model, by name -> their parameters (built through `speculator_factory`)
-MODEL_SPECULATOR_PARAMS: dict[str, type[BaseModel]] = {"draft": DraftParams, "mtp": MtpParams,
-                                                        "eagle3": Eagle3Params, "dflash": DFlashParams}
+MODEL_SPECULATOR_PARAMS: dict[str, type[BaseModel]] = {s.name: s.params for s in _SPECS if s.model}
 
-#: what a model speculator needs that its parameters do not say
-MODEL_NEEDS = {
-    "draft": "a draft model: start with --draft-model PATH_OR_ALIAS (engine.draft.model)",
-    "mtp": "the target's NextN (MTP) head: start with --mtp (engine.hidden.mtp) on a target whose GGUF has NextN layers",
-    "eagle3": "an EAGLE-3 draft model: start with --eagle3-model PATH (engine.hidden.eagle3_model)",
-    "dflash": "a DFlash draft model: start with --dflash-model PATH (engine.hidden.dflash_model)",
-}
+
+def model_speculators(hidden_rows: bool | None = None) -> tuple[SpeculatorSpec, ...]:
+    """The model speculators in declaration order; `hidden_rows` True/False: only those that do/do not read
+    the target's hidden rows."""
+    return tuple(s for s in _SPECS if s.model and (hidden_rows is None or s.hidden_rows == hidden_rows))
+
+
+def enabled_speculators(engine_config, hidden_rows: bool | None = None) -> list[str]:
+    """Names of the model speculators `engine_config` configures (as `model_speculators` for `hidden_rows`)."""
+    return [s.name for s in model_speculators(hidden_rows) if s.enabled(engine_config)]
+
+
+def cli_options(hidden_rows: bool | None = None) -> tuple[CliOption, ...]:
+    """The command-line options of the model speculators (as `model_speculators` for `hidden_rows`)."""
+    return tuple(o for s in model_speculators(hidden_rows) for o in s.cli)
+
+
+def flag_values(args, section: str) -> dict[str, Any]:
+    """The EngineConfig `section` fields the model speculators' options set, from parsed `args` (an option
+    absent from `args`: its default).
+
+    >>> import argparse
+    >>> flag_values(argparse.Namespace(mtp=True, eagle3_model="e.gguf"), "hidden")
+    {'mtp': True, 'eagle3_model': 'e.gguf', 'dflash_model': None}
+    """
+    return {o.config_path[1]: getattr(args, o.dest, o.default) for o in cli_options()
+            if o.config_path[0] == section and len(o.config_path) == 2}
+
 
 Builder = Callable[[BaseModel], Speculator]
 Factory = Callable[[str, "dict[str, Any] | BaseModel | None"], Speculator]
@@ -70,13 +211,10 @@ Factory = Callable[[str, "dict[str, Any] | BaseModel | None"], Speculator]
 
 def make_params(name: str, params: dict[str, Any] | BaseModel | None = None) -> BaseModel:
     """Validate `params` for speculator `name`; ValueError names the speculator and the bad fields."""
-    if name in MODEL_SPECULATOR_PARAMS:
-        params_cls = MODEL_SPECULATOR_PARAMS[name]
-    elif name in SPECULATOR_TYPES:
-        params_cls, _ = SPECULATOR_TYPES[name]
-    else:
-        known = sorted([*SPECULATOR_TYPES, *MODEL_SPECULATOR_PARAMS])
+    if name not in SPECULATORS:
+        known = sorted(SPECULATORS)
         raise ValueError(f"unknown speculator {name!r}; known: {', '.join(known)}")
+    params_cls = SPECULATORS[name].params
     if isinstance(params, params_cls):
         return params
     if isinstance(params, BaseModel):
@@ -93,9 +231,10 @@ def make_params(name: str, params: dict[str, Any] | BaseModel | None = None) -> 
 def make_speculator(name: str, params: dict[str, Any] | BaseModel | None = None) -> Speculator:
     """A new model-free speculator of type `name` with validated `params` (defaults if None)."""
     p = make_params(name, params)
-    if name in MODEL_SPECULATOR_PARAMS:
-        raise ValueError(f"speculator {name!r} needs {MODEL_NEEDS[name]}")
-    return SPECULATOR_TYPES[name][1](p)
+    spec = SPECULATORS[name]
+    if spec.model:
+        raise ValueError(f"speculator {name!r} needs {spec.missing}")
+    return spec.speculator(p)
 
 
 def speculator_factory(builders: Mapping[str, Builder] | None = None) -> Factory:

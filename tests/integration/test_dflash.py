@@ -96,7 +96,7 @@ def test_dflash_lossless_rows_routed_and_window_kept(smollm2, slots, kind):
     base = baseline(smollm2, slots)
     eng = engine(smollm2, slots, dflash_draft(kind))
     try:
-        head = eng.hidden_heads.dflash
+        head = eng.hidden_heads.named()["dflash"]
         assert head.taps == LAYERS and eng.runner.hidden_out.tap_widths == (576, 576, 576)
         assert head.block_size == 8 and head.top_k == (4 if kind == "dflash2" else 0)
         reqs = requests(eng, prompts, ("dflash",))
@@ -175,7 +175,7 @@ def test_calibrated_costs_and_the_cost_policy(smollm2):
                        hidden=HiddenStateConfig(dflash_model=dflash_draft()))
     eng = LocalEngine(cfg, model=smollm2)
     try:
-        head = eng.hidden_heads.dflash
+        head = eng.hidden_heads.named()["dflash"]
         block, inject = head.decode_costs(), head.inject_costs()
         assert {1, 2, 8} <= set(block) and {1, 8, 64} <= set(inject)
         assert all(v > 0 for v in (*block.values(), *inject.values()))

@@ -46,7 +46,7 @@ def test_eagle3_lossless_with_three_layer_rows_routed(smollm2):
     base_eng.close()
     eng = engine(smollm2, eagle3_draft())
     try:
-        head = eng.hidden_heads.eagle3
+        head = eng.hidden_heads.named()["eagle3"]
         assert head.taps == (2, 15, 27) and eng.runner.hidden_out.tap_widths == (576, 576, 576)
         reqs = requests(eng, prompts, ("eagle3",))
         seqs = [eng.submit(r) for r in reqs]

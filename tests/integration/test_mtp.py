@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from specray.deployments.local_engine import LocalEngine
+from specray.deployments.replica.request import EngineRequest
 from specray.engine.config import ChainConfig, EngineConfig, HiddenStateConfig
 from specray.engine.request import SeqState
 
@@ -76,7 +77,7 @@ def check_rows(eng, solo: list, prompt_of: dict) -> int:
         assert spec.committed(slot).tolist() == hist.tolist()
         # the head's KV: committed pairs (+ the last draft's seed), never a drafted pair
         kv = spec.kv_tokens(slot)
-        assert eng.hidden_heads.mtp.pos_max(slot) + 1 == len(kv) <= seq.n_past + 1
+        assert eng.hidden_heads.named()["mtp"].pos_max(slot) + 1 == len(kv) <= seq.n_past + 1
         assert kv[: seq.n_past].tolist() == hist[: len(kv)].tolist()
         n += seq.n_past
     return n
@@ -156,8 +157,8 @@ def test_colocated_router_runs_mtp_in_process(prompts, baseline):
         assert core.hidden_heads is not None and core.runner.hidden_out is not None
 
         async def one(p):
-            req = core.make_request({"messages": [{"role": "user", "content": p}], "max_tokens": MAX_TOKENS,
-                                     "ignore_eos": True})
+            req = core.make_request(EngineRequest(messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS,
+                                                  ignore_eos=True))
             seq, q = await core.submit(req)
             while True:
                 _, term = await next_chunk(q)

@@ -11,6 +11,7 @@ import pytest
 
 from specray.deployments.config import ServeConfig
 from specray.deployments.replica.core import RouterCore, next_chunk
+from specray.deployments.replica.request import EngineRequest, replace
 from specray.engine.config import ChainConfig
 
 from .conftest import SPEC_PARAMS
@@ -44,10 +45,10 @@ async def _collect(core, queue, on_first=None) -> tuple[str, dict]:
 
 
 def test_chain_change_mid_request_keeps_the_text_and_counters(core):
-    req = {"prompt": PROMPT, "max_tokens": 48, "ignore_eos": True}
+    req = EngineRequest(prompt=PROMPT, max_tokens=48, ignore_eos=True)
 
     async def main():
-        seq, q = await core.submit(core.make_request(dict(req, chain=[])))  # plain decoding: the reference
+        seq, q = await core.submit(core.make_request(replace(req, chain=())))  # plain decoding: the reference
         plain, _ = await _collect(core, q)
         seq, q = await core.submit(core.make_request(req))
         old = core.chain.instances["ngram_mod"]
@@ -73,7 +74,7 @@ def test_chain_change_mid_request_keeps_the_text_and_counters(core):
     pos0 = drafted_per_pos()
 
     async def again():
-        _, q = await core.submit(core.make_request(dict(req, chain=["ngram_mod"])))
+        _, q = await core.submit(core.make_request(replace(req, chain=("ngram_mod",))))
         return await _collect(core, q)
 
     text2, term2 = asyncio.run(again())
@@ -104,7 +105,7 @@ def test_a_speculator_added_at_run_time_drafts_and_is_accepted(core_ngram_mod):
     """The issue: adding suffix to a running ngram_mod chain left it without its estimate state, so its first
     draft raised in every round, the scheduler swallowed it and suffix (and every draft with it) was lost."""
     core = core_ngram_mod
-    req = {"prompt": PROMPT, "max_tokens": 48, "ignore_eos": True}
+    req = EngineRequest(prompt=PROMPT, max_tokens=48, ignore_eos=True)
     # suffix first: under the `first` policy it is asked every round, so every round would hit the failure
     new = core.chain.config.model_copy(update={"speculators": ["suffix", "ngram_mod"]})
 

@@ -15,6 +15,7 @@ import uuid
 import httpx
 import pytest
 
+from specray.deployments.replica.request import EngineRequest
 from specray.engine.chain import Chain
 from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig
 from specray.engine.request import SeqState
@@ -269,7 +270,7 @@ def test_colocated_router_drafts_in_process(smollm2):
         assert core.draft_model is not None and core.draft_model.mode == "same_vocab"
 
         async def main():
-            req = core.make_request({"messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS})
+            req = core.make_request(EngineRequest(messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS))
             seq, q = await core.submit(req)
             parts = []
             while True:

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from specray.deployments.replica.core import RequestError, RouterCore, next_chunk
+from specray.deployments.replica.request import EngineRequest
 from specray.deployments.config import ServeConfig
 
 pytestmark = pytest.mark.model
@@ -24,22 +25,22 @@ def core():
 
 def test_full_queue_is_429_cancel_frees_the_slot_bad_input_is_400(core):
     async def main():
-        long = core.make_request({"prompt": "Tell me a long story about a dragon.", "max_tokens": 500,
-                                  "ignore_eos": True, "chain": []})
+        long = core.make_request(EngineRequest(prompt="Tell me a long story about a dragon.", max_tokens=500,
+                                               ignore_eos=True, chain=()))
         seq, q = await core.submit(long)
         text, term = await next_chunk(q)  # admitted and decoding: the only slot is taken
         assert term is None
         with pytest.raises(RequestError) as e:
-            await core.submit(core.make_request({"prompt": "hi", "max_tokens": 4}))
+            await core.submit(core.make_request(EngineRequest(prompt="hi", max_tokens=4)))
         assert e.value.status == 429
         with pytest.raises(RequestError) as e:
-            await core.submit(core.make_request({"prompt": "hi", "chain": ["nope"]}))
+            await core.submit(core.make_request(EngineRequest(prompt="hi", chain=("nope",))))
         assert e.value.status == 400 and "unknown speculator" in str(e.value)
         with pytest.raises(RequestError) as e:
-            core.make_request({"messages": []})
+            core.make_request(EngineRequest(messages=[]))
         assert e.value.status == 400
         core.cancel(seq)
-        seq2, q2 = await core.submit(core.make_request({"prompt": "The capital of France is", "max_tokens": 4}))
+        seq2, q2 = await core.submit(core.make_request(EngineRequest(prompt="The capital of France is", max_tokens=4)))
         parts = []
         while True:
             text, term = await next_chunk(q2)

@@ -15,7 +15,7 @@ from specray.engine.context_shift import ContextShifter, shift_plan
 from specray.engine.request import GenerationRequest, Sequence, SeqState, admission_plan
 from specray.engine.rollback import TargetMemory
 from specray.engine.speculator import DraftRequest
-from specray.engine.speculators.draft import DraftSpeculator, _Tokens
+from specray.engine.speculators.draft import DraftSpeculator, TokenBuffer
 from specray.engine.target import StepItem, TargetRunner
 
 from .test_spec_draft import ScriptedBackend
@@ -118,7 +118,7 @@ def test_shifting_is_refused_where_the_target_cannot():
 
 
 def test_tokens_delete():
-    t = _Tokens()
+    t = TokenBuffer()
     t.extend(np.arange(10))
     t.delete(2, 5)
     assert t.view().tolist() == [0, 1, 5, 6, 7, 8, 9]

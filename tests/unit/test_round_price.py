@@ -81,7 +81,7 @@ def test_a_change_of_batch_shape_is_priced_there_and_back_as_cuda_graphs_charge_
     assert plan_draft_lengths([np.array([0.6, 0.36, 0.22])], 1, price) == [0]
     assert plan_draft_lengths([np.array([0.95, 0.9, 0.86])], 1, price) == [3]
     flat = RoundPricer(p.cost.copy())  # with no penalty learnt (a CPU), the 60% draft is sent
-    flat.cost._ratio_after = [1.0, 1.0]
+    assert flat.cost.shape_change_penalty == 0
     assert plan_draft_lengths([np.array([0.6, 0.36, 0.22])], 1,
                               functools.partial(flat.price, base_rows=1, n_decoding=1, cells=None)) == [3]
 
