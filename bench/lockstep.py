@@ -19,7 +19,7 @@ from .round_profile import RoundProfiler
 
 if TYPE_CHECKING:
     from specray.deployments.local_engine import LocalEngine
-    from specray.engine.chain import Chain
+    from specray.engine.policy import DraftPolicy
 
 
 def cpu_steal_seconds() -> float:
@@ -36,21 +36,27 @@ class ConfigRun:
     """One configuration's requests on an engine, from submission to the result: run at once, or a round
     at a time (lockstep) with only its own rounds' time counted."""
 
-    def __init__(self, engine: LocalEngine, chain: Chain, name: str, prompts: list[np.ndarray],
+    def __init__(self, engine: LocalEngine, policy: DraftPolicy, name: str, prompts: list[np.ndarray],
                  max_tokens: int, profiler: RoundProfiler | None = None,
                  grammars: list[str | None] | None = None) -> None:
         self.engine, self.name = engine, name
         self.profiler = profiler  # --profile: cProfile on during this run's rounds
-        engine.scheduler.chain = chain
+        engine.scheduler.use_policy(policy)  # its chain and what the policy learnt of it
         grammars = grammars or [None] * len(prompts)
         reqs = [bench_request(t, max_tokens, name, g) for t, g in zip(prompts, grammars)]
         st = engine.scheduler.stats
         self.before = (st.prefill_seconds, st.loaded_seconds, st.loaded_tokens, st.rounds, st.draft_seconds,
-                       st.target_seconds, dict(st.stage_seconds), st.seq_rounds, dict(chain.gate.seconds),
-                       dict(chain.gate.asks), st.rollback.to_dict(), st.failed_sequences)
-        self.chain = chain
+                       st.target_seconds, dict(st.stage_seconds), st.seq_rounds, *self._lookups(policy),
+                       st.rollback.to_dict(), st.failed_sequences)
+        self.policy = policy
         self.seqs = [engine.submit(r) for r in reqs]
         self.seconds = 0.0
+
+    @staticmethod
+    def _lookups(policy: DraftPolicy) -> tuple[dict[str, float], dict[str, int]]:
+        """Each speculator's look-up seconds and sequences asked, so far."""
+        snap = policy.snapshot()
+        return snap["lookup_seconds"], snap["lookups"]
 
     @property
     def done(self) -> int:
@@ -76,8 +82,8 @@ class ConfigRun:
                          rounds=st.rounds - before[3], draft_seconds=st.draft_seconds - before[4],
                          verify_seconds=st.target_seconds - before[5],
                          stage_seconds=_minus(st.stage_seconds, before[6]), seq_rounds=st.seq_rounds - before[7],
-                         speculator_seconds=_minus(self.chain.gate.seconds, before[8]),
-                         speculator_asks=_minus(self.chain.gate.asks, before[9]),
+                         speculator_seconds=_minus(self._lookups(self.policy)[0], before[8]),
+                         speculator_asks=_minus(self._lookups(self.policy)[1], before[9]),
                          rollback=_minus(st.rollback.to_dict(), before[10]),
                          failed=st.failed_sequences - before[11])
         for s in self.seqs:

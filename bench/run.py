@@ -165,8 +165,10 @@ def run_bench(
             by_kind[k] = new_engine(*k)
         engines = {c: by_kind[kind(c)] for c in configs}
     # each configuration's own chain: its parameters (--spec-param, then its own: variants.py), tuning or not
-    chains = [{c: Chain(chain_config(split_config(c)[0], spec_params or {}, policy, n_max),
-                        engines[c].speculator_factory) for c in configs} for _ in range(repeats)]
+    # (and its own draft policy, pricing rounds with its engine's: DraftPolicy.for_chain)
+    chains = [{c: engines[c].scheduler.policy.for_chain(
+                   Chain(chain_config(split_config(c)[0], spec_params or {}, policy, n_max),
+                         engines[c].speculator_factory)) for c in configs} for _ in range(repeats)]
     categories = list(dict.fromkeys(p.category for p in prompts))
     report = BenchReport(model=model, configs=list(configs), categories=categories)
     if llama_baseline and any(p.json_schema is not None or p.grammar is not None for p in prompts):
@@ -270,7 +272,8 @@ def run_bench(
             progress(f"{cat:<22} {c:<34} {r.tokens_per_s:7.1f} tok/s  accept_len {r.mean_acceptance_length:.2f}"
                      f"  identical {r.identical}/{r.compared}")
     # what online tuning ended on (CHAIN+tune configurations), per pass: speculator -> class -> choice, settings
-    tuned = {c: [ch[c].tuner.to_dict() for ch in chains] for c in configs if chains[0][c].tuner is not None}
+    tuned = {c: [ch[c].snapshot()["tuning"] for ch in chains] for c in configs
+             if chains[0][c].snapshot()["tuning"] is not None}
     if tuned:
         report.meta["tuning"] = tuned
         for c, passes in tuned.items():

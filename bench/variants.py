@@ -5,7 +5,7 @@
                                 starting from --spec-param's
 
 `specray bench --tune-sweep` turns each chain into: the chain as configured, `CHAIN+tune`, and one fixed
-configuration per point of each speculator's tuning grid (engine/tuning.py), so the tuned run is measured
+configuration per point of each speculator's tuning grid (engine/policy/tuning.py), so the tuned run is measured
 against the best fixed setting in the same run. Every configuration has its own chain (own tables), as
 always in the bench.
 """
@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from specray.engine.config import ChainConfig, parse_chain
-from specray.engine.tuning import DEFAULT_GRIDS, settings_of
+from specray.engine.policy.tuning import DEFAULT_GRIDS, settings_of
 
 TUNE = "+tune"
 

@@ -67,11 +67,13 @@ class InProcessEngine:
     async def generate(self, req: EngineRequest) -> dict:
         return await self.replica.generate(req)
 
-    #: the replica runs in this process: a stream may take a DirectLink (deployments/replica/direct.py)
+    #: the replica runs in this process: a stream may bring its own sink (deployments/http/socket_sink.py)
     in_process = True
 
-    def stream(self, req: EngineRequest, direct=None) -> LocalStream:
-        return LocalStream(self.replica.generate_stream(req, direct=direct))
+    def stream(self, req: EngineRequest, sink=None) -> LocalStream:
+        """The replica's stream; `sink`: a LoopSink made on this loop (deployments/replica/sinks.py), None for
+        the loop path's own."""
+        return LocalStream(self.replica.generate_stream(req, sink=sink))
 
     async def health(self) -> dict:
         return self.replica.health()

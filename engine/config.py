@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .speculators.registry import config_fields, model_speculators
 from .verify_shape import DEFAULT_BUCKETS
 
 Policy = Literal["first", "expected", "cost"]
@@ -56,8 +57,8 @@ class ChainConfig(BaseModel):
 
     tune: bool = Field(
         False,
-        description="tune each model-free speculator's look-up parameters online (engine/tuning.py): a bandit per "
-        "speculator and sequence class over a small grid (suffix min_match/p_min, ngram_mod n_min, ngram_cache "
+        description="tune each model-free speculator's look-up parameters online (engine/policy/tuning.py): a "
+        "bandit per speculator and sequence class over a small grid (suffix min_match/p_min, ngram_mod n_min, ngram_cache "
         "n_draft, ngram_simple size_n/size_m); every setting is judged side by side on shadow look-ups by the tokens "
         "its drafts would gain net of their verify and look-up time; starts from `params`. /v1/stats `tuning` shows "
         "the current choice",
@@ -65,13 +66,14 @@ class ChainConfig(BaseModel):
     tune_explore: float = Field(
         0.02, ge=0.0, le=1.0,
         description="tuning: share of the rounds' plain decode time a speculator's shadow look-ups may take (every "
-        "setting drafting for one sequence, judged later against what the target emitted; engine/tuning_shadow.py), "
-        "saved up round by round, after a start-up allowance of 16 shadows per speculator and class",
+        "setting drafting for one sequence, judged later against what the target emitted; "
+        "engine/policy/tuning_shadow.py), saved up round by round, after a start-up allowance of 16 shadows per speculator and class",
     )
     tune_grids: dict[str, list[dict[str, Any]]] = Field(
         default_factory=dict,
         description="tuning: the grid per speculator (each point: parameters set over `params`); speculators not "
-        "named use the built-in grid (engine/tuning.py DEFAULT_GRIDS); an empty list turns tuning off for one",
+        "named use the built-in grid (engine/policy/tuning.py DEFAULT_GRIDS); an empty list turns tuning off for "
+        "one",
     )
 
     @field_validator("speculators", mode="before")
@@ -110,13 +112,13 @@ DRAFT_LOAD_FIELDS = ("n_ctx", "threads", "threads_batch", "n_batch", "n_ubatch",
                      "cache_type_k", "cache_type_v", "flash_attn")
 
 
-class DraftModelConfig(BaseModel):
+# `model`, the field that enables the `draft` speculator, is declared by its registry entry (config_fields)
+class DraftModelConfig(config_fields("draft")):
     """The draft model of the `draft` speculator (loaded only when `model` is set). The load options follow
     llama.cpp's draft flags (-cd, -td, -tbd, -ngld, -devd, -ctkd, -ctvd); each left unset follows the target."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(None, description="packaged alias or .gguf path of the draft model; None: no `draft`")
     cross_vocab: bool = Field(
         False,
         description="allow a draft model whose vocabulary is not compatible with the target's (llama.cpp's rules): "
@@ -185,21 +187,14 @@ class DraftModelConfig(BaseModel):
 HiddenTransportName = Literal["object_store", "inline", "cuda_ipc"]
 
 
-class HiddenStateConfig(BaseModel):
-    """Hidden-state speculators (`mtp`, `eagle3`, `dflash`): their heads and how the target's hidden rows reach
-    them."""
+# the field that enables each hidden-state speculator (`eagle3_model`, ...) is declared by its registry entry
+# (config_fields) and comes first, in registry order; the fields below are shared by all
+class HiddenStateConfig(config_fields("hidden")):
+    """Hidden-state speculators (the ones that read the target's hidden rows): the field that enables each, their
+    heads and how the target's hidden rows reach them."""
 
     model_config = ConfigDict(extra="forbid")
 
-    mtp: bool = Field(
-        False, description="load the target's own NextN (MTP) head for the `mtp` speculator (the target GGUF must "
-        "carry NextN layers: <arch>.nextn_predict_layers > 0)")
-    eagle3_model: str | None = Field(
-        None, description=".gguf path of an EAGLE-3 draft for this target (architecture eagle3) for the `eagle3` "
-        "speculator; None: no `eagle3`")
-    dflash_model: str | None = Field(
-        None, description=".gguf path of a DFlash (or DFlash2) block-diffusion draft for this target (architecture "
-        "dflash, with its own token embeddings and LM head) for the `dflash` speculator; None: no `dflash`")
     transport: HiddenTransportName = Field(
         "object_store",
         description="distributed mode: how hidden rows go from the target actor to the companion: object_store "
@@ -224,8 +219,6 @@ class HiddenStateConfig(BaseModel):
     @property
     def enabled(self) -> bool:
         """Whether any hidden-state speculator is configured (engine/speculators/registry.SPECULATORS)."""
-        from .speculators.registry import model_speculators
-
         return any(bool(getattr(self, s.config_field[1])) for s in model_speculators(hidden_rows=True))
 
 

@@ -29,7 +29,7 @@ class GenerationRequest:
     n_max: int | None = None  # per-request draft cap (<= the chain's)
     ignore_eos: bool = False
     cache_prompt: bool = True  # may reuse a slot's cached KV of a common prefix (engine/prompt_cache.py)
-    # tuning (engine/tuning.py, ChainConfig.tune): the request's sequence class (None: configured parameters)
+    # tuning (engine/policy/tuning.py, ChainConfig.tune): the request's sequence class (None: configured parameters)
     tune_class: str | None = "default"
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     # requests with the same key and prompt share the prompt's KV cells (OpenAI's n > 1): the first one

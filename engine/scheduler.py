@@ -1,10 +1,12 @@
 """The round scheduler (router side): slots, queue, draft -> verify -> accept -> emit.
 
 One `step()` is one round for every active sequence: queued requests are
-admitted into free slots; each decoding sequence gets a draft from its chain
-(cut by the cost-aware planner); prompt chunks fill the rest of the batch;
-ONE call to the target (`target.step`) decodes and verifies everything;
-accepted tokens stream out and finished sequences free their slot.
+admitted into free slots; the draft policy (engine/policy/) gives each
+decoding sequence its draft, asked of its chain and cut to what pays; prompt
+chunks fill the rest of the batch; ONE call to the target (`target.step`)
+decodes and verifies everything; the verdicts go to the chain's speculators
+and the policy's estimates; accepted tokens stream out and finished
+sequences free their slot.
 
 The target is anything with TargetRunner's `start/step/release` methods: the
 in-process runner (co-located mode) or a proxy to the target actor.
@@ -22,19 +24,17 @@ from typing import Protocol
 
 import numpy as np
 
-from .chain import Chain, Proposal, SeqDraftRequest
+from .chain import Chain
 from .config import ChainConfig, EngineConfig
 from .constraint import ConstraintFactory
 from .context_shift import ContextShifter
 from .cost import DecodeCostModel
-from .drafting import draft_round
 from .logprobs import TokenLogprobs
+from .policy import DraftPolicy, Proposal, Room, SeqDraftRequest
 from .prompt_cache import PromptCache, idle_budget
 from .prompt_share import admit_plan, link
 from .request import GenerationRequest, Sequence, SeqState, admission_plan
-from .round_price import RoundPricer
 from .rollback import RollbackStats, TargetMemory
-from .rollback_price import RollbackPrice
 from .round_stages import RoundClock
 from .target import StepItem, StepOutput, StepResult
 from .verify_shape import batch_rows, max_draft
@@ -110,26 +110,6 @@ class RoundStats:
             self.loaded_tokens += loaded_tokens
 
 
-def _memo(f: Callable[[int], float]) -> Callable[[int], float]:
-    """f with its answers kept (one round's price of n rows): a dict, not functools.lru_cache, whose wrapper
-    is dearer to make, and one is made every round.
-
-    >>> calls = []
-    >>> g = _memo(lambda n: calls.append(n) or 2.0 * n)
-    >>> g(3), g(3), calls
-    (6.0, 6.0, [3])
-    """
-    seen: dict[int, float] = {}
-
-    def price(n: int) -> float:
-        v = seen.get(n)
-        if v is None:
-            v = seen[n] = f(n)
-        return v
-
-    return price
-
-
 def prefill_share(price: Callable[[int], float], n_total: int, n_prefill: int) -> float:
     """The share of a round's decode that its prompt rows cost, by the cost model's price of rows.
 
@@ -200,15 +180,17 @@ def draft_requests(decoding: list[Sequence], disabled: set[str], n_ctx: int,
             n_max = 0
         # model speculators' caches are by KV position: after a context shift they draft from the shifted tokens
         reqs.append(SeqDraftRequest(s.slot, chain, s.history_view(), n_max, s.tokens_left, s.req.tune_class,
-                                    kv_history=s.kv_history() if s.shift_keep is not None else None))
+                                    kv_history=s.kv_history() if s.shift_keep is not None else None,
+                                    replay_rows=s.replay_rows))
     return reqs
 
 
-def commit_round(chain: Chain, decoding: list[Sequence], proposals: list[Proposal],
-                 chunks: list[tuple[Sequence, int]], items: list[StepItem], results: list[StepResult],
-                 mirror: Callable[[Sequence, np.ndarray, int], None]) -> tuple[list, list]:
-    """Take a round's results into its sequences: each decoding sequence's verdict (its speculators told, its
-    committed tokens mirrored, its position moved on) and each prompt chunk's progress. Returns ([(sequence,
+def commit_round(verdict: Callable[[Proposal, int, int, np.ndarray], None], decoding: list[Sequence],
+                 proposals: list[Proposal], chunks: list[tuple[Sequence, int]], items: list[StepItem],
+                 results: list[StepResult], mirror: Callable[[Sequence, np.ndarray, int], None]) -> tuple[list, list]:
+    """Take a round's results into its sequences: each decoding sequence's verdict (`verdict(proposal,
+    n_drafted, n_accepted, emitted)`: its speculators and the policy told, its committed tokens mirrored, its
+    position moved on) and each prompt chunk's progress. Returns ([(sequence,
     result) to emit], [(sequence, error)] for those the target could not go on with (a state it could not roll
     back: they end with that error, every other sequence goes on)."""
     failed = [(s, r.error) for s, r in zip(decoding + [s for s, _ in chunks], results) if r.error]
@@ -219,7 +201,7 @@ def commit_round(chain: Chain, decoding: list[Sequence], proposals: list[Proposa
         s.replay_rows = res.n_replay
         n_drafted = len(prop.tokens)
         try:
-            chain.accept(prop, n_drafted, res.n_accepted, res.tokens)
+            verdict(prop, n_drafted, res.n_accepted, res.tokens)
         except Exception:
             log.exception("speculator accept failed")
         mirror(s, it.tokens[: 1 + res.n_accepted], it.pos0)
@@ -241,12 +223,6 @@ def commit_round(chain: Chain, decoding: list[Sequence], proposals: list[Proposa
     return emit, failed
 
 
-def host_seconds(clock: RoundClock, chain: Chain) -> float:
-    """The round's host work, what the round pricer learns from: its wall time less the target's decode and less
-    model speculators' drafting, which the chain prices as the model's own (Chain.take_model_seconds)."""
-    return max(0.0, clock.total - clock.seconds.get("decode", 0.0) - chain.take_model_seconds())
-
-
 def check_grammar(constraints: ConstraintFactory | None, grammar: str | None) -> None:
     """ValueError if a request's grammar does not compile: checked at submit, so a bad one never reaches a round."""
     if grammar is not None:
@@ -266,13 +242,12 @@ class Scheduler:
         constraints: compiles requests' grammars (None: refused)."""
         self.config, self.constraints = config, constraints
         self.memory = memory or TargetMemory()
-        self.rollback_price = RollbackPrice(self.memory.rollback)  # a draft's cost beyond its rows (checkpoints)
         self.target, self.tok, self.chain, self.n_ctx = target, tokenizer, chain, n_ctx
         # context shift (opt-in): refused here for a target that cannot shift (ValueError)
         self.shifter = ContextShifter(config, self.memory, n_ctx, getattr(tokenizer, "bos", None))
         self.shared_cells = shared_cells
-        # the round's price for the draft planner: the decode and the host's work, learnt from live rounds
-        self.pricer = RoundPricer(cost or DecodeCostModel())
+        # which drafts are sent and how much of each: prices, estimates, gate, tuning and planner (engine/policy/)
+        self.policy = DraftPolicy(chain, cost or DecodeCostModel(), self.memory.rollback)
         self.free_slots: list[int] = list(range(config.slots))[::-1]
         # finished sequences' KV kept in their slots, reused by prompts that share a prefix (prompt_cache.py)
         # (a recurrent state cannot be cut back to a shared prefix: no prompt cache on such targets)
@@ -284,10 +259,9 @@ class Scheduler:
         self.stats = RoundStats()
         self.disabled_speculators: set[str] = set()
         self.on_event: Callable[[Event], None] | None = None
-        self._explore_rng = np.random.default_rng(0)  # deterministic: runs stay reproducible
 
-    # the target decode's price (settable: the pricer uses the new model)
-    cost = property(lambda self: self.pricer.cost, lambda self, model: setattr(self.pricer, "cost", model))
+    # the target decode's price model (the policy's; settable)
+    cost = property(lambda self: self.policy.cost, lambda self, model: setattr(self.policy, "cost", model))
 
     # ---- admission ---------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> tuple[tuple[str, ...], int, int]:
@@ -354,6 +328,7 @@ class Scheduler:
             self.active[slot] = seq
             self.reserved += seq.reserve
             self.target.start(slot, seq.req.sampling, prompt, reuse, copy_from)  # drops cells past the prefix
+            self.policy.forget_sequence(slot, seq.chain)  # what it learnt of the slot's last sequence
             try:
                 self.chain.begin(slot, seq.chain, prompt, seq.req.sampling.grammar)
             except Exception:  # a failing speculator degrades to plain decoding
@@ -379,10 +354,16 @@ class Scheduler:
             tokens = seq.kv_prefix()
             keep = seq.error is None and self.prompt_cache.keep(slot, tokens)  # a failed state is never reused
             self.target.release(slot, keep=len(tokens) if keep else 0)
+            self.policy.forget_sequence(slot, seq.chain)
             try:
                 self.chain.end(slot, seq.chain)
             except Exception:
                 log.exception("speculator end failed")
+
+    def use_policy(self, policy: DraftPolicy) -> None:
+        """Draft with `policy` and its chain from the next round (between rounds only; the bench runs several
+        chains on one engine, each with its own policy: DraftPolicy.for_chain)."""
+        self.policy, self.chain = policy, policy.chain
 
     def reconfigure_chain(self, new: ChainConfig) -> dict:
         """Swap the chain config for `new` while requests run (Chain.reconfigure: running sequences go on with
@@ -391,6 +372,7 @@ class Scheduler:
         that runs step(): it ends and begins running sequences' speculators, which a round also calls."""
         old = self.config.chain
         change = self.chain.reconfigure(new, {s.slot: (s.chain, s.history_view()) for s in self.active.values()})
+        self.policy.chain_changed(change)
         # a fresh instance gets another chance (one that failed and was not rebuilt stays disabled)
         self.disabled_speculators -= {*change.rebuilt, *change.built}
         self.config = self.config.model_copy(update={"chain": new})
@@ -426,11 +408,9 @@ class Scheduler:
         seqs = decoding or prefilling
         cells = (float(sum(s.n_past for s in by_slot) + self.prompt_cache.idle_cells()) if self.shared_cells
                  else sum(s.n_past for s in seqs) / len(seqs) if seqs else 0.0)
-        # memoised for the round: drafts are priced token by token, by every speculator that offers one
         base_rows = len(decoding) + n_prefill + replay
-        price = _memo(lambda n: self.pricer.price(n, base_rows, len(decoding), cells))
         clock.lap("plan")
-        proposals = self._draft(decoding, budget - base_rows, base_rows, price)
+        proposals = self._draft(decoding, Room(budget - base_rows, base_rows, cells))
         clock.lap("draft")
 
         items = step_items(decoding, proposals, chunks, self._needs_hidden)
@@ -444,9 +424,8 @@ class Scheduler:
                 log.exception("speculator hidden rows failed")
         self.stats.target_seconds += out.decode_seconds
         self.stats.rollback.add(out.rollback)  # (None where a KV cache is trimmed)
-        self.rollback_price.observe(out.rollback)
 
-        emit, failed = commit_round(self.chain, decoding, proposals, chunks, items, out.results, self._mirror)
+        emit, failed = commit_round(self.policy.accept, decoding, proposals, chunks, items, out.results, self._mirror)
         clock.lap("accept")
         events = [self._emit(s, res) for s, res in emit]
         events += [self._fail(s, why) for s, why in failed]
@@ -459,8 +438,9 @@ class Scheduler:
         self.stats.add_round(clock, prefill_share(lambda n: self.cost.cost(n, cells),
                                                   sum(len(it.tokens) for it in items), n_prefill),
                              emitted if loaded and not prefilling else None, len(decoding))
-        self.pricer.observe(out.batch_sizes, out.decode_seconds, cells, n_prefill > 0, len(decoding),
-                            sum(len(p.tokens) for p in proposals), host_seconds(clock, self.chain), emitted)
+        self.policy.observe(out.batch_sizes, out.decode_seconds, cells, n_prefill > 0, len(decoding),
+                            sum(len(p.tokens) for p in proposals), clock.total - clock.seconds.get("decode", 0.0),
+                            emitted, out.rollback)
         return events
 
     def target_budget(self) -> int:  # the most rows one round's decode may carry
@@ -480,19 +460,15 @@ class Scheduler:
         except Exception:
             log.exception("speculator process failed")
 
-    def _draft(self, decoding: list[Sequence], room: int, base_tokens: int,
-               price: Callable[[int], float] | None = None) -> list[Proposal]:
+    def _draft(self, decoding: list[Sequence], room: Room) -> list[Proposal]:
         if not any(s.chain for s in decoding):  # plain decoding: nothing to ask
             return [Proposal(s.slot, None) for s in decoding]
         buckets = self.config.shape_buckets
         reqs = draft_requests(decoding, self.disabled_speculators, self.n_ctx, buckets, self.memory.draft_cap)
-        # a decode-only round is padded (target.verify_pads): drafts are priced by the shape the target runs
-        padded = buckets is not None and base_tokens == len(decoding)
-        rows = functools.partial(batch_rows, buckets=buckets, limit=self.config.n_batch) if padded else None
-        price = price or self.cost.cost
-        fixed = self.rollback_price.fixed_list(price, base_tokens, [s.replay_rows for s in decoding])
-        return draft_round(self.chain, self.config.chain, reqs, room, base_tokens, price,
-                           self.disabled_speculators, self.stats, self._explore_rng, rows, fixed)
+        if buckets is not None and room.base_rows == len(decoding):
+            # a decode-only round is padded (target.verify_pads): drafts are priced by the shape the target runs
+            room.rows = functools.partial(batch_rows, buckets=buckets, limit=self.config.n_batch)
+        return self.policy.plan_round(reqs, room, self.disabled_speculators, self.stats)
 
     def _fail(self, s: Sequence, why: str) -> Event:
         """End a sequence the target could not go on with (rollback.py): slot and state freed, error out."""

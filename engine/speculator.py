@@ -195,3 +195,14 @@ class Speculator(ABC):
 
     def _end(self, seq_id: int) -> None:
         pass
+
+
+def blame(e: Exception, name: str) -> None:
+    """Tag an exception raised while `name` works with `.speculator = name`, so whoever catches it (the
+    scheduler) can disable that speculator instead of losing every draft of every round to it. The innermost
+    tag wins: a nested call knows better which speculator failed. (Called from `except` clauses: a `try`
+    costs nothing until it raises, where a context manager's enter and exit ran for every speculator, every
+    round.)"""
+    if getattr(e, "speculator", None) is None:
+        e.speculator = name
+        e.add_note(f"(raised by speculator {name!r})")

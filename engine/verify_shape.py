@@ -26,7 +26,7 @@ On CPU a row costs nearly its share of a decode, so padding costs time; the
 cost policy prices the padded shape (batch_rows), which makes drafting up to
 the bucket free, so the policy still sends a draft only where its price model
 expects a gain under the option. (A model speculator's draft is priced before it is made by the
-unpadded curve, chain.Pricing; the final cut of every draft uses the padded one.)
+unpadded curve, policy.pricing.Pricing; the final cut of every draft uses the padded one.)
 """
 
 from __future__ import annotations

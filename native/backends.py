@@ -1,29 +1,33 @@
-"""The native half of each model speculator, one `Backend` per registry name (engine/speculators/registry.py).
+"""The native half of each model speculator: `BACKENDS[name]`, the `BACKEND` its own module exports.
 
-The registry says what a model speculator is (parameters, needs, config field,
-options); this table says how its model is opened here, in the one package that
-touches llama.cpp. Whoever hosts the models (the co-located engine, the
-companion actor) opens the configured ones through it and passes each one's
-`speculator` method to registry.speculator_factory; the target reads `taps`
-to know which hidden rows to output.
+The registry (engine/speculators/registry.py) says what a model speculator is
+(parameters, needs, config field, options); its backend says how its model is
+opened here, in the one package that touches llama.cpp. The backend of
+speculator NAME is `BACKEND = Backend(...)` in `native/NAME_backend.py`, found
+by that name: adding a speculator edits no table here. Whoever hosts the models
+(the co-located engine, the companion actor) opens the configured ones through
+it and passes each one's `speculator` method to registry.speculator_factory;
+the target reads `taps` to know which hidden rows to output.
 
 >>> sorted(BACKENDS)
 ['dflash', 'draft', 'eagle3', 'mtp']
 >>> BACKENDS["draft"].taps(None)
 ()
+>>> BACKENDS["ngram_mod"]
+Traceback (most recent call last):
+...
+KeyError: "'ngram_mod' is not a model speculator (engine/speculators/registry.py); model speculators: draft, mtp, eagle3, dflash"
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from specray.engine.config import EngineConfig
-from specray.engine.hidden_rows import TAP_NEXTN, Tap
-from specray.engine.speculators.registry import SPECULATORS
-
-from .gguf_meta import dflash_target_layers, eagle3_target_layers
-from .model import Model
+from specray.engine.hidden_rows import Tap
+from specray.engine.speculators.registry import SPECULATORS, model_speculators
 
 
 def _no_taps(cfg: EngineConfig | None) -> tuple[Tap, ...]:
@@ -45,12 +49,46 @@ class Backend:
     taps: Callable[[EngineConfig], tuple[Tap, ...]] = _no_taps
 
 
+class _Backends(Mapping[str, Backend]):
+    """Model speculator name (registry order) -> its Backend. Each module is imported at its first look-up,
+    not here: the backend modules import this one (for `Backend` and the helpers below)."""
+
+    def __getitem__(self, name: str) -> Backend:
+        spec = SPECULATORS.get(name)
+        if spec is None or not spec.model:
+            known = ", ".join(s.name for s in model_speculators())
+            raise KeyError(f"{name!r} is not a model speculator (engine/speculators/registry.py); model "
+                           f"speculators: {known}")
+        try:
+            module = importlib.import_module(f"{__package__}.{name}_backend")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__package__}.{name}_backend":
+                raise  # the module is there; something it imports is not
+            module = None
+        found = getattr(module, "BACKEND", None)
+        if not isinstance(found, Backend):
+            raise LookupError(f"model speculator {name!r} has no native backend: native/{name}_backend.py must "
+                              f"export BACKEND = Backend(open, taps)")
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        return (s.name for s in model_speculators())
+
+    def __len__(self) -> int:
+        return len(model_speculators())
+
+
+#: model speculator name (registry.SPECULATORS) -> its native backend (`BACKEND` in native/<name>_backend.py)
+BACKENDS: Mapping[str, Backend] = _Backends()
+
+
 def head_n_ctx(cfg: EngineConfig, target_n_ctx: int) -> int:
     """Head context cells: the target's, plus room for each slot's draft pairs."""
     return cfg.hidden.n_ctx or target_n_ctx + 16 * cfg.slots
 
 
-def _head_options(cfg: EngineConfig, target_n_ctx: int) -> dict:
+def head_options(cfg: EngineConfig, target_n_ctx: int) -> dict:
+    """The keyword options every hidden-row head's context takes from the engine's config."""
     return dict(slots=cfg.slots, n_ctx=head_n_ctx(cfg, target_n_ctx), n_batch=cfg.n_batch,
                 threads=cfg.hidden.threads or cfg.threads, calibrate=cfg.calibrate)
 
@@ -65,58 +103,14 @@ def option_error(name: str, e: Exception) -> Exception:
     return type(e)(f"{option.flag} (engine.{'.'.join(option.config_path)}): {e}")
 
 
-def _layers(name: str, read: Callable[[str], tuple[int, ...]]) -> Callable[[EngineConfig], tuple[Tap, ...]]:
+def layer_taps(name: str, read: Callable[[str], tuple[int, ...]]) -> Callable[[EngineConfig], tuple[Tap, ...]]:
+    """A `taps` for speculator `name` whose draft GGUF (the path in its config field) names the target layers
+    it reads: `read(path)`, errors prefixed as option_error."""
+
     def taps(cfg: EngineConfig) -> tuple[Tap, ...]:
         try:
-            section, field = SPECULATORS[name].config_field
-            return read(getattr(getattr(cfg, section), field))
+            return read(SPECULATORS[name].config_value(cfg))
         except (FileNotFoundError, ValueError) as e:
             raise option_error(name, e) from None
 
     return taps
-
-
-def _open_draft(cfg: EngineConfig, target_vocab: Model, *, target_n_ctx: int, target_model=None, owned=None):
-    from .draft_backend import DraftModel
-
-    return DraftModel(cfg.draft, target_vocab, slots=cfg.slots, target_n_ctx=target_n_ctx,
-                      settings=cfg.draft_settings(), calibrate=cfg.calibrate)
-
-
-def _open_mtp(cfg: EngineConfig, target_vocab: Model, *, target_n_ctx: int, target_model: Model | None = None,
-              owned: list):
-    """The MTP head shares the target's loaded weights if they were loaded with their NextN blocks
-    (co-located); else it loads its own copy."""
-    from .mtp_backend import MtpHead
-
-    model = target_model if target_model is not None and target_model.load_mtp else None
-    if model is None:
-        model = Model(cfg.model, load_mtp=True, chat_template=cfg.chat_template)
-        owned.append(model)
-    try:
-        return MtpHead(model, **_head_options(cfg, target_n_ctx))
-    except ValueError as e:
-        raise option_error("mtp", e) from None
-
-
-def _open_eagle3(cfg: EngineConfig, target_vocab: Model, *, target_n_ctx: int, target_model=None, owned=None):
-    from .eagle3_backend import Eagle3Head
-
-    BACKENDS["eagle3"].taps(cfg)  # a clear error for a missing or non-EAGLE-3 file
-    return Eagle3Head(cfg.hidden.eagle3_model, target_vocab, **_head_options(cfg, target_n_ctx))
-
-
-def _open_dflash(cfg: EngineConfig, target_vocab: Model, *, target_n_ctx: int, target_model=None, owned=None):
-    from .dflash_backend import DFlashHead
-
-    BACKENDS["dflash"].taps(cfg)  # a clear error for a missing or non-DFlash file
-    return DFlashHead(cfg.hidden.dflash_model, target_vocab, **_head_options(cfg, target_n_ctx))
-
-
-#: model speculator name (registry.SPECULATORS) -> its native backend
-BACKENDS: dict[str, Backend] = {
-    "draft": Backend(_open_draft),
-    "mtp": Backend(_open_mtp, lambda cfg: (TAP_NEXTN,)),
-    "eagle3": Backend(_open_eagle3, _layers("eagle3", eagle3_target_layers)),
-    "dflash": Backend(_open_dflash, _layers("dflash", dflash_target_layers)),
-}

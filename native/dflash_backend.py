@@ -27,13 +27,16 @@ import time
 import llama_cpp
 import numpy as np
 
+from specray.engine.config import EngineConfig
 from specray.engine.cost import paired_decode_costs
 from specray.engine.hidden_rows import ROW_DTYPE
 from specray.engine.speculators.dflash import DFlashParams, DFlashSpeculator
 from specray.engine.vocab import VocabMismatchError, vocab_mismatch
 
 from . import ext
+from .backends import Backend, head_options, layer_taps
 from .context import Context, DecodeError
+from .gguf_meta import dflash_target_layers
 from .hidden import PairBatch, model_arch
 from .model import Model
 from .slot_backend import SlotBackend, top_token_probs
@@ -235,3 +238,15 @@ class DFlashHead(SlotBackend):
     def close(self) -> None:
         self.batch.close()
         self.ctx.close()
+
+
+config_taps = layer_taps(DFlashSpeculator.name, dflash_target_layers)
+
+
+def open_head(cfg: EngineConfig, target_vocab: Model, *, target_n_ctx: int, target_model=None,
+              owned=None) -> DFlashHead:
+    config_taps(cfg)  # a clear error for a missing or non-DFlash file
+    return DFlashHead(cfg.hidden.dflash_model, target_vocab, **head_options(cfg, target_n_ctx))
+
+
+BACKEND = Backend(open_head, config_taps)

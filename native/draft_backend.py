@@ -20,6 +20,7 @@ from specray.engine.speculators.draft import DraftSpeculator
 from specray.engine.speculators.draft_base import DraftParams
 from specray.engine.vocab import VocabMismatch, VocabMismatchError, vocab_mismatch
 
+from .backends import Backend
 from .context import Context
 from .model import Model
 from .slot_backend import SlotBackend, top_token_probs
@@ -181,3 +182,12 @@ class DraftModel:
     def close(self) -> None:
         self.ctx.close()
         self.model.close()
+
+
+def open_model(cfg: EngineConfig, target_vocab: Model, *, target_n_ctx: int, target_model=None,
+               owned=None) -> DraftModel:
+    return DraftModel(cfg.draft, target_vocab, slots=cfg.slots, target_n_ctx=target_n_ctx,
+                      settings=cfg.draft_settings(), calibrate=cfg.calibrate)
+
+
+BACKEND = Backend(open_model)

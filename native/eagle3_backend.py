@@ -13,12 +13,15 @@ from __future__ import annotations
 import llama_cpp
 import numpy as np
 
+from specray.engine.config import EngineConfig
 from specray.engine.hidden_rows import ROW_DTYPE
 from specray.engine.speculators.eagle3 import Eagle3Params, Eagle3Speculator
 from specray.engine.vocab import VocabMismatchError, vocab_mismatch
 
 from . import ext
+from .backends import Backend, head_options, layer_taps
 from .context import Context, DecodeError
+from .gguf_meta import eagle3_target_layers
 from .hidden import PairHead
 from .model import Model
 
@@ -70,3 +73,15 @@ class Eagle3Head(PairHead):
 
     def speculator(self, params: Eagle3Params | None = None) -> Eagle3Speculator:
         return Eagle3Speculator(params, self)
+
+
+config_taps = layer_taps(Eagle3Speculator.name, eagle3_target_layers)
+
+
+def open_head(cfg: EngineConfig, target_vocab: Model, *, target_n_ctx: int, target_model=None,
+              owned=None) -> Eagle3Head:
+    config_taps(cfg)  # a clear error for a missing or non-EAGLE-3 file
+    return Eagle3Head(cfg.hidden.eagle3_model, target_vocab, **head_options(cfg, target_n_ctx))
+
+
+BACKEND = Backend(open_head, config_taps)

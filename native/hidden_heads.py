@@ -68,7 +68,8 @@ class HiddenHeads:
 
 def open_hidden_heads(cfg: EngineConfig, target_vocab: Model, *, target_n_ctx: int,
                       target_model: Model | None = None) -> HiddenHeads | None:
-    """The configured heads (None if there are none), each opened by its native backend (native/backends.py).
+    """The configured heads (None if there are none), each opened by its native backend (`BACKEND` in
+    native/NAME_backend.py, native/backends.BACKENDS).
     `target_model`: the target's loaded weights, shared by the MTP head if they were loaded with their NextN
     blocks (co-located); else the head loads its own copy."""
     names = enabled_speculators(cfg, hidden_rows=True)

@@ -9,10 +9,12 @@ per slot; its input rows are the target's h_nextn rows (n_embd_out wide).
 
 from __future__ import annotations
 
+from specray.engine.config import EngineConfig
 from specray.engine.hidden_rows import TAP_NEXTN
 from specray.engine.speculators.mtp import MtpParams, MtpSpeculator
 
 from . import ext
+from .backends import Backend, head_options, option_error
 from .context import Context
 from .hidden import PairHead
 from .model import Model
@@ -36,3 +38,20 @@ class MtpHead(PairHead):
 
     def speculator(self, params: MtpParams | None = None) -> MtpSpeculator:
         return MtpSpeculator(params, self)
+
+
+def open_head(cfg: EngineConfig, target_vocab: Model, *, target_n_ctx: int, target_model: Model | None = None,
+              owned: list) -> MtpHead:
+    """The MTP head shares the target's loaded weights if they were loaded with their NextN blocks
+    (co-located); else it loads its own copy."""
+    model = target_model if target_model is not None and target_model.load_mtp else None
+    if model is None:
+        model = Model(cfg.model, load_mtp=True, chat_template=cfg.chat_template)
+        owned.append(model)
+    try:
+        return MtpHead(model, **head_options(cfg, target_n_ctx))
+    except ValueError as e:
+        raise option_error(MtpSpeculator.name, e) from None
+
+
+BACKEND = Backend(open_head, lambda cfg: MtpHead.taps)

@@ -30,7 +30,7 @@ STAGE_FIELDS = ("ingress_parse_ms", "handle_ms", "tokenize_ms", "admission_ms", 
                 "emit_tail_ms", "sse_tail_ms", "ingress_ms", "emit_mean_ms", "sse_mean_ms", "handle_first_ms")
 TOTAL_FIELDS = ("requests", "errors", "prompt_tokens", "completion_tokens", "drafts", "draft_tokens",
                 "accepted_tokens")
-#: direct writes (deployments/replica/direct.py), summed over streams that had a DirectLink: `streams`, those
+#: direct writes (deployments/http/socket_sink.py), summed over streams that had a SocketSink: `streams`, those
 #: the round thread wrote to (`armed`), chunks it wrote, chunks the socket took only in part
 DIRECT_FIELDS = ("streams", "armed", "chunks", "partial")
 
@@ -84,7 +84,7 @@ class ArmRecords:
                 sums[k] = sums.get(k, 0.0) + v
 
     def add_direct(self, summary: dict) -> None:
-        """A finished stream's DirectLink.summary()."""
+        """A finished stream's SocketSink.summary()."""
         d = self.direct
         d["streams"] += 1
         d["armed"] += 1 if summary.get("arms") else 0

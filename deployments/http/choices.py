@@ -10,8 +10,8 @@ import asyncio
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from specray.deployments.http.errors import openai_error, serve_error
 from specray.deployments.http.openai_schema import (
-    OpenAIError,
     chat_chunk,
     chat_logprobs,
     chat_response,
@@ -20,8 +20,10 @@ from specray.deployments.http.openai_schema import (
     completion_response,
     now,
 )
-from specray.deployments.http.sse import handle_error, sse
+from specray.deployments.http.sse import sse
+from specray.deployments.replica.errors import ServeError
 from specray.deployments.replica.request import EngineRequest, replace
+from specray.deployments.replica.stream_items import StreamDelta, StreamEnd, StreamError
 from specray.deployments.http.tool_calls import ToolCallStream
 
 __all__ = ["fan_out", "merge_results", "generate_choices"]
@@ -81,13 +83,13 @@ async def generate_choices(routes, req: EngineRequest, body, chat: bool, arm: st
         try:
             results = await asyncio.gather(*(engine.generate(r) for r in reqs))
         except Exception as e:
-            err = handle_error(e)
+            err = serve_error(e)
             records.add_error(err.status)
             raise err from None
         for r in results:
-            if r["type"] == "error":
-                records.add_error(r["status"])
-                raise OpenAIError(r["message"], r["status"], r.get("param"), r.get("code"))
+            if type(r) is StreamError:
+                records.add_error(r.error.status)
+                raise r.error
             records.add(r)
         return JSONResponse(merge_results(rid, model, results, chat, wants, tools) | {"arm": arm})
     gens = [engine.stream(r) for r in reqs]
@@ -95,16 +97,16 @@ async def generate_choices(routes, req: EngineRequest, body, chat: bool, arm: st
     try:
         for g in gens:  # an error (a bad field, overload) answers the whole request before the stream starts
             first = await g.__anext__()
-            if first["type"] == "error":
-                records.add_error(first["status"])
-                raise OpenAIError(first["message"], first["status"], first.get("param"), first.get("code"))
+            if type(first) is StreamError:
+                records.add_error(first.error.status)
+                raise first.error
             firsts.append(first)
     except BaseException as e:
         for g in gens:
             g.cancel()
-        if isinstance(e, OpenAIError):
+        if isinstance(e, ServeError):
             raise
-        err = handle_error(e)
+        err = serve_error(e)
         records.add_error(err.status)
         raise err from None
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -121,16 +123,16 @@ async def _sse_choices(gens, rid: str, model: str, records, chat: bool, include_
 
     async def pump(i: int, gen) -> None:
         try:
-            async for chunk in gen:
-                await queue.put((i, chunk))
+            async for item in gen:
+                await queue.put((i, item))
         except Exception as e:
-            await queue.put((i, {"type": "error", "status": handle_error(e).status, "message": str(e)}))
+            await queue.put((i, StreamError(serve_error(e))))
         await queue.put((i, None))
 
     tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
     splitters = [ToolCallStream() if tools_on and chat else None for _ in gens]
     calls: list[list] = [[] for _ in gens]
-    ends: list[dict | None] = [None] * len(gens)
+    ends: list[StreamEnd | None] = [None] * len(gens)
     live = len(gens)
 
     def chunk_of(i: int, delta: dict | str, finish=None, lps=None) -> str:
@@ -146,38 +148,37 @@ async def _sse_choices(gens, rid: str, model: str, records, chat: bool, include_
             for i in range(len(gens)):
                 yield chunk_of(i, {"role": "assistant", "content": ""})
         while live:
-            i, chunk = await queue.get()
-            if chunk is None:
+            i, item = await queue.get()
+            if item is None:
                 live -= 1
                 continue
-            t = chunk["type"]
-            if t == "delta":
-                lps = chunk.get("logprobs")
+            if type(item) is StreamDelta:
+                lps = item.logprobs
                 if splitters[i] is not None:
-                    for p in splitters[i].feed(chunk["text"]):
+                    for p in splitters[i].feed(item.text):
                         yield _part(chunk_of, i, p, calls[i])
                 elif chat:
-                    yield chunk_of(i, {"content": chunk["text"]}, lps=chat_logprobs(lps) if lps else None)
+                    yield chunk_of(i, {"content": item.text}, lps=chat_logprobs(lps) if lps else None)
                 else:
-                    yield chunk_of(i, chunk["text"], lps=completion_logprobs(lps) if lps and logprobs_on else None)
-            elif t == "end":
-                records.add(chunk)
-                finish = chunk["finish_reason"]
+                    yield chunk_of(i, item.text, lps=completion_logprobs(lps) if lps and logprobs_on else None)
+            elif type(item) is StreamEnd:
+                records.add(item.summary())
+                finish = item.finish_reason
                 if splitters[i] is not None:
                     for p in splitters[i].close():
                         yield _part(chunk_of, i, p, calls[i])
                     finish = "tool_calls" if calls[i] and finish == "stop" else finish
-                ends[i] = chunk
+                ends[i] = item
                 yield chunk_of(i, {} if chat else "", finish)
-            elif t == "error":
-                records.add_error(chunk.get("status", 500))
-                yield sse({"error": {"message": chunk.get("message", "error"), "type": "server_error",
-                                     "param": chunk.get("param"), "code": chunk.get("code")}})
+            elif type(item) is StreamError:
+                status, body = openai_error(item.error)
+                records.add_error(status)
+                yield sse(body)
                 return
         done = [e for e in ends if e is not None]
         if include_usage and done:
-            usage = dict(done[0]["usage"])
-            usage["completion_tokens"] = sum(e["usage"]["completion_tokens"] for e in done)
+            usage = dict(done[0].usage)
+            usage["completion_tokens"] = sum(e.usage["completion_tokens"] for e in done)
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
             yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                        "created": created, "model": model, "choices": [], "usage": usage} | tag)

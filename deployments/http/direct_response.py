@@ -1,5 +1,5 @@
-"""The HTTP side of direct writes (deployments/replica/direct.py): find the connection behind a response's
-ASGI `send`, and hand it to the stream's DirectLink.
+"""The connection side of direct writes (socket_sink.py): find the connection behind a response's ASGI
+`send`, and hand it to the stream's SocketSink.
 
 ASGI gives an app no socket, so the connection is found behind `send`: the
 callable Serve's direct ingress passes down (through Starlette's middleware
@@ -21,7 +21,7 @@ import socket
 
 from starlette.responses import StreamingResponse
 
-from specray.deployments.replica.direct import DirectLink
+from specray.deployments.http.socket_sink import SocketSink
 
 #: how deep to look through closures and bound methods for uvicorn's cycle
 _MAX_DEPTH = 8
@@ -99,12 +99,12 @@ def find_connection(scope: dict, send):
 
 
 class DirectStreamingResponse(StreamingResponse):
-    """A StreamingResponse that attaches its connection to `link` before streaming (when find_connection
+    """A StreamingResponse that attaches its connection to `sink` before streaming (when find_connection
     finds one); the body (sse.sse_body) and the replica's stream do the rest."""
 
-    def __init__(self, *args, link: DirectLink, **kw) -> None:
+    def __init__(self, *args, sink: SocketSink, **kw) -> None:
         super().__init__(*args, **kw)
-        self.link = link
+        self.sink = sink
 
     async def __call__(self, scope, receive, send) -> None:
         conn = find_connection(scope, send)
@@ -119,10 +119,10 @@ class DirectStreamingResponse(StreamingResponse):
             try:
                 if os.environ.get(SNDBUF_ENV):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, int(os.environ[SNDBUF_ENV]))
-                self.link.attach(sock.fileno(), writable, transport.write)
+                self.sink.attach(sock.fileno(), writable, transport.write)
             except OSError:
                 pass
         try:
             await super().__call__(scope, receive, send)
-        finally:  # the body closes the link when it ends; a body that never started (head not sent) cannot
-            self.link.close()
+        finally:  # the body closes the sink when it ends; a body that never started (head not sent) cannot
+            self.sink.close()

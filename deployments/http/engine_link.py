@@ -2,8 +2,8 @@
 
 An engine link has
 
-    await link.generate(req) -> result dict     EngineReplica.generate
-    link.stream(req) -> async iterator          EngineReplica.generate_stream's chunks, with .cancel()
+    await link.generate(req) -> dict | StreamError    EngineReplica.generate
+    link.stream(req) -> async iterator          EngineReplica.generate_stream's items, with .cancel()
     await link.health() -> dict                 EngineReplica.health
     await link.stats() -> dict                  one replica's counters (EngineReplica.stats)
     await link.stats_all() -> dict              counters summed over the arm's live replicas

@@ -18,8 +18,9 @@ import time
 from dataclasses import dataclass
 from time import perf_counter
 
-from specray.deployments.http.openai_schema import error_body
+from specray.deployments.http.errors import openai_error
 from specray.deployments.http.timing import SCOPE_T0, SCOPE_WALL0
+from specray.deployments.replica.errors import ServeError
 
 
 @dataclass
@@ -70,7 +71,8 @@ def check_key(scope: dict, key: str) -> str | None:
 
 async def send_error(send, status: int, message: str, code: str | None = None, param: str | None = None,
                      headers: list[tuple[bytes, bytes]] = ()) -> None:
-    body = json.dumps(error_body(message, status, param, code)).encode()
+    _, err = openai_error(ServeError(message, param=param, code=code, status=status))
+    body = json.dumps(err).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})

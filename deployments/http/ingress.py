@@ -43,24 +43,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specray.deployments.ab.stats import ArmRecords, merge_snapshots
 from specray.deployments.ab.arms import ARM_HEADER, SESSION_HEADER, ArmTable, resolve_arms
-from specray.deployments.replica.direct import DirectLink
+from specray.deployments.replica.errors import BadRequest, EngineFailure, ServeError
 from specray.deployments.replica.request import EngineRequest, replace
+from specray.deployments.replica.stream_items import StreamError
 from specray.deployments.http.direct_response import DirectStreamingResponse
 from specray.deployments.http.engine_link import HandleEngine
+from specray.deployments.http.errors import openai_error
 from specray.deployments.http.guard import Guard, configure
 from specray.deployments.http.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
-    OpenAIError,
     chat_response,
     completion_response,
-    error_body,
     new_id,
     now,
 )
+from specray.deployments.http.socket_sink import SocketSink
 from specray.deployments.http.timing import StreamClock, wants_timing
 from specray.deployments.http.choices import generate_choices
-from specray.deployments.http.sse import handle_error as _handle_error
 from specray.deployments.http.sse import sse_body
 from specray.deployments.http.tool_calls import ToolCallStream
 from specray.deployments.config import ServeConfig
@@ -84,10 +84,11 @@ def _retry_headers() -> dict:
     return {"Retry-After": str(_retry_after["s"])}
 
 
-def _error_response(message: str, status: int, param: str | None = None, code: str | None = None,
-                    headers: dict | None = None) -> JSONResponse:
+def _error_response(e: BaseException, headers: dict | None = None) -> JSONResponse:
+    """Any exception as OpenAI's error response (errors.openai_error), with Retry-After on a 429 or 503."""
+    status, body = openai_error(e)
     headers = (_retry_headers() if status in (429, 503) else {}) | (headers or {})
-    return JSONResponse(error_body(message, status, param, code), status_code=status, headers=headers or None)
+    return JSONResponse(body, status_code=status, headers=headers or None)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -107,23 +108,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 @app.exception_handler(RequestValidationError)
 async def _on_validation_error(request: Request, exc: RequestValidationError):
     message, param = _validation_message(exc)
-    return _error_response(message, 400, param)
+    return _error_response(BadRequest(message, param=param))
 
 
-@app.exception_handler(OpenAIError)
-async def _on_openai_error(request: Request, exc: OpenAIError):
-    return _error_response(str(exc), exc.status, exc.param, exc.code)
-
-
+# ServeError and Starlette's HTTP errors are answered where they are raised; any other exception is a bug
+# (Starlette's server-error handler: answered, then re-raised for the server's log)
+@app.exception_handler(ServeError)
 @app.exception_handler(StarletteHTTPException)
-async def _on_http_error(request: Request, exc: StarletteHTTPException):
-    return _error_response(str(exc.detail), exc.status_code)
-
-
 @app.exception_handler(Exception)
-async def _on_bug(request: Request, exc: Exception):
-    log.exception("unhandled error")
-    return _error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+async def _on_error(request: Request, exc: Exception):
+    return _error_response(exc)
 
 
 def _truncation_header(n: int) -> dict | None:
@@ -176,7 +170,7 @@ class IngressRoutes:
         try:
             return self.arms.pick(forced.strip() if forced is not None else None, key or None)
         except ValueError as e:
-            raise OpenAIError(f"{e} (header X-Specray-Arm)", param="X-Specray-Arm", code="unknown_arm") from None
+            raise BadRequest(f"{e} (header X-Specray-Arm)", param="X-Specray-Arm", code="unknown_arm") from None
 
     # ---- info -----------------------------------------------------------------------------------
     @app.get("/v1/models")
@@ -210,7 +204,7 @@ class IngressRoutes:
                 per_arm[name] = await handle.health()
             except Exception as e:
                 if len(self.engines) == 1:
-                    return _error_response(f"unhealthy: {type(e).__name__}: {e}", 503)
+                    return _error_response(ServeError(f"unhealthy: {type(e).__name__}: {e}", status=503))
                 per_arm[name] = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
         # the first arm's fields at the top (as before arms); the status is the worst arm's
         h = dict(per_arm[self.arms.names[0]])
@@ -229,7 +223,7 @@ class IngressRoutes:
         try:
             top = await self.engine.stats()
         except Exception as e:
-            raise _handle_error(e) from None
+            return _error_response(e)
         records = await self._all_records()
         engines = await asyncio.gather(*(h.stats_all() for h in self.engines.values()))
         shares = self.arms.shares()
@@ -289,13 +283,9 @@ class IngressRoutes:
             try:
                 result = await engine.generate(req)
             except Exception as e:
-                err = _handle_error(e)
-                records.add_error(err.status)
-                raise err from None
-            if result["type"] == "error":
-                records.add_error(result["status"])
-                return _error_response(result["message"], result["status"], result.get("param"), result.get("code"),
-                                       headers=arm_header)
+                return self._failed(records, e)
+            if type(result) is StreamError:
+                return self._failed(records, result.error, arm_header)
             records.add(result)
             wants = req.sampling.logprobs is not None
             body_out = (chat_response(rid, self.model_id, result, logprobs=wants, tools=bool(req.tools))
@@ -305,23 +295,18 @@ class IngressRoutes:
                                 | (_truncation_header(result["usage"].get("truncated_prompt_tokens", 0)) or {}))
 
         clock.called()
-        direct = self._direct_link(engine, req, chat)
-        gen = engine.stream(req, direct=direct) if direct is not None else engine.stream(req)
+        direct = self._socket_sink(engine, req, chat)
+        gen = engine.stream(req, sink=direct) if direct is not None else engine.stream(req)
         try:
             first = await gen.__anext__()
             clock.first_chunk()
         except StopAsyncIteration:
-            records.add_error(500)
-            raise OpenAIError("the engine ended the stream without an answer", 500) from None
+            return self._failed(records, EngineFailure("the engine ended the stream without an answer"))
         except Exception as e:
             gen.cancel()
-            err = _handle_error(e)
-            records.add_error(err.status)
-            raise err from None
-        if first["type"] == "error":
-            records.add_error(first["status"])
-            return _error_response(first["message"], first["status"], first.get("param"), first.get("code"),
-                                   headers=arm_header)
+            return self._failed(records, e)
+        if type(first) is StreamError:
+            return self._failed(records, first.error, arm_header)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         body_iter = sse_body(gen, rid, self.model_id, self.records[arm], chat, include_usage, arm, clock,
                              wants_timing(request.headers),
@@ -329,14 +314,21 @@ class IngressRoutes:
                              tools=ToolCallStream() if chat and req.tools else None, direct=direct)
         kw = dict(media_type="text/event-stream",
                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | arm_header
-                  | (_truncation_header(first.get("truncated_prompt_tokens", 0)) or {}))
+                  | (_truncation_header(first.truncated_prompt_tokens) or {}))
         if direct is not None:
-            return DirectStreamingResponse(body_iter, link=direct, **kw)
+            return DirectStreamingResponse(body_iter, sink=direct, **kw)
         return StreamingResponse(body_iter, **kw)
 
-    def _direct_link(self, engine, req: EngineRequest, chat: bool) -> DirectLink | None:
-        """A DirectLink for this stream where the round thread may write its deltas (direct writes,
-        deployments/replica/direct.py): the engine runs in this process (fused), this process serves HTTP
+    @staticmethod
+    def _failed(records, e: BaseException, headers: dict | None = None) -> JSONResponse:
+        """A request that failed before its answer started: counted, and answered (errors.openai_error)."""
+        response = _error_response(e, headers)
+        records.add_error(response.status_code)
+        return response
+
+    def _socket_sink(self, engine, req: EngineRequest, chat: bool) -> SocketSink | None:
+        """A SocketSink for this stream where the round thread may write its deltas to the client's socket
+        (direct writes, socket_sink.py): the engine runs in this process (fused), this process serves HTTP
         itself (Serve's direct ingress: behind Serve's proxy there is no socket here to write to), direct_writes
         is on, and every delta is plain text (no logprobs, echo or tool calls, one choice)."""
         if not (self.cfg.direct_writes and getattr(engine, "in_process", False)
@@ -345,7 +337,7 @@ class IngressRoutes:
         s = req.sampling
         if s.logprobs is not None or s.prompt_logprobs or (chat and req.tools):
             return None
-        return DirectLink()
+        return SocketSink()
 
 
 @serve.deployment(name="Ingress")

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request bodies, response builders and error bodies.
+"""OpenAI-compatible request bodies and response builders.
 
 Unknown OpenAI fields are ignored (clients send many); fields specray cannot
 honour with a non-default value (best_of, suffix) are refused with a 400
@@ -28,6 +28,7 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
+from specray.deployments.replica.errors import BadRequest
 from specray.deployments.replica.request import DEFAULT_MAX_TOKENS, Constraint, EngineRequest
 from specray.engine.config import parse_chain
 from specray.engine.sampling import SamplingParams
@@ -44,33 +45,6 @@ HTTP_FIELDS = frozenset({"model", "user", "stream", "stream_options", "parallel_
 REFUSED_FIELDS = frozenset({"best_of", "suffix"})
 #: message fields accepted and not shown to the model (the chat templates take role and content only)
 MESSAGE_IGNORED_FIELDS = frozenset({"name"})
-
-
-class OpenAIError(Exception):
-    """Answered as {"error": {...}} with `status`."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 type_: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.param = param
-        self.code = code
-        self.type = type_ or error_type(status)
-
-
-def error_type(status: int) -> str:
-    if status == 429:
-        return "rate_limit_error"  # what OpenAI's clients map 429 to
-    if status == 404:
-        return "not_found_error"
-    if status >= 500:
-        return "server_error"
-    return "invalid_request_error"
-
-
-def error_body(message: str, status: int = 400, param: str | None = None, code: str | None = None,
-               type_: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_ or error_type(status), "param": param, "code": code}}
 
 
 class SpeculativeOptions(BaseModel):
@@ -150,7 +124,7 @@ class _Common(BaseModel):
 
     def check_supported(self) -> None:
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
-            raise OpenAIError(f"n must be in [1, {MAX_CHOICES}], got {self.n}", param="n")
+            raise BadRequest(f"n must be in [1, {MAX_CHOICES}], got {self.n}", param="n")
 
     def logprob_count(self) -> int | None:
         """Alternatives to report per token, or None: no logprobs (the subclasses read their own fields)."""
@@ -166,9 +140,9 @@ class _Common(BaseModel):
             except ValueError:
                 t = -1
             if t < 0:
-                raise OpenAIError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}", param="logit_bias")
+                raise BadRequest(f"logit_bias keys must be token ids (integers >= 0), got {k!r}", param="logit_bias")
             if not -100.0 <= v <= 100.0:
-                raise OpenAIError(f"logit_bias values must be in [-100, 100], got {v} for token {k}",
+                raise BadRequest(f"logit_bias values must be in [-100, 100], got {v} for token {k}",
                                   param="logit_bias")
             out[t] = float(v)
         return out
@@ -179,7 +153,7 @@ class _Common(BaseModel):
         found = []
         if self.grammar is not None:
             if not isinstance(self.grammar, str) or not self.grammar.strip():
-                raise OpenAIError("grammar must be a non-empty GBNF string", param="grammar")
+                raise BadRequest("grammar must be a non-empty GBNF string", param="grammar")
             found.append(Constraint("gbnf", self.grammar, "grammar"))
         if self.json_schema is not None:
             found.append(Constraint("json_schema", self.json_schema, "json_schema"))
@@ -194,14 +168,14 @@ class _Common(BaseModel):
                 js = rf.get("json_schema")
                 schema = js.get("schema") if isinstance(js, dict) else rf.get("schema")
                 if not isinstance(schema, dict):
-                    raise OpenAIError("response_format json_schema needs json_schema.schema (a JSON schema object)",
+                    raise BadRequest("response_format json_schema needs json_schema.schema (a JSON schema object)",
                                       param="response_format")
                 found.append(Constraint("json_schema", schema, "response_format"))
             elif kind != "text":
-                raise OpenAIError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                raise BadRequest(f"response_format type must be text, json_object or json_schema, got {kind!r}",
                                   param="response_format")
         if len(found) > 1:
-            raise OpenAIError("give at most one of grammar, json_schema and a JSON response_format",
+            raise BadRequest("give at most one of grammar, json_schema and a JSON response_format",
                               param=found[1].param)
         return found[0] if found else None
 
@@ -226,7 +200,7 @@ class _Common(BaseModel):
         try:
             chain = spec.chain_names() if spec else None
         except ValueError as e:
-            raise OpenAIError(str(e), param="speculative.chain") from None
+            raise BadRequest(str(e), param="speculative.chain") from None
         try:
             sampling = SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -242,7 +216,7 @@ class _Common(BaseModel):
                 seed=self.seed,
             )
         except ValueError as e:  # pydantic's ValidationError; the fields above are checked already
-            raise OpenAIError(str(e)) from None
+            raise BadRequest(str(e)) from None
         constraint = self.constraint()
         inputs, constraint = self.inputs(constraint)
         max_tokens = self.max_tokens_asked()
@@ -293,9 +267,9 @@ class CompletionRequest(_Common):
 
     def refuse_unsupported(self) -> None:
         if self.best_of not in (None, 1):
-            raise OpenAIError("best_of is not supported", param="best_of")
+            raise BadRequest("best_of is not supported", param="best_of")
         if self.suffix:
-            raise OpenAIError("suffix is not supported", param="suffix")
+            raise BadRequest("suffix is not supported", param="suffix")
 
     def prompt_logprobs(self) -> bool:
         # echo: the prompt comes back in front of the text, as its tokens (with their logprobs where asked)
@@ -304,17 +278,17 @@ class CompletionRequest(_Common):
     def inputs(self, constraint: Constraint | None) -> tuple[dict, Constraint | None]:
         p = self.prompt
         if isinstance(p, list) and not p:
-            raise OpenAIError("prompt is empty", param="prompt")
+            raise BadRequest("prompt is empty", param="prompt")
         if isinstance(p, list) and all(isinstance(x, int) for x in p):
             d = {"prompt_tokens": list(p)}
         elif isinstance(p, list):
             if len(p) != 1:
-                raise OpenAIError("send exactly one prompt per request (a list of one string)", param="prompt")
+                raise BadRequest("send exactly one prompt per request (a list of one string)", param="prompt")
             d = {"prompt": p[0]}
         else:
             d = {"prompt": p}
         if not d.get("prompt") and not d.get("prompt_tokens"):
-            raise OpenAIError("prompt is empty", param="prompt")
+            raise BadRequest("prompt is empty", param="prompt")
         return d, constraint
 
 
@@ -348,7 +322,7 @@ class ChatMessage(BaseModel):
         parts = []
         for p in self.content:
             if p.type != "text":
-                raise OpenAIError(f"content parts of type {p.type!r} are not supported (text only)",
+                raise BadRequest(f"content parts of type {p.type!r} are not supported (text only)",
                                   param="messages")
             parts.append(p.text or "")
         return "".join(parts)
@@ -365,12 +339,12 @@ class ChatCompletionRequest(_Common):
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
-            raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def refuse_unsupported(self) -> None:
         if not self.messages:
-            raise OpenAIError("messages must not be empty", param="messages")
+            raise BadRequest("messages must not be empty", param="messages")
 
     def max_tokens_asked(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -381,15 +355,15 @@ class ChatCompletionRequest(_Common):
             try:
                 funcs, forced = check_tools(self.tools, self.tool_choice)
             except ValueError as e:
-                raise OpenAIError(str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
+                raise BadRequest(str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
             d["tools"] = funcs  # shown to the model (chat template), and its output parsed for calls
             if forced is not None:  # a call it must make: held to it by a grammar
                 if constraint is not None:
-                    raise OpenAIError("tool_choice that forces a call cannot be combined with "
+                    raise BadRequest("tool_choice that forces a call cannot be combined with "
                                       f"{constraint.param}", param="tool_choice")
                 constraint = Constraint("tool_call", tool_call_schema(funcs, forced), "tool_choice")
         elif self.tool_choice not in (None, "none", "auto"):
-            raise OpenAIError("tool_choice needs tools", param="tool_choice")
+            raise BadRequest("tool_choice needs tools", param="tool_choice")
         return d, constraint
 
 

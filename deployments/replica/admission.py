@@ -1,4 +1,4 @@
-"""Admission: an EngineRequest (request.py) -> the engine's request, or a RequestError that names what is wrong.
+"""Admission: an EngineRequest (request.py) -> the engine's request, or a BadRequest that names what is wrong.
 
 Runs on the caller's (asyncio) side, before the round thread sees anything,
 so a bad request costs no round and its answer names the limit it broke.
@@ -16,20 +16,11 @@ import numpy as np
 from specray.engine.config import ChainConfig
 from specray.engine.request import GenerationRequest
 
+from .errors import BadRequest
 from .request import Constraint, EngineRequest
 
 #: stop strings: OpenAI allows 4; the cap keeps the per-token stop matching cheap
 MAX_STOPS, MAX_STOP_CHARS = 16, 512
-
-
-class RequestError(Exception):
-    """A request the router refuses; carries the HTTP status to answer with."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.param = param
-        self.code = code
 
 
 @dataclass
@@ -42,7 +33,7 @@ class ServeRequest(GenerationRequest):
 
 def fit_prompt(n_prompt: int, max_tokens: int, n_ctx_seq: int, draft_room: int, truncate: bool) -> int:
     """Prompt tokens to drop from the left so prompt + max_tokens + a draft + 1 fit a sequence's context
-    (the Scheduler's own check); RequestError if they cannot, or if dropping is not allowed.
+    (the Scheduler's own check); BadRequest if they cannot, or if dropping is not allowed.
 
     >>> fit_prompt(100, 50, 512, 16, truncate=False)
     0
@@ -51,14 +42,14 @@ def fit_prompt(n_prompt: int, max_tokens: int, n_ctx_seq: int, draft_room: int, 
     """
     room = n_ctx_seq - max_tokens - draft_room - 1
     if max_tokens >= n_ctx_seq or room < 1:
-        raise RequestError(
+        raise BadRequest(
             f"max_tokens ({max_tokens}) does not fit the context of {n_ctx_seq} tokens per sequence "
             f"(with room for {draft_room} draft tokens)", param="max_tokens")
     if n_prompt <= room:
         return 0
     if truncate:
         return n_prompt - room
-    raise RequestError(
+    raise BadRequest(
         f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context of {n_ctx_seq} "
         f"tokens per sequence; shorten the prompt or lower max_tokens", param="prompt",
         code="context_length_exceeded")
@@ -79,15 +70,15 @@ class Admission:
         self._grammars = None  # compiles requests' grammars (native.grammar.GrammarCompiler), made at first use
 
     def make_request(self, request: EngineRequest) -> ServeRequest:
-        """The engine request for the ingress's EngineRequest; RequestError (400) for anything wrong with it."""
+        """The engine request for the ingress's EngineRequest; BadRequest (400) for anything wrong with it."""
         try:
             return self._make_request(request)
-        except RequestError:
+        except BadRequest:
             raise
         except UnicodeError:
-            raise RequestError("text must be valid Unicode (lone surrogate escapes are not)") from None
+            raise BadRequest("text must be valid Unicode (lone surrogate escapes are not)") from None
         except (ValueError, TypeError, OverflowError) as e:
-            raise RequestError(str(e)) from None
+            raise BadRequest(str(e)) from None
 
     def grammar(self, constraint: Constraint) -> str:
         """The GBNF of a request's constraint, compiled once against this vocabulary: a 400 naming the field if
@@ -107,20 +98,20 @@ class Admission:
                 self._grammars = GrammarCompiler.of(self.model)
             self._grammars.check(gbnf)
         except GrammarError as e:
-            raise RequestError(str(e), param=param, code="invalid_grammar") from None
+            raise BadRequest(str(e), param=param, code="invalid_grammar") from None
         return gbnf
 
     def prompt_tokens(self, request: EngineRequest) -> np.ndarray:
         if request.messages is not None:
             msgs = request.messages
             if not msgs:
-                raise RequestError("messages must not be empty", param="messages")
+                raise BadRequest("messages must not be empty", param="messages")
             return self.model.chat_tokens(msgs, tools=request.tools)
         if request.prompt_tokens is not None:
             return self._token_ids(request.prompt_tokens)
         prompt = request.prompt
         if not prompt:
-            raise RequestError("prompt is empty", param="prompt")
+            raise BadRequest("prompt is empty", param="prompt")
         return self.model.tokenize(prompt, add_special=True, parse_special=True)
 
     def _token_ids(self, ids) -> np.ndarray:
@@ -128,13 +119,13 @@ class Admission:
         try:
             toks = np.asarray(ids, dtype=np.int64)
         except (OverflowError, ValueError, TypeError):
-            raise RequestError(bad, param="prompt") from None
+            raise BadRequest(bad, param="prompt") from None
         if toks.ndim != 1:
-            raise RequestError("prompt token ids must be a flat list of integers", param="prompt")
+            raise BadRequest("prompt token ids must be a flat list of integers", param="prompt")
         if toks.size == 0:
-            raise RequestError("prompt is empty", param="prompt")
+            raise BadRequest("prompt is empty", param="prompt")
         if toks.min() < 0 or toks.max() >= self.model.n_vocab:
-            raise RequestError(bad, param="prompt")
+            raise BadRequest(bad, param="prompt")
         return toks.astype(np.int32)
 
     def _make_request(self, request: EngineRequest) -> ServeRequest:
@@ -144,11 +135,11 @@ class Admission:
         chain = request.chain
         stop = list(request.stop or [])
         if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
-            raise RequestError(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters",
+            raise BadRequest(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters",
                                param="stop")
         max_tokens = int(request.max_tokens)
         if max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+            raise BadRequest(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
         n_max = request.n_max
         prompt = self.prompt_tokens(request)
         c = self.chain_config()
@@ -158,19 +149,19 @@ class Admission:
         if request.constraint is not None:
             sampling = sampling.model_copy(update={"grammar": self.grammar(request.constraint)})
         if sampling.logit_bias and max(sampling.logit_bias) >= self.model.n_vocab:
-            raise RequestError(f"logit_bias token {max(sampling.logit_bias)} is outside the vocabulary "
+            raise BadRequest(f"logit_bias token {max(sampling.logit_bias)} is outside the vocabulary "
                                f"[0, {self.model.n_vocab})", param="logit_bias")
         shift = request.context_shift
         shift = self.context_shift if shift is None else bool(shift)
         if shift and not self.can_shift:
-            raise RequestError("context_shift is not possible on this model: its memory (recurrent or hybrid) "
+            raise BadRequest("context_shift is not possible on this model: its memory (recurrent or hybrid) "
                                "cannot shift positions", param="context_shift")
         # a shifting sequence goes past its context: only its prompt (and one token) must fit
         dropped = fit_prompt(len(prompt), 1 if shift else max_tokens, self.n_ctx_seq, draft_room, self.truncate)
         if request.share_prompt is not None and self.slots is not None:
             n = int(request.share_prompt_n) if request.share_prompt_n else 1
             if n > self.slots:
-                raise RequestError(f"n ({n}) is more than this server's {self.slots} slots", param="n")
+                raise BadRequest(f"n ({n}) is more than this server's {self.slots} slots", param="n")
         return ServeRequest(
             share_prompt=request.share_prompt,
             prompt_tokens=prompt[dropped:].copy() if dropped else prompt,

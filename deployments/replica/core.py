@@ -9,8 +9,8 @@ turn of its loop (`_run`, below) is one round:
    with a restarted actor);
 2. `scheduler.step()`: drafts, ONE target decode, verification, bookkeeping
    (engine/scheduler.py), or, idle and distributed, flush buffered releases;
-3. turn the round's events into stream items and hand each event loop its
-   batch with one wake-up (streams.py).
+3. hand the round's events to their streams' sinks (slots.py, sinks.py);
+   the loop path's items reach each event loop with one wake-up a round.
 
 The asyncio side never blocks on a round: a submission waits at most one
 round to be admitted or refused, and a cancellation (client gone) frees the
@@ -34,11 +34,12 @@ from specray.engine.scheduler import Event
 from specray.native import decode_threads
 
 from . import stats
-from .admission import Admission, RequestError, ServeRequest  # noqa: F401  (re-exported)
+from .admission import Admission, ServeRequest
 from .faults import Faults
 from .request import EngineRequest
+from .sinks import LoopSink, Outbox, next_chunk  # noqa: F401  (next_chunk re-exported)
 from .slots import ReliabilityStats, Slots
-from .streams import Op, Outbox, Stream, flush, next_chunk  # noqa: F401  (next_chunk re-exported)
+from .streams import Op, Stream
 
 
 def _replica_tag() -> str:
@@ -57,6 +58,7 @@ class RouterCore:
         self._cv = threading.Condition()
         self.lock = threading.Lock()  # guards every scheduler call (held by the round thread)
         self._inbox: list[Op] = []
+        self.outbox = Outbox()  # the loop path's items of the round being made (round thread)
         self._stopping = False
         actors = None
         if cfg.mode == "distributed":
@@ -122,11 +124,14 @@ class RouterCore:
     def prompt_tokens(self, request: EngineRequest):
         return self.admission.prompt_tokens(request)
 
-    async def submit(self, req: GenerationRequest, direct=None) -> tuple[Sequence, asyncio.Queue]:
-        """Queue a request; returns once the round thread has accepted it (or raises RequestError). `direct`:
-        the stream's DirectLink (direct.py), where its plain deltas may go straight to the client's socket."""
+    async def submit(self, req: GenerationRequest, sink: LoopSink | None = None) -> tuple[Sequence, LoopSink]:
+        """Queue a request; returns once the round thread has accepted it, with the sink its items go to
+        (`sink`, made on this loop, or a new LoopSink), or raises the ServeError that refused it (errors.py)."""
         loop = asyncio.get_running_loop()
-        stream = Stream(loop, asyncio.Queue(), direct=direct)
+        if sink is None:
+            sink = LoopSink()
+        sink.open(self.outbox)
+        stream = Stream(loop, sink)
         fut = loop.create_future()
         self._post(Op("submit", req=req, stream=stream, future=fut))
         try:
@@ -136,7 +141,7 @@ class RouterCore:
             if stream.seq is not None:
                 self.cancel(stream.seq)
             raise
-        return seq, stream.queue
+        return seq, sink
 
     def cancel(self, seq: Sequence) -> None:
         self._post(Op("cancel", seq=seq, round_posted=self.scheduler.stats.rounds))
@@ -189,24 +194,23 @@ class RouterCore:
             inbox = self._wait(can_step)
             if inbox is None:
                 return
-            out: Outbox = {}
             with self.lock:
-                ready = self.faults.sync_target(out)
+                ready = self.faults.sync_target()
                 for op in inbox:
-                    self.slots.apply(op, out, ready)
+                    self.slots.apply(op, ready)
                 events: list[Event] = []
                 if ready and self.scheduler.has_work():
                     try:
                         events = self.scheduler.step()
                     except Exception as e:
-                        self.faults.round_failed(e, out)
+                        self.faults.round_failed(e)
                 elif ready and self.remote is not None and self.remote.pending():
                     self.faults.flush_releases()
                 for ev in events:
-                    self.slots.event(ev, out)
+                    self.slots.event(ev)
                 can_step = ready and self.scheduler.has_work()
                 stats.observe_round(self, idle=not can_step)
-            flush(out)
+            self.outbox.flush()
 
     def _wait(self, can_step: bool) -> list[Op] | None:
         """Block until there is something to do; the inbox taken (None: stop)."""

@@ -3,18 +3,13 @@
 Requests come from the ingress as EngineRequests (request.py: already validated, the OpenAI fields
 mapped by openai_schema's `to_engine`).
 
-`generate_stream` yields dict chunks:
+`generate_stream` yields typed items (stream_items.py): a StreamStart once the request is admitted, the
+StreamDeltas of its new text (merged per read), then a StreamEnd (usage, speculative, timing) or a
+StreamError (errors.py). A request refused before it starts (a bad request, a full queue, the target
+restarting) yields only a StreamError. For example a two-token answer:
 
-    {"type": "start", "id", "prompt_tokens", "truncated_prompt_tokens"}
-                                                  first, once the request is admitted
-    {"type": "delta", "text"}                     new text (merged per wake-up)
-    {"type": "end", "finish_reason", "usage", "speculative", "timing"}
-                                                  timing: ttft/itl/e2e (s) and the replica's
-                                                  stages (ms, metrics.replica_stages)
-    {"type": "error", "status", "message", "param", "code"}
-                                                  instead of start (400 bad request, 429
-                                                  queue full, 503 target restarting) or
-                                                  mid-stream (503 target lost, 500 bug)
+    StreamStart(id=3, prompt_tokens=6), StreamDelta(" Paris"), StreamDelta("."),
+    StreamEnd(finish_reason="length", usage={...}, speculative={...}, timing={...})
 
 A caller that goes away (the ingress cancels the stream when its HTTP client
 disconnects) cancels the sequence: its slot and KV cells free at the top of
@@ -25,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from time import perf_counter
 
 from ray import serve
@@ -32,24 +28,31 @@ from ray import serve
 from specray.engine.config import ChainConfig
 
 from specray.deployments.ab.arms import DEFAULT_ARM
-from specray.deployments.replica.core import RequestError, RouterCore
-from specray.deployments.replica.direct import DirectLink
+from specray.deployments.replica.core import RouterCore
+from specray.deployments.replica.errors import BadRequest, EngineFailure, ServeError
 from specray.deployments.replica.metrics import replica_stages
 from specray.deployments.replica.request import EngineRequest
-from specray.deployments.replica.streams import next_chunk_stamped
+from specray.deployments.replica.sinks import LoopSink
+from specray.deployments.replica.stream_items import StreamDelta, StreamEnd, StreamError, StreamStart
 from specray.deployments.config import ServeConfig, deep_merge
 
 log = logging.getLogger("specray.replica")
 
 
-def error_chunk(e: Exception) -> dict:
-    if isinstance(e, RequestError):
-        return {"type": "error", "status": e.status, "message": str(e), "param": e.param, "code": e.code}
+def refusal(e: Exception) -> ServeError:
+    """What a request that failed before its stream started is answered with: its ServeError, a ValueError
+    as a bad request, anything else as a bug (500, logged).
+
+    >>> from specray.deployments.replica.errors import QueueFull
+    >>> refusal(ValueError("bad")).status, refusal(QueueFull("full")).status
+    (400, 429)
+    """
+    if isinstance(e, ServeError):
+        return e
     if isinstance(e, ValueError):
-        return {"type": "error", "status": 400, "message": str(e), "param": None, "code": None}
-    log.exception("request failed")
-    return {"type": "error", "status": 500, "message": f"internal error: {type(e).__name__}: {e}", "param": None,
-            "code": None}
+        return BadRequest(str(e))
+    log.error("request failed", exc_info=e)
+    return EngineFailure(f"internal error: {type(e).__name__}: {e}")
 
 
 @serve.deployment(name="EngineReplica")
@@ -83,85 +86,62 @@ class EngineReplica:
         self.cfg = self.core.cfg
         log.info("arm %s: chain updated at run time: %s", self.arm, result)
 
-    async def generate_stream(self, request: EngineRequest, direct: DirectLink | None = None):
-        """The request's chunks (module docstring). `direct`: the stream's DirectLink, where the caller runs
-        in this process with the client's socket (the fused layout with direct ingress; direct.py): the round
-        thread then writes plain deltas to the socket itself and this generator yields only the rest. Each
-        chunk it yields has been handed to the transport when the caller asks for the next one, which is when
-        the link may be armed."""
+    async def generate_stream(self, request: EngineRequest, sink: LoopSink | None = None):
+        """The request's items (module docstring). `sink`: where the round thread delivers them, made by a
+        caller in this process on its own loop (the direct socket writer, deployments/http/socket_sink.py);
+        by default a LoopSink. Each item yielded has been taken by the caller when it asks for the next one."""
         t_start = perf_counter()
         wall_start = time.time()
         try:
             req = self.core.make_request(request)
             t_request = perf_counter()
-            seq, queue = await self.core.submit(req, direct=direct)
+            seq, sink = await self.core.submit(req, sink)
         except Exception as e:
-            yield error_chunk(e)
+            yield StreamError(refusal(e))
             return
         done = False
-        emit_s, emit_chunks = 0.0, 0  # the emit stage, summed over the delta chunks (two clock reads each)
-        numbered = [None] if direct is not None else None  # the number of the last delta taken
+        emit_s, emit_chunks = 0.0, 0  # the emit stage, summed over the deltas read (two clock reads each)
         try:
             to_start = perf_counter() - t_start
-            yield {"type": "start", "id": seq.id, "prompt_tokens": len(req.prompt_tokens),
-                   "truncated_prompt_tokens": getattr(req, "truncated_prompt_tokens", 0)}
-            if direct is not None:  # the response's head (and a chat's role chunk) went out before this
-                await direct.arm()
-            while True:
-                lps: dict[str, list] = {"logprobs": [], "prompt_logprobs": []}
-                text, term, t_made = await next_chunk_stamped(queue, lps, numbered)
-                if text or lps["logprobs"] or lps["prompt_logprobs"]:
-                    if t_made is not None:
-                        emit_s += perf_counter() - t_made
-                        emit_chunks += 1
-                    yield {"type": "delta", "text": text} | {k: v for k, v in lps.items() if v}
-                    if direct is not None:
-                        direct.consumed_upto(numbered[0])
-                        if term is None:
-                            await direct.arm()
-                if term is not None and term["type"] == "raw":  # the rest of a chunk the socket did not take
-                    direct.write_raw(term["data"])
-                    direct.consumed_upto(term["n"])
-                    await direct.arm()
+            yield StreamStart(seq.id, len(req.prompt_tokens), getattr(req, "truncated_prompt_tokens", 0))
+            async for item in sink.items():
+                if type(item) is StreamDelta:
+                    emit_s += perf_counter() - item.t
+                    emit_chunks += 1
+                    yield item
                     continue
-                if term is not None:
-                    done = True
-                    if term["type"] == "end":  # the ingress adds its own stages (once per request)
-                        if direct is not None:  # the deltas the round thread wrote itself
-                            term["timing"] |= direct.timing()
-                        term["timing"] |= replica_stages(t_start, t_request, seq.t_admit, seq.t_first_token,
-                                                         seq.t_finish, perf_counter(), emit_s, emit_chunks,
-                                                         to_start)
-                        term["timing"]["wall"] = {"replica_start": wall_start, "replica_end": time.time()}
-                    yield term
-                    return
+                done = True
+                if type(item) is StreamEnd:  # the ingress adds its own stages (once per request)
+                    stages = replica_stages(t_start, t_request, seq.t_admit, seq.t_first_token, seq.t_finish,
+                                            perf_counter(), emit_s, emit_chunks, to_start)
+                    item = replace(item, timing=item.timing | sink.timing() | stages
+                                   | {"wall": {"replica_start": wall_start, "replica_end": time.time()}})
+                yield item
+                return
         finally:
             if not done:  # the caller went away (or we were cancelled): free the slot
                 self.core.cancel(seq)
 
-    async def generate(self, request: EngineRequest) -> dict:
-        """The whole result at once: {"id", "text", "finish_reason", "usage", "speculative"} or an error chunk."""
+    async def generate(self, request: EngineRequest) -> dict | StreamError:
+        """The whole result at once: {"id", "text", "logprobs", "prompt_logprobs", "finish_reason", "usage",
+        "speculative", "timing"}, or the StreamError the stream ended in."""
         parts: list[str] = []
         lps: list = []  # the tokens' logprob entries (streams.logprob_entries), where asked for
         plps: list = []  # echo: the prompt tokens' entries
-        start: dict = {}
-        async for chunk in self.generate_stream(request):
-            t = chunk["type"]
-            if t == "start":
-                start = chunk
-            elif t == "delta":
-                parts.append(chunk["text"])
-                lps.extend(chunk.get("logprobs", ()))
-                plps.extend(chunk.get("prompt_logprobs", ()))
-            elif t == "error":
-                return chunk
-            elif t == "end":
-                return {"type": "result", "id": start.get("id"), "text": "".join(parts), "logprobs": lps,
-                        "prompt_logprobs": plps} | {
-                    k: chunk[k] for k in ("finish_reason", "usage", "speculative", "timing")
-                }
-        return {"type": "error", "status": 500, "message": "stream ended without a result", "param": None,
-                "code": None}
+        start: StreamStart | None = None
+        async for item in self.generate_stream(request):
+            if type(item) is StreamDelta:
+                parts.append(item.text)
+                lps.extend(item.logprobs or ())
+                plps.extend(item.prompt_logprobs or ())
+            elif type(item) is StreamStart:
+                start = item
+            elif type(item) is StreamEnd:
+                return {"id": start.id if start is not None else None, "text": "".join(parts), "logprobs": lps,
+                        "prompt_logprobs": plps} | item.summary()
+            else:
+                return item
+        return StreamError(EngineFailure("stream ended without a result"))
 
     def stats(self) -> dict:
         d = self.core.stats()

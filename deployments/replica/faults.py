@@ -18,8 +18,8 @@ from typing import Any
 
 from specray.deployments.actors.supervisor import FAILED, UP, is_actor_death, short_error
 
+from .errors import EngineFailure, Unavailable
 from .slots import ReliabilityStats, Slots
-from .streams import Outbox, error_item
 
 log = logging.getLogger("specray.router")
 
@@ -44,7 +44,7 @@ class Faults:
         """A new target actor is up that the proxy does not talk to yet (wakes the idle round thread)."""
         return self.actors is not None and self.parts.remote.epoch != self.actors.target.epoch
 
-    def sync_target(self, out: Outbox) -> bool:
+    def sync_target(self) -> bool:
         """Line the proxy up with the supervised actor; True if the target can take a round. Sequences
         that ran on a lost actor fail (503); queued ones wait for the new one (or fail if it cannot be
         restarted)."""
@@ -58,7 +58,7 @@ class Faults:
             msg = (f"the target model actor failed during this request ({sup.last_error}); "
                    "it is being restarted; retry the request")
             self.rel.failed_target_lost += len(running)
-            self.slots.fail(running, error_item(503, msg, "target_unavailable"), out)
+            self.slots.fail(running, Unavailable(msg, code="target_unavailable"))
         if sup.state == UP:  # a fresh actor: nothing of the old one's KV cache exists there
             try:
                 remote.reset(sup.handle, sup.epoch)  # compiled hop: a new graph to the new actor
@@ -70,22 +70,22 @@ class Faults:
             return True
         queue = self.parts.scheduler.queue
         if sup.state == FAILED and queue:
-            self.slots.fail(list(queue), error_item(
-                503, f"the target model actor could not be restarted ({sup.last_error})", "target_unavailable"), out)
+            self.slots.fail(list(queue), Unavailable(
+                f"the target model actor could not be restarted ({sup.last_error})", code="target_unavailable"))
         return False
 
-    def round_failed(self, e: Exception, out: Outbox) -> None:
+    def round_failed(self, e: Exception) -> None:
         """A round raised. A lost actor is marked down (the supervisor restarts it; its sequences fail with
         a 503 in sync_target); anything else is a bug: the running sequences get a 500, queued ones stay."""
         if self.actors is not None and is_actor_death(e):
             self.actors.target.mark_down(e, self.parts.remote.epoch)
-            self.sync_target(out)
+            self.sync_target()
             return
         self.rel.round_failures += 1
         self.last_error = short_error(e)
         seqs = self.slots.running()
         log.exception("round failed; failing %d requests", len(seqs))
-        self.slots.fail(seqs, error_item(500, f"internal error: {self.last_error}"), out)
+        self.slots.fail(seqs, EngineFailure(f"internal error: {self.last_error}"))
         # what a failed round left in the KV cells is unknown: no later prompt may reuse them
         self.parts.scheduler.forget_prompt_cache()
 

@@ -3,7 +3,8 @@
 `Slots` is the only code that pairs scheduler sequences with their callers'
 streams. A submission is answered (admitted, 429 queue full, 503 target down,
 400) at the top of the round after it was posted; a cancellation frees the
-slot and its KV cells there too; a round's events become stream items.
+slot and its KV cells there too; a round's events become stream items, handed to each stream's sink
+(sinks.py).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from time import perf_counter
 from specray.engine.request import Sequence, SeqState
 from specray.engine.scheduler import Event, QueueFullError, Scheduler
 
-from .admission import RequestError
-from .direct import GONE, POST, RAW
-from .streams import (Op, Outbox, Stream, call_in_loop, end_info, error_item, logprob_entries, prompt_logprob_entries,
-                      resolve)
+from .errors import BadRequest, ClientGone, EngineFailure, QueueFull, ServeError, Unavailable
+from .sinks import call_in_loop
+from .stream_items import StreamDelta, StreamError
+from .streams import Op, Stream, end_info, logprob_entries, prompt_logprob_entries, resolve
 
 log = logging.getLogger("specray.router")
 
@@ -41,7 +42,7 @@ class Slots:
         self.streams: dict[str, Stream] = {}
         self.observer = None  # metrics.EngineMetrics (set by the replica): told of every finished request
 
-    def apply(self, op: Op, out: Outbox, target_ready: bool = True) -> None:
+    def apply(self, op: Op, target_ready: bool = True) -> None:
         if op.kind == "submit":
             self._submit(op, target_ready)
         elif op.kind == "cancel":
@@ -56,23 +57,22 @@ class Slots:
     def _submit(self, op: Op, target_ready: bool) -> None:
         loop = op.stream.loop
 
-        def refuse(e: RequestError) -> None:
+        def refuse(e: ServeError) -> None:
             call_in_loop(loop, resolve, op.future, None, e)
 
         if not target_ready:
             self.rel.rejected_target_down += 1
-            return refuse(RequestError("the target model is restarting; retry shortly", 503,
-                                       code="target_unavailable"))
+            return refuse(Unavailable("the target model is restarting; retry shortly", code="target_unavailable"))
         try:
             seq = self.scheduler.submit(op.req)
         except QueueFullError as e:
             self.rel.rejected_queue_full += 1
-            return refuse(RequestError(str(e), 429, code="queue_full"))
+            return refuse(QueueFull(str(e)))
         except ValueError as e:
-            return refuse(RequestError(str(e), 400))
+            return refuse(BadRequest(str(e)))
         except Exception as e:
             log.exception("submit failed")
-            return refuse(RequestError(f"internal error: {e}", 500))
+            return refuse(EngineFailure(f"internal error: {e}"))
         if op.stream.abandoned:
             self.scheduler.cancel(seq)
             return
@@ -93,7 +93,9 @@ class Slots:
         if op.seq.finished:  # cancelled while queued: no round will report it
             self.finished(op.seq)
 
-    def event(self, ev: Event, out: Outbox) -> None:
+    def event(self, ev: Event) -> None:
+        """A round's event for one sequence: its new text (with its logprob entries where asked for) to the
+        stream's sink, then, finished, the end or a 500 error item."""
         if ev.finished:
             self.finished(ev.seq)
         st = self.streams.get(ev.seq.id)
@@ -104,39 +106,27 @@ class Slots:
             if not ev.seq.finished:
                 self.scheduler.cancel(ev.seq)
             return
-        items = out.setdefault(st.loop, [])
-        link = st.direct
-        plain = ev.logprobs is None and not ev.prompt_logprobs
-        if ev.text and plain and link is not None:
-            kind, rest, n = link.offer(ev.text)  # written to the socket now, if the link is armed
-            if kind == GONE:
-                return self._socket_gone(ev.seq, st, items)
-            if kind == RAW:  # the socket took part of the chunk: the loop writes the rest before anything else
-                items.append((st.queue, {"type": "raw", "data": rest, "n": n}))
-            elif kind == POST:
-                items.append((st.queue, {"type": "delta", "text": ev.text, "t": perf_counter(), "n": n}))
-        elif ev.text or (ev.logprobs is not None and len(ev.logprobs)) or ev.prompt_logprobs:
-            # "t": when the round produced it; the replica's loop measures the emit stage from it
-            item = {"type": "delta", "text": ev.text, "t": perf_counter()}
-            piece = self.scheduler.tok.token_to_piece if ev.logprobs is not None or ev.prompt_logprobs else None
-            if ev.logprobs is not None:  # asked for: the kept tokens' logprobs, with their text
-                item["logprobs"] = logprob_entries(ev.logprobs, ev.tokens, piece)
-            if ev.prompt_logprobs:  # echo: the prompt's, once, with the first tokens
-                item["prompt_logprobs"] = prompt_logprob_entries(ev.prompt_logprobs, ev.seq.req.prompt_tokens, piece)
-            if link is not None:
-                item["n"] = link.posting()
-            items.append((st.queue, item))
+        if ev.logprobs is None and not ev.prompt_logprobs:
+            if ev.text and not st.sink.write(StreamDelta(ev.text, perf_counter())):
+                return self._gone(ev.seq, st)
+        elif ev.text or len(ev.logprobs if ev.logprobs is not None else ()) or ev.prompt_logprobs:
+            piece = self.scheduler.tok.token_to_piece
+            lps = logprob_entries(ev.logprobs, ev.tokens, piece) if ev.logprobs is not None else None
+            # echo: the prompt's entries, once, with the first tokens
+            plps = (prompt_logprob_entries(ev.prompt_logprobs, ev.seq.req.prompt_tokens, piece)
+                    if ev.prompt_logprobs else None)
+            if not st.sink.write(StreamDelta(ev.text, perf_counter(), lps, plps)):
+                return self._gone(ev.seq, st)
         if ev.finished:
             del self.streams[ev.seq.id]
-            # a sequence the target could not go on with (a state it could not roll back) ends in a 500
-            end = end_info(ev.seq) if ev.error is None else error_item(500, ev.error, code="target_state_error")
-            if link is not None:
-                end["n"] = link.posting()
-            items.append((st.queue, end))
+            if ev.error is None:
+                st.sink.end(end_info(ev.seq))
+            else:  # a sequence the target could not go on with (a state it could not roll back)
+                st.sink.error(StreamError(EngineFailure(ev.error, code="target_state_error")))
 
-    def _socket_gone(self, seq: Sequence, st: Stream, items: list) -> None:
-        """A direct write found the client's connection broken: free the slot now, as a cancel would, and end
-        the stream's generator (its loop may not have seen the disconnect yet)."""
+    def _gone(self, seq: Sequence, st: Stream) -> None:
+        """The sink found nobody reading (the client's connection broken): free the slot now, as a cancel
+        would, and end the stream (its loop may not have seen the disconnect yet)."""
         self.streams.pop(seq.id, None)
         if not seq.finished:
             self.rel.cancelled += 1
@@ -146,7 +136,7 @@ class Slots:
                 log.exception("cancel failed")
             if seq.finished:
                 self.finished(seq)
-        items.append((st.queue, error_item(499, "the client closed the connection", code="client_disconnected")))
+        st.sink.error(StreamError(ClientGone("the client closed the connection")))
 
     def finished(self, seq: Sequence) -> None:
         """Tell the observer once per request (a queued request cancelled never reaches a round)."""
@@ -158,14 +148,12 @@ class Slots:
         except Exception:  # metrics never stop the rounds
             log.exception("metrics update failed")
 
-    def fail(self, seqs: list[Sequence], item: dict, out: Outbox) -> None:
-        """End these sequences' streams with `item` (an error) and free their slots."""
+    def fail(self, seqs: list[Sequence], error: ServeError) -> None:
+        """End these sequences' streams with `error` and free their slots."""
         for seq in seqs:
             st = self.streams.pop(seq.id, None)
             if st is not None:
-                if st.direct is not None:  # disarm: nothing is written after the error
-                    item = item | {"n": st.direct.posting()}
-                out.setdefault(st.loop, []).append((st.queue, item))
+                st.sink.error(StreamError(error))
             if not seq.finished:
                 try:
                     self.scheduler.cancel(seq)

@@ -30,6 +30,7 @@ def process_rss() -> int | None:
 def round_snapshot(core) -> dict:
     """Counters of a RouterCore (round thread only)."""
     parts, s = core.parts, core.scheduler
+    policy = s.policy.snapshot()
     d = {
         "mode": core.mode,
         "slots": parts.config.slots,
@@ -46,22 +47,22 @@ def round_snapshot(core) -> dict:
         "streams": len(core.slots.streams),
         "scheduler": asdict(s.stats),
         # the round's time by stage, host time per round and per decoding sequence (engine/round_stages.py), each
-        # speculator's look-up cost, and what the planner prices as host work (engine/host_cost.py)
+        # speculator's look-up cost, and the look-ups the gate skipped (engine/policy/lookup_gate.py)
         "round_stages": breakdown(s.stats.stage_seconds, s.stats.rounds, s.stats.seq_rounds) | {
-            "speculator_ms_per_ask": {k: 1e3 * v / s.chain.gate.asks[k] for k, v in s.chain.gate.seconds.items()
-                                      if s.chain.gate.asks.get(k)},
-            # rounds a speculator was not asked in: its winnings did not pay for its look-ups (lookup_gate.py)
-            "lookups_skipped": dict(s.chain.gate.skipped)},
-        "host_cost": s.pricer.host.to_dict() | {"shape_change_penalty": s.cost.shape_change_penalty},
+            "speculator_ms_per_ask": policy["speculator_ms_per_ask"], "lookups_skipped": policy["lookups_skipped"]},
+        # what the planner prices as host work (engine/policy/host_cost.py)
+        "host_cost": policy["host_cost"],
         # a recurrent or hybrid target's rollback mode, and what the planner prices a checkpoint draft at
-        "target_memory": s.memory.to_dict() | {"rollback_price": s.rollback_price.to_dict()},
+        "target_memory": s.memory.to_dict() | {"rollback_price": policy["rollback_price"]},
         "chain": s.config.chain.label,
         "disabled_speculators": sorted(s.disabled_speculators),
         # the look-up parameters tuning chose, per speculator and sequence class (ChainConfig.tune)
-        "tuning": s.chain.tuner.to_dict() if s.chain.tuner is not None else None,
+        "tuning": policy["tuning"],
+        # each speculator's acceptance estimate and calibration, and model speculators' exploring budgets
+        "policy": {k: policy[k] for k in ("estimates", "model_explore_budget_s")},
         "speculators": {k: asdict(v) for k, v in parts.chain.stats().items()},
-        "cost_table": s.cost.table(),
-        "attention_ns_per_token_cell": s.cost.attn_seconds * 1e9,
+        "cost_table": policy["cost_table"],
+        "attention_ns_per_token_cell": policy["attention_ns_per_token_cell"],
         "round_failures": core.rel.round_failures,
         "reliability": asdict(core.rel),
         "last_error": core.faults.last_error,

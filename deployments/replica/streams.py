@@ -1,16 +1,6 @@
-"""What flows from the round thread to each request's asyncio stream, and how it gets there.
-
-The round thread never touches an event loop directly: it collects
-(queue, item) pairs per loop during a round and hands each loop its batch with
-one `call_soon_threadsafe` (one wake-up per event loop per round).
-
-Items: {"type": "delta", "text", "t"} ("t": perf_counter when the round
-produced it; "logprobs": logprob_entries of its tokens where the request asked
-for them), then one of {"type": "end", ...} (end_info)
-or {"type": "error", ...} (error_item). A stream with a DirectLink (direct.py)
-gets only what the round thread did not write to its socket itself, each item
-numbered ("n") by the link, and {"type": "raw", "data", "n"}: the rest of a
-chunk the socket did not take whole, for the loop to write first.
+"""Per-request bookkeeping of the round thread: a request's `Stream` (its sink and sequence), the ops posted to
+the round thread, and the items a finished sequence ends with (`end_info`; logprob entries for deltas).
+Delivery goes through each stream's sink (sinks.py).
 """
 
 from __future__ import annotations
@@ -22,8 +12,9 @@ from typing import Any
 
 from specray.engine.request import GenerationRequest, Sequence
 
-from .direct import DirectLink
 from .metrics import timing_of
+from .sinks import Sink
+from .stream_items import StreamEnd
 
 
 @dataclass
@@ -31,10 +22,9 @@ class Stream:
     """One request's way back to its caller."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    sink: Sink  # where the round thread delivers its items (sinks.py)
     seq: Sequence | None = None
     abandoned: bool = False  # the caller went away before the submission was answered
-    direct: DirectLink | None = None  # the round thread may write plain deltas to the socket (direct.py)
 
 
 @dataclass
@@ -52,11 +42,7 @@ class Op:
     round_posted: int = 0  # scheduler round count when posted (cancel latency in rounds)
 
 
-#: per event loop, the (queue, item) pairs a round produced for it
-Outbox = dict[asyncio.AbstractEventLoop, list]
-
-
-def end_info(seq: Sequence) -> dict:
+def end_info(seq: Sequence) -> StreamEnd:
     n_prompt = len(seq.req.prompt_tokens)
     n_gen = len(seq.generated)
     usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
@@ -65,13 +51,7 @@ def end_info(seq: Sequence) -> dict:
     truncated = getattr(seq.req, "truncated_prompt_tokens", 0)
     if truncated:
         usage["truncated_prompt_tokens"] = truncated
-    return {
-        "type": "end",
-        "finish_reason": seq.finish_reason,
-        "usage": usage,
-        "speculative": seq.spec_summary() | {"rounds": seq.rounds},
-        "timing": timing_of(seq),
-    }
+    return StreamEnd(seq.finish_reason, usage, seq.spec_summary() | {"rounds": seq.rounds}, timing_of(seq))
 
 
 def logprob_entries(lps, tokens: list[int], piece) -> list[dict]:
@@ -102,10 +82,6 @@ def prompt_logprob_entries(chunks: list, prompt, piece) -> list[dict]:
     return [head] + logprob_entries(lps, [int(t) for t in prompt[1 : 1 + len(lps)]], piece)
 
 
-def error_item(status: int, message: str, code: str | None = None) -> dict:
-    return {"type": "error", "status": status, "message": message, "param": None, "code": code}
-
-
 def resolve(fut: asyncio.Future, value=None, exc: BaseException | None = None) -> None:
     if fut.done():
         return
@@ -113,67 +89,3 @@ def resolve(fut: asyncio.Future, value=None, exc: BaseException | None = None) -
         fut.set_exception(exc)
     else:
         fut.set_result(value)
-
-
-def deliver(items: list) -> None:
-    for q, item in items:
-        q.put_nowait(item)
-
-
-def call_in_loop(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop is closed: nobody is waiting any more
-        pass
-
-
-def flush(out: Outbox) -> None:
-    """Hand every loop the items of this round (one wake-up each)."""
-    for loop, items in out.items():
-        if items:
-            call_in_loop(loop, deliver, items)
-
-
-async def next_chunk(queue: asyncio.Queue) -> tuple[str, dict | None]:
-    """Wait for the next item, then take whatever else is queued already.
-
-    Returns (text, terminal): the text of every delta taken, and the end/error
-    item if one was reached (a stream has nothing after it).
-    """
-    text, term, _ = await next_chunk_stamped(queue)
-    return text, term
-
-
-def _collect(item: dict, into: dict[str, list] | None) -> None:
-    if into is not None:
-        for key, entries in into.items():
-            entries.extend(item.get(key, ()))
-
-
-async def next_chunk_stamped(queue: asyncio.Queue, logprobs: dict[str, list] | None = None,
-                             numbered: list | None = None) -> tuple[str, dict | None, float | None]:
-    """next_chunk, plus when the round thread produced the oldest delta taken (perf_counter; None if
-    no delta was taken): the replica's emit stage is "now" minus that, once per chunk it yields. The deltas'
-    entries under each key of `logprobs` ("logprobs", "prompt_logprobs") are added to its lists; `numbered[0]`
-    becomes the number ("n") of the last delta taken, where items carry one (a DirectLink's stream). Any item
-    but a delta ends the chunk: it is returned as the terminal one (a "raw" item is not the stream's end)."""
-    item = await queue.get()
-    if item["type"] != "delta":
-        return "", item, None
-    t_made = item.get("t")
-    if queue.empty():  # the common case: one round's delta, nothing to merge
-        _collect(item, logprobs)
-        if numbered is not None:
-            numbered[0] = item.get("n")
-        return item["text"], None, t_made
-    texts: list[str] = []
-    while True:
-        if item["type"] != "delta":
-            return "".join(texts), item, t_made
-        texts.append(item["text"])
-        _collect(item, logprobs)
-        if numbered is not None:
-            numbered[0] = item.get("n")
-        if queue.empty():
-            return "".join(texts), None, t_made
-        item = queue.get_nowait()

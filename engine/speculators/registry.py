@@ -6,9 +6,11 @@ A model speculator (`draft`, `mtp`, `eagle3`, `dflash`) also needs a model:
 whoever owns it (the co-located engine, the companion actor, the router's proxy
 to it) passes a builder to `speculator_factory`, which gives the
 `(name, params) -> Speculator` factory a `Chain` takes. Its entry says what it
-needs (`needs`), the EngineConfig field that enables it (`config_field`), the
-error when that is unset (`missing`) and the command-line option(s) that set
-it (`cli`); its native backend is native/backends.BACKENDS[name].
+needs (`needs`), the EngineConfig field that enables it (`config_field`) and
+that field's declaration (`config`: engine/config.py builds the `draft` and
+`hidden` sections from `config_fields`), the error when that is unset
+(`missing`) and the command-line option(s) that set it (`cli`); its native
+backend is `BACKEND` in native/NAME_backend.py (native/backends.BACKENDS[name]).
 
 >>> spec = make_speculator("ngram_simple", {"size_n": 4})
 >>> spec.name, spec.params.size_n
@@ -25,6 +27,8 @@ ValueError: speculator 'draft' needs a draft model: start with --draft-model PAT
 ['mtp', 'eagle3', 'dflash']
 >>> SPECULATORS["eagle3"].cli[0].dest, SPECULATORS["eagle3"].cli[0].config_path
 ('eagle3_model', ('hidden', 'eagle3_model'))
+>>> list(config_fields("hidden").model_fields)
+['mtp', 'eagle3_model', 'dflash_model']
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic.fields import FieldInfo
 
 from specray.engine.speculator import Speculator
 
@@ -51,6 +56,11 @@ from .suffix import SuffixParams, SuffixSpeculator
 
 #: what a model speculator can need beyond its parameters
 NEEDS = ("model", "hidden_rows", "companion")
+#: the EngineConfig sections whose enabling fields the registry declares (engine/config.py builds them from
+#: `config_fields`): `hidden` for the speculators that read hidden rows, `draft` for the others
+CONFIG_SECTIONS = ("draft", "hidden")
+#: the parts only a model speculator has
+_MODEL_PARTS = ("needs", "config_field", "config", "missing", "cli")
 
 
 @dataclass(frozen=True)
@@ -87,13 +97,20 @@ class SpeculatorSpec:
     """One speculator, declared once.
 
     Model-free: `name`, `params` and `speculator` (built from its parameters alone). Model speculator
-    (`speculator` None): `needs` (a subset of NEEDS), `config_field` (the EngineConfig path whose value
-    enables it), `missing` (what to say when it is named but not configured) and `cli` (its options);
-    its native backend is native/backends.BACKENDS[name].
+    (`speculator` None): `needs` (a subset of NEEDS, with "model"), `config_field` (the EngineConfig path
+    `(section, field)` whose value enables it: section `hidden` if it reads hidden rows, else `draft`),
+    `config` (that field's declaration, as pydantic's create_model takes it: `(type, Field(default,
+    description=...))`), `missing` (what to say when it is named but not configured: its first option and
+    config path) and `cli` (its options, the first setting `config_field`); its native backend is `BACKEND` in
+    native/NAME_backend.py. An entry that lacks a part is refused when it is made, naming the part.
 
     >>> s = SPECULATORS["dflash"]
     >>> s.model, s.hidden_rows, s.config_field
     (True, True, ('hidden', 'dflash_model'))
+    >>> SpeculatorSpec("lookahead", DraftParams, needs=("model",), config_field=("draft", "lookahead_model"))
+    Traceback (most recent call last):
+    ...
+    ValueError: model speculator 'lookahead' lacks config, cli, missing (see SpeculatorSpec)
     """
 
     name: str
@@ -101,8 +118,31 @@ class SpeculatorSpec:
     speculator: type[Speculator] | None = None
     needs: tuple[str, ...] = ()
     config_field: tuple[str, ...] | None = None
+    config: tuple[Any, FieldInfo] | None = None
     missing: str = ""
     cli: tuple[CliOption, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            extra = [part for part in _MODEL_PARTS if getattr(self, part)]
+            if extra:
+                raise ValueError(f"model-free speculator {self.name!r} has model speculator parts: {', '.join(extra)}")
+            return
+        lacks = [part for part, ok in self._model_parts().items() if not ok]
+        if lacks:
+            raise ValueError(f"model speculator {self.name!r} lacks {', '.join(lacks)} (see SpeculatorSpec)")
+
+    def _model_parts(self) -> dict[str, bool]:
+        """Each part a model speculator must have -> whether this entry has it, well formed."""
+        path = self.config_field or ()
+        return {
+            "needs": "model" in self.needs and set(self.needs) <= set(NEEDS),
+            "config_field": len(path) == 2 and path[0] == ("hidden" if self.hidden_rows else "draft"),
+            "config": bool(self.config) and isinstance(self.config[1], FieldInfo) and bool(self.config[1].description),
+            "cli": bool(self.cli) and self.cli[0].config_path == path and all(o.help for o in self.cli),
+            "missing": bool(self.missing) and all(
+                o.flag in self.missing and f"engine.{'.'.join(o.config_path)}" in self.missing for o in self.cli),
+        }
 
     @property
     def model(self) -> bool:
@@ -114,12 +154,14 @@ class SpeculatorSpec:
         """Reads the target's hidden rows (the target outputs them; distributed, they travel to the companion)."""
         return "hidden_rows" in self.needs
 
+    def config_value(self, engine_config) -> Any:
+        """The value of this model speculator's config field in `engine_config` (an EngineConfig)."""
+        section, field = self.config_field
+        return getattr(getattr(engine_config, section), field)
+
     def enabled(self, engine_config) -> bool:
         """Whether `engine_config` (an EngineConfig) configures this model speculator."""
-        value = engine_config
-        for part in self.config_field or ():
-            value = getattr(value, part)
-        return self.config_field is not None and bool(value)
+        return self.model and bool(self.config_value(engine_config))
 
 
 def _model_free(params: type[BaseModel], cls: type[Speculator]) -> SpeculatorSpec:
@@ -143,12 +185,16 @@ _SPECS = (
     _model_free(GrammarParams, GrammarSpeculator),
     SpeculatorSpec(
         "draft", DraftParams, needs=("model", "companion"), config_field=("draft", "model"),
+        config=(str | None, Field(None, description="packaged alias or .gguf path of the draft model; None: no "
+                                  "`draft`")),
         missing="a draft model: start with --draft-model PATH_OR_ALIAS (engine.draft.model)",
         cli=(CliOption("--draft-model", ("draft", "model"), metavar="PATH_OR_ALIAS", help=(
             "draft model for the `draft` speculator: packaged alias (smollm2-135m, gemma3-270m) or a .gguf path; "
             "name `draft` in the chain to use it")),)),
     SpeculatorSpec(
         "mtp", MtpParams, needs=("model", "hidden_rows", "companion"), config_field=("hidden", "mtp"),
+        config=(bool, Field(False, description="load the target's own NextN (MTP) head for the `mtp` speculator "
+                            "(the target GGUF must carry NextN layers: <arch>.nextn_predict_layers > 0)")),
         missing="the target's NextN (MTP) head: start with --mtp (engine.hidden.mtp) on a target whose GGUF has "
         "NextN layers",
         cli=(CliOption("--mtp", ("hidden", "mtp"), help=(
@@ -157,10 +203,15 @@ _SPECS = (
             "it")),)),
     SpeculatorSpec(
         "eagle3", Eagle3Params, needs=("model", "hidden_rows", "companion"), config_field=("hidden", "eagle3_model"),
+        config=(str | None, Field(None, description=".gguf path of an EAGLE-3 draft for this target (architecture "
+                                  "eagle3) for the `eagle3` speculator; None: no `eagle3`")),
         missing="an EAGLE-3 draft model: start with --eagle3-model PATH (engine.hidden.eagle3_model)",
         cli=(_hidden_model_option("eagle3", "EAGLE-3", "eagle3"),)),
     SpeculatorSpec(
         "dflash", DFlashParams, needs=("model", "hidden_rows", "companion"), config_field=("hidden", "dflash_model"),
+        config=(str | None, Field(None, description=".gguf path of a DFlash (or DFlash2) block-diffusion draft for "
+                                  "this target (architecture dflash, with its own token embeddings and LM head) for "
+                                  "the `dflash` speculator; None: no `dflash`")),
         missing="a DFlash draft model: start with --dflash-model PATH (engine.hidden.dflash_model)",
         cli=(_hidden_model_option("dflash", "DFlash (or DFlash2) block-diffusion", "dflash",
                                   ": one draft decode proposes a whole block per sequence"),)),
@@ -180,7 +231,25 @@ MODEL_SPECULATOR_PARAMS: dict[str, type[BaseModel]] = {s.name: s.params for s in
 def model_speculators(hidden_rows: bool | None = None) -> tuple[SpeculatorSpec, ...]:
     """The model speculators in declaration order; `hidden_rows` True/False: only those that do/do not read
     the target's hidden rows."""
-    return tuple(s for s in _SPECS if s.model and (hidden_rows is None or s.hidden_rows == hidden_rows))
+    return tuple(s for s in SPECULATORS.values()
+                 if s.model and (hidden_rows is None or s.hidden_rows == hidden_rows))
+
+
+def config_fields(section: str) -> type[BaseModel]:
+    """A pydantic model of the enabling fields the model speculators declare in EngineConfig `section` (one of
+    CONFIG_SECTIONS), in registry order: the base of that section's model in engine/config.py, so that a
+    speculator's field is declared once, in its entry, and every config key stays where it was.
+
+    >>> class Section(config_fields("draft")):
+    ...     threads: int = 2
+    >>> list(Section.model_fields), Section(model="m.gguf").model
+    (['model', 'threads'], 'm.gguf')
+    """
+    if section not in CONFIG_SECTIONS:
+        raise ValueError(f"no speculator declares fields in section {section!r}; sections: {CONFIG_SECTIONS}")
+    fields = {s.config_field[1]: s.config for s in model_speculators() if s.config_field[0] == section}
+    return create_model(f"{section.capitalize()}SpeculatorFields", __config__=ConfigDict(extra="forbid"),
+                        **fields)
 
 
 def enabled_speculators(engine_config, hidden_rows: bool | None = None) -> list[str]:

@@ -15,7 +15,7 @@ from specray.bench.run import classify_divergence, measure_batch_variance, measu
 from specray.deployments.local_engine import LocalEngine
 from specray.engine.config import ChainConfig, EngineConfig
 from specray.engine.cost import DecodeCostModel
-from specray.engine.host_cost import HostCostModel
+from specray.engine.policy.host_cost import HostCostModel
 
 from ..conftest import spec_bench_prompts
 
@@ -101,7 +101,7 @@ def test_the_default_chain_under_the_default_policy_is_token_identical(smollm2, 
     assert cfg.chain.policy == "cost" and "ngram_cache" in cfg.chain.speculators
     eng = LocalEngine(cfg, model=smollm2)
     eng.scheduler.cost = DecodeCostModel({n: ms / 1e3 for n, ms in H100_MS.items()}, learn=False)
-    eng.scheduler.pricer.host = HostCostModel(learn=False)
+    eng.scheduler.policy.pricer.host = HostCostModel(learn=False)
     seqs = _run(eng, prompts, tuple(cfg.chain.speculators))
     assert eng.runner.max_seqs_in_decode >= 4
     for i, s in enumerate(seqs):
@@ -167,7 +167,7 @@ def test_online_tuning_is_token_identical_while_it_switches_settings(smollm2, pr
     assert eng.runner.max_seqs_in_decode >= 4
     for i, s in enumerate(seqs):
         assert s.generated == exact_baseline[i], f"prompt {i} diverged with tuning on"
-    tuning = eng.chain.tuner.to_dict()
+    tuning = eng.scheduler.policy.snapshot()["tuning"]
     assert set(tuning) == {"suffix", "ngram_mod", "ngram_cache"}  # grammar has no grid: not tuned
     tried = [st for st in tuning["suffix"]["default"]["settings"] if st["rounds"]]
     assert len(tried) > 1, tuning["suffix"]  # the settings really changed under the sequences

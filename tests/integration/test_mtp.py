@@ -170,7 +170,7 @@ def test_colocated_router_runs_mtp_in_process(prompts, baseline):
 
         done = asyncio.run(main())
         assert [s.generated for s, _ in done] == baseline["copy"][:SLOTS]
-        by = [t["speculative"]["by_speculator"]["mtp"] for _, t in done]
+        by = [t.speculative["by_speculator"]["mtp"] for _, t in done]
         assert sum(b["accepted_tokens"] for b in by) > 0.9 * sum(b["drafted_tokens"] for b in by) > 0
     finally:
         core.close()

@@ -60,7 +60,7 @@ def test_an_injected_h100_decode_table_drafts_where_acceptance_pays_and_not_else
         low = [eng.generate(messages=[{"role": "user", "content": q}], max_tokens=64) for q in spec_bench_prompts(4)]
         high = [eng.generate(messages=COPY, max_tokens=64) for _ in range(2)]
         plain = eng.generate(messages=COPY, max_tokens=64, chain=())
-        host = eng.scheduler.pricer.host.to_dict()
+        host = eng.scheduler.policy.pricer.host.to_dict()
     finally:
         eng.close()
     assert eng.scheduler.cost.table() == pytest.approx(H100)  # never learnt from this CPU's decodes

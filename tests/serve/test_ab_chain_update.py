@@ -65,7 +65,7 @@ def test_chain_change_mid_request_keeps_the_text_and_counters(core):
     assert core.cfg.engine.chain.params["ngram_mod"]["n_max"] == 3  # admission (draft room) sees it too
     rebuilt = core.chain.instances["ngram_mod"]
     assert rebuilt is not old and rebuilt.stats is old.stats  # a new instance; its counters carried over
-    assert term["speculative"]["drafts"] > 0
+    assert term.speculative["drafts"] > 0
 
     # the rebuilt instance honours the new parameter: ngram_mod drafts no more than 3 tokens from now on
     def drafted_per_pos():
@@ -79,7 +79,7 @@ def test_chain_change_mid_request_keeps_the_text_and_counters(core):
 
     text2, term2 = asyncio.run(again())
     grown = [b - a for a, b in zip(pos0, drafted_per_pos())]
-    assert text2 == plain and term2["speculative"]["drafts"] > 0
+    assert text2 == plain and term2.speculative["drafts"] > 0
     assert grown[0] > 0 and not any(grown[3:]), grown
 
     n_max_before = core.chain.instances["ngram_mod"]
@@ -119,10 +119,10 @@ def test_a_speculator_added_at_run_time_drafts_and_is_accepted(core_ngram_mod):
 
     result, term, term2 = asyncio.run(main())
     assert result == {"chain": "suffix,ngram_mod", "rebuilt": [], "added": ["suffix"], "resumed_sequences": 0}
-    assert set(term["speculative"]["by_speculator"]) <= {"ngram_mod"}
+    assert set(term.speculative["by_speculator"]) <= {"ngram_mod"}
     st = core.stats()
     assert st["chain"] == "suffix,ngram_mod" and core.cfg.engine.chain.speculators == ["suffix", "ngram_mod"]
     assert st["scheduler"]["speculator_failures"] == 0 and st["disabled_speculators"] == []
     suffix = st["speculators"]["suffix"]
     assert suffix["drafts_chosen"] > 0 and suffix["tokens_accepted"] > 0, suffix
-    assert term2["speculative"]["by_speculator"]["suffix"]["accepted_tokens"] == suffix["tokens_accepted"]
+    assert term2.speculative["by_speculator"]["suffix"]["accepted_tokens"] == suffix["tokens_accepted"]

@@ -1,4 +1,4 @@
-"""Direct writes (deployments/replica/direct.py) as a user meets them: `specray serve` with its own Ray, so
+"""Direct writes (deployments/http/socket_sink.py) as a user meets them: `specray serve` with its own Ray, so
 direct ingress is on and the engine replica holds the client's socket; the round thread then writes the plain
 deltas itself. The official openai client and raw sockets as clients.
 

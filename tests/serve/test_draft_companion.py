@@ -63,7 +63,7 @@ def attach(eng, client, ecfg: EngineConfig):
     from specray.deployments.actors.companion import companion_speculator_factory
 
     eng.chain = Chain(eng.config.chain, companion_speculator_factory(client, ecfg))
-    eng.scheduler.chain = eng.chain
+    eng.scheduler.use_policy(eng.scheduler.policy.for_chain(eng.chain))
     return eng.chain.speculator("draft")
 
 
@@ -255,6 +255,7 @@ def test_colocated_router_drafts_in_process(smollm2):
 
     from specray.deployments.local_engine import LocalEngine
     from specray.deployments.replica.core import RouterCore, next_chunk
+    from specray.deployments.replica.stream_items import StreamEnd
     from specray.deployments.config import ServeConfig
 
     engine = {"model": "smollm2-135m", "n_ctx": 1024, "slots": 2, "exact": True, "calibrate": False,
@@ -280,8 +281,8 @@ def test_colocated_router_drafts_in_process(smollm2):
                     return "".join(parts), term
 
         text, term = asyncio.run(main())
-        assert term["type"] == "end" and text == want
-        spec = term["speculative"]
+        assert type(term) is StreamEnd and text == want
+        spec = term.speculative
         assert spec["by_speculator"]["draft"]["accepted_tokens"] > 0
         # /v1/stats: the in-process draft's settings (a quantised V cache turned its flash attention on)
         draft = core.stats()["draft"]

@@ -6,7 +6,9 @@ import asyncio
 
 import pytest
 
-from specray.deployments.replica.core import RequestError, RouterCore, next_chunk
+from specray.deployments.replica.core import RouterCore, next_chunk
+from specray.deployments.replica.errors import ServeError
+from specray.deployments.replica.stream_items import StreamEnd
 from specray.deployments.replica.request import EngineRequest
 from specray.deployments.config import ServeConfig
 
@@ -30,13 +32,13 @@ def test_full_queue_is_429_cancel_frees_the_slot_bad_input_is_400(core):
         seq, q = await core.submit(long)
         text, term = await next_chunk(q)  # admitted and decoding: the only slot is taken
         assert term is None
-        with pytest.raises(RequestError) as e:
+        with pytest.raises(ServeError) as e:
             await core.submit(core.make_request(EngineRequest(prompt="hi", max_tokens=4)))
         assert e.value.status == 429
-        with pytest.raises(RequestError) as e:
+        with pytest.raises(ServeError) as e:
             await core.submit(core.make_request(EngineRequest(prompt="hi", chain=("nope",))))
         assert e.value.status == 400 and "unknown speculator" in str(e.value)
-        with pytest.raises(RequestError) as e:
+        with pytest.raises(ServeError) as e:
             core.make_request(EngineRequest(messages=[]))
         assert e.value.status == 400
         core.cancel(seq)
@@ -47,7 +49,7 @@ def test_full_queue_is_429_cancel_frees_the_slot_bad_input_is_400(core):
             parts.append(text)
             if term:
                 break
-        assert term["type"] == "end" and term["usage"]["completion_tokens"] == 4
+        assert type(term) is StreamEnd and term.usage["completion_tokens"] == 4
         assert seq.finish_reason == "cancelled" and len(seq.generated) < 500
         st = core.stats()
         assert st["active"] == 0 and st["queued"] == 0 and st["reserved_cells"] == 0

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from specray.engine.acceptance import AcceptanceTracker, pos_buckets
-from specray.engine.calibration import _P_MAX, FACTOR_MAX, FACTOR_MIN, PrefixCalibration
-from specray.engine.chain import Pricing, draft_value
+from specray.engine.policy.acceptance import AcceptanceTracker, pos_buckets
+from specray.engine.policy.calibration import _P_MAX, FACTOR_MAX, FACTOR_MIN, PrefixCalibration
+from specray.engine.policy.pricing import Pricing, draft_value
 
 
 def _trained(seed: int) -> AcceptanceTracker:

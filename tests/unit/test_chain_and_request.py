@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specray.engine.chain import Chain, SeqDraftRequest
+from specray.engine.chain import Chain
+from specray.engine.policy import DraftPolicy, SeqDraftRequest
 from specray.engine.config import ChainConfig, EngineConfig, parse_chain
 from specray.engine.request import GenerationRequest, Sequence
 from specray.engine.speculator import DraftRequest, Speculator
@@ -23,9 +24,10 @@ class Fixed(Speculator):
         return self.tokens
 
 
-def make_chain(policy: str, specs: dict[str, list[int]]) -> Chain:
+def make_chain(policy: str, specs: dict[str, list[int]]) -> DraftPolicy:
+    """A chain of fixed drafts and its draft policy."""
     cfg = ChainConfig(speculators=list(specs), policy=policy)
-    return Chain(cfg, lambda name, params: Fixed(name, specs[name]))
+    return DraftPolicy(Chain(cfg, lambda name, params: Fixed(name, specs[name])))
 
 
 def req(chain) -> SeqDraftRequest:
@@ -37,7 +39,7 @@ def test_first_policy_takes_the_first_non_empty_and_skips_the_rest():
     (p,) = ch.propose([req("abc")])
     assert p.speculator == "b" and p.tokens.tolist() == [5, 6]
     assert p.asked == ("a", "b")  # c was never asked
-    assert ch.instances["c"].stats.calls == 0
+    assert ch.chain.instances["c"].stats.calls == 0
 
 
 def test_expected_policy_prefers_the_longer_draft_at_equal_rates_and_learns():
@@ -50,8 +52,8 @@ def test_expected_policy_prefers_the_longer_draft_at_equal_rates_and_learns():
         ch.accept(pa, 1, 1)
     (p2,) = ch.propose([req("ab")])
     assert p2.speculator == "a"
-    assert ch.instances["b"].stats.tokens_accepted == 0
-    assert ch.instances["a"].stats.tokens_accepted >= 30
+    assert ch.chain.instances["b"].stats.tokens_accepted == 0
+    assert ch.chain.instances["a"].stats.tokens_accepted >= 30
 
 
 def test_cut_and_losers_are_told():
@@ -59,8 +61,8 @@ def test_cut_and_losers_are_told():
     (p,) = ch.propose([req("ab")])
     p.cut(1)
     ch.accept(p, 1, 1)
-    winner = ch.instances[p.speculator]
-    loser = ch.instances["b" if p.speculator == "a" else "a"]
+    winner = ch.chain.instances[p.speculator]
+    loser = ch.chain.instances["b" if p.speculator == "a" else "a"]
     assert winner.stats.drafts_chosen == 1 and winner.stats.tokens_accepted == 1
     assert loser.stats.drafts_chosen == 0 and loser.stats.calls == 1
 

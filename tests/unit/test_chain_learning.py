@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from specray.engine import chain as chain_module
-from specray.engine.acceptance import AcceptanceTracker, judge, next_state
-from specray.engine.chain import Chain, Pricing, SeqDraftRequest, draft_value
+from specray.engine.policy.acceptance import AcceptanceTracker, judge, next_state
+from specray.engine.chain import Chain
+from specray.engine.policy import DraftPolicy, SeqDraftRequest
+from specray.engine.policy.pricing import Pricing, draft_value
 from specray.engine.config import ChainConfig
 from specray.engine.speculator import DraftRequest, Speculator
 
@@ -27,8 +29,10 @@ class Fixed(Speculator):
         return self.tokens
 
 
-def chain_of(specs: dict[str, Speculator], policy: str = "cost") -> Chain:
-    return Chain(ChainConfig(speculators=list(specs), policy=policy, n_max=16), lambda name, params: specs[name])
+def policy_of(specs: dict[str, Speculator], policy: str = "cost") -> DraftPolicy:
+    """A chain of `specs` and its draft policy (the policy asks the chain, and tells it the verdicts)."""
+    return DraftPolicy(Chain(ChainConfig(speculators=list(specs), policy=policy, n_max=16),
+                             lambda name, params: specs[name]))
 
 
 def test_judge_counts_accepted_prefix_and_censoring():
@@ -40,14 +44,14 @@ def test_judge_counts_accepted_prefix_and_censoring():
 
 def test_a_draft_that_was_not_sent_still_learns_from_the_emitted_tokens():
     good, bad = Fixed([7, 8, 9]), Fixed([5, 5, 5])
-    chain = chain_of({"good": good, "bad": bad})
+    policy = policy_of({"good": good, "bad": bad})
     for _ in range(30):
-        [prop] = chain.propose([SeqDraftRequest(0, ("good", "bad"), np.array([1, 2, 3], np.int32), 3)])
+        [prop] = policy.propose([SeqDraftRequest(0, ("good", "bad"), np.array([1, 2, 3], np.int32), 3)])
         prop.cut(0)  # the planner sent nothing: the round emits one token
-        chain.accept(prop, 0, 0, np.array([7], np.int32))
+        policy.accept(prop, 0, 0, np.array([7], np.int32))
     # nothing was verified, yet the first token of each is judged: `good` is right, `bad` wrong
-    assert chain.trackers["good"].prefix_probs(0, 1)[0] > 0.9
-    assert chain.trackers["bad"].prefix_probs(0, 1)[0] < 0.1
+    assert policy.estimates.tracker("good").prefix_probs(0, 1)[0] > 0.9
+    assert policy.estimates.tracker("bad").prefix_probs(0, 1)[0] < 0.1
     # the speculators' own stats count only what was sent
     assert good.stats.drafts_chosen == 0 and bad.stats.drafts_chosen == 0
 
@@ -82,24 +86,24 @@ def test_censored_verdicts_add_no_failures():
 
 @pytest.mark.parametrize("policy", ["first", "expected", "cost"])
 def test_every_policy_records_the_drafts_it_asked_for(policy):
-    chain = chain_of({"a": Fixed([3, 4]), "b": Fixed([3, 9])}, policy)
-    [prop] = chain.propose([SeqDraftRequest(0, ("a", "b"), np.array([1, 2], np.int32), 4)])
+    policy = policy_of({"a": Fixed([3, 4]), "b": Fixed([3, 9])}, policy)
+    [prop] = policy.propose([SeqDraftRequest(0, ("a", "b"), np.array([1, 2], np.int32), 4)])
     assert prop.speculator in ("a", "b")
     assert set(prop.drafts) == set(prop.asked)
 
 
 def test_a_long_draft_that_breaks_its_promise_shrinks_the_next_estimate():
     spec = Fixed(list(range(100, 132)))
-    chain = chain_of({"s": spec})
-    chain.config.n_max = 32
+    policy = policy_of({"s": spec})
+    policy.chain.config.n_max = 32
     history = np.array([1, 2, 3], np.int32)
     for _ in range(12):  # short drafts, always accepted: the tracker extrapolates that to long ones
-        [prop] = chain.propose([SeqDraftRequest(0, ("s",), history, 4)])
-        chain.accept(prop, len(prop.tokens), len(prop.tokens), np.arange(100, 105, dtype=np.int32))
-    [prop] = chain.propose([SeqDraftRequest(0, ("s",), history, 32)])
+        [prop] = policy.propose([SeqDraftRequest(0, ("s",), history, 4)])
+        policy.accept(prop, len(prop.tokens), len(prop.tokens), np.arange(100, 105, dtype=np.int32))
+    [prop] = policy.propose([SeqDraftRequest(0, ("s",), history, 32)])
     assert len(prop.tokens) == 32 and prop.prefix_probs.sum() > 16  # promised: over half of it
-    chain.accept(prop, 32, 3, np.array([100, 101, 102, 7], np.int32))  # delivered: 3
-    [prop] = chain.propose([SeqDraftRequest(1, ("s",), history, 32)])  # a fresh sequence: no per-seq shift
+    policy.accept(prop, 32, 3, np.array([100, 101, 102, 7], np.int32))  # delivered: 3
+    [prop] = policy.propose([SeqDraftRequest(1, ("s",), history, 32)])  # a fresh sequence: no per-seq shift
     raw, calibrated = prop.raw_probs, prop.prefix_probs
     # the tracker alone still expects much of a long draft; the calibration remembers the miss at the
     # positions it happened and leaves the early ones (accepted every time) alone
@@ -107,18 +111,18 @@ def test_a_long_draft_that_breaks_its_promise_shrinks_the_next_estimate():
     assert calibrated[8:].mean() < 0.5 * raw[8:].mean()
     assert calibrated[0] >= 0.95 * raw[0]
     assert np.all(np.diff(calibrated) <= 0) and calibrated.max() < 1
-    f = chain.calibrations["s"].factors()
+    f = policy.estimates.calibration("s").factors()
     assert f[0] >= 1.0 > 0.5 > f[5]  # position bucket 16-31 shrunk hard, position 0 not
 
 
 def test_only_sent_drafts_calibrate():
-    chain = chain_of({"a": Fixed([3, 4]), "b": Fixed([3, 9])})
-    [prop] = chain.propose([SeqDraftRequest(0, ("a", "b"), np.array([1, 2], np.int32), 2)])
+    policy = policy_of({"a": Fixed([3, 4]), "b": Fixed([3, 9])})
+    [prop] = policy.propose([SeqDraftRequest(0, ("a", "b"), np.array([1, 2], np.int32), 2)])
     sent = prop.speculator
-    chain.accept(prop, 2, 0, np.array([5], np.int32))
+    policy.accept(prop, 2, 0, np.array([5], np.int32))
     other = "b" if sent == "a" else "a"
-    assert chain.calibrations[sent].predicted.sum() > 0 and chain.calibrations[sent].realised.sum() == 0
-    assert chain.calibrations[other].predicted.sum() == 0  # judged for the tracker, not scored here
+    assert policy.estimates.calibration(sent).predicted.sum() > 0 and policy.estimates.calibration(sent).realised.sum() == 0
+    assert policy.estimates.calibration(other).predicted.sum() == 0  # judged for the tracker, not scored here
 
 
 def test_a_speculator_whose_drafts_are_never_worth_sending_is_asked_only_on_probe_rounds():
@@ -126,18 +130,18 @@ def test_a_speculator_whose_drafts_are_never_worth_sending_is_asked_only_on_prob
     # out, so once its first 64 drafts are judged (the gate's learning period: lookup_gate.py) its look-ups
     # buy nothing and the gate asks it only now and then; priced so that drafts pay, the same right drafts
     # keep it asked every round
-    def rounds(pricing: Pricing, n: int = 1600) -> tuple[Chain, int]:
-        chain, asked = chain_of({"s": Fixed([7, 8, 9])}), 0
+    def rounds(pricing: Pricing, n: int = 1600) -> tuple[DraftPolicy, int]:
+        policy, asked = policy_of({"s": Fixed([7, 8, 9])}), 0
         for _ in range(n):
-            [prop] = chain.propose([SeqDraftRequest(0, ("s",), np.array([1, 2, 3], np.int32), 3)], pricing=pricing)
+            [prop] = policy.propose([SeqDraftRequest(0, ("s",), np.array([1, 2, 3], np.int32), 3)], pricing=pricing)
             asked += "s" in prop.asked
             prop.cut(0)  # nothing sent: the round emits one token, the draft's first
-            chain.accept(prop, 0, 0, np.array([7], np.int32))
-        return chain, asked
+            policy.accept(prop, 0, 0, np.array([7], np.int32))
+        return policy, asked
 
     linear, asked = rounds(Pricing(cost=lambda n: 0.010 * n, base_tokens=1, n_decoding=1))
     assert asked < 0.45 * 1600 and linear.gate.skipped["s"] > 800
-    assert linear.trackers["s"].prefix_probs(0, 1)[0] > 0.9  # right all along: the tracker knows, the gate too
+    assert linear.estimates.tracker("s").prefix_probs(0, 1)[0] > 0.9  # right all along: the tracker knows, the gate too
     cheap, asked = rounds(Pricing(cost=lambda n: 0.010 + 0.0005 * (n - 1), base_tokens=1, n_decoding=1))
     assert asked == 1600 and not cheap.gate.skipped
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specray.engine.chain import CONTEXT_OWN_BUCKETS, Chain, SeqDraftRequest
+from specray.engine.chain import Chain
+from specray.engine.policy import DraftPolicy, SeqDraftRequest
+from specray.engine.policy.estimates import CONTEXT_OWN_BUCKETS
 from specray.engine.config import ChainConfig, EngineConfig
 from specray.engine.request import GenerationRequest
 from specray.engine.scheduler import Scheduler
@@ -66,42 +68,47 @@ def chain_of(names: list[str], params: dict | None = None, policy: str = "first"
 HISTORY = np.array([1, 2, 3, 4], np.int32)
 
 
-def propose1(chain: Chain, names: tuple[str, ...], seq_id: int = 0):
-    [prop] = chain.propose([SeqDraftRequest(seq_id, names, HISTORY, 8)])
+def propose1(policy: DraftPolicy, names: tuple[str, ...], seq_id: int = 0):
+    [prop] = policy.propose([SeqDraftRequest(seq_id, names, HISTORY, 8)])
     return prop
 
 
 def internals(chain: Chain) -> tuple:
     """Every piece of chain state a reconfiguration may replace (by identity)."""
-    return (chain.config, dict(chain.instances), dict(chain.trackers), dict(chain.calibrations))
+    return (chain.config, dict(chain.instances))
 
 
 @pytest.mark.parametrize("policy", ["first", "expected", "cost"])
 def test_an_added_speculator_drafts_on_the_next_propose(policy):
     chain = chain_of(["fixed_a"], {"fixed_a": {"tokens": []}}, policy)  # `fixed_a` never drafts
+    drafts = DraftPolicy(chain)
     new = chain.config.model_copy(update={"speculators": ["fixed_a", "fixed_b"]})
     change = chain.reconfigure(new, {})
+    drafts.chain_changed(change)
     assert change.built == ["fixed_b"] and change.rebuilt == [] and chain.config is new
-    # its first draft is estimated like any other (a missing calibration raised KeyError here, every round)
-    prop = propose1(chain, ("fixed_a", "fixed_b"))
+    # its first draft is estimated like any other
+    prop = propose1(drafts, ("fixed_a", "fixed_b"))
     assert prop.speculator == "fixed_b" and prop.tokens.tolist() == [7, 8] and len(prop.prefix_probs) == 2
-    chain.accept(prop, 2, 2, np.array([7, 8, 9], np.int32))
+    drafts.accept(prop, 2, 2, np.array([7, 8, 9], np.int32))
     assert chain.instances["fixed_b"].stats.tokens_accepted == 2
 
 
 def test_a_rebuilt_speculator_keeps_its_counters_and_resumes_running_sequences():
     chain = chain_of(["fixed_a", "fixed_c"], {"fixed_a": {"tokens": [7, 8]}})
+    policy = DraftPolicy(chain)
     chain.begin(0, ("fixed_a",), HISTORY[:2])
     chain.begin(1, ("fixed_c",), HISTORY[:2])
-    prop = propose1(chain, ("fixed_a",))
-    chain.accept(prop, 2, 1, np.array([7, 5], np.int32))
+    prop = propose1(policy, ("fixed_a",))
+    policy.accept(prop, 2, 1, np.array([7, 5], np.int32))
     old, untouched = chain.instances["fixed_a"], chain.instances["fixed_c"]
-    old_tracker, old_cal = chain.trackers["fixed_a"], chain.calibrations["fixed_a"]
+    old_tracker, old_cal = policy.estimates.tracker("fixed_a"), policy.estimates.calibration("fixed_a")
+    kept = policy.estimates.tracker("fixed_c")
     counted = (old.stats.calls, old.stats.tokens_generated, old.stats.tokens_accepted)
     assert counted == (1, 2, 1)
 
     new = chain.config.model_copy(update={"params": {"fixed_a": {"tokens": [9]}}})
     change = chain.reconfigure(new, {0: (("fixed_a",), HISTORY), 1: (("fixed_c",), HISTORY)})
+    policy.chain_changed(change)
     assert change.rebuilt == ["fixed_a"] and change.built == [] and change.resumed == 1
     rebuilt = chain.instances["fixed_a"]
     assert rebuilt is not old and rebuilt.tokens.tolist() == [9]  # the new parameters
@@ -110,9 +117,11 @@ def test_a_rebuilt_speculator_keeps_its_counters_and_resumes_running_sequences()
     assert rebuilt.begun == {0: HISTORY.tolist()}  # resumed on the whole history, not the prompt
     assert old.ended == [0]
     # estimates start afresh (they measured the old parameters); the other speculator is left alone
-    assert chain.trackers["fixed_a"] is not old_tracker and chain.calibrations["fixed_a"] is not old_cal
+    assert policy.estimates.tracker("fixed_a") is not old_tracker
+    assert policy.estimates.calibration("fixed_a") is not old_cal
+    assert policy.estimates.tracker("fixed_c") is kept
     assert chain.instances["fixed_c"] is untouched and untouched.begun == {1: [1, 2]}
-    prop = propose1(chain, ("fixed_a",))
+    prop = propose1(policy, ("fixed_a",))
     assert prop.tokens.tolist() == [9] and rebuilt.stats.calls == counted[0] + 1
 
 
@@ -136,16 +145,19 @@ def test_a_refused_change_leaves_the_chain_untouched(new, match):
     assert chain.instances["fixed_a"].ended == []  # the running sequence still has its speculator
 
 
-def test_every_instance_has_its_tracker_and_calibration_after_a_change():
+def test_estimates_are_made_on_first_use_with_every_context_bucket():
     chain = chain_of(["fixed_a"])
+    policy = DraftPolicy(chain)
     chain.validate(("fixed_x",))  # built for a per-request chain, outside the configured one
-    chain.reconfigure(ChainConfig(speculators=["fixed_b", "fixed_a"], params={"fixed_x": {"tokens": [3]},
-                                                                            "fixed_a": {"tokens": [4]}}))
+    change = chain.reconfigure(ChainConfig(speculators=["fixed_b", "fixed_a"],
+                                           params={"fixed_x": {"tokens": [3]}, "fixed_a": {"tokens": [4]}}))
+    policy.chain_changed(change)
     assert set(chain.instances) == {"fixed_a", "fixed_b", "fixed_x"}
-    assert set(chain.trackers) == set(chain.instances) == set(chain.calibrations)
-    # made the way Chain.speculator makes them: a tracker of a different size would merge context buckets
-    assert {t.n_contexts for t in chain.trackers.values()} == {3 * CONTEXT_OWN_BUCKETS}
     assert chain.instances["fixed_x"].tokens.tolist() == [3]  # not in the chain, still rebuilt
+    [prop] = policy.propose([SeqDraftRequest(0, ("fixed_x", "fixed_a"), HISTORY, 8)])
+    assert set(prop.drafts) == {"fixed_x", "fixed_a"} and len(prop.prefix_probs) == 1
+    # a tracker of another size would merge context buckets
+    assert {policy.estimates.tracker(n).n_contexts for n in chain.instances} == {3 * CONTEXT_OWN_BUCKETS}
 
 
 def test_propose_names_the_speculator_that_failed():
@@ -156,7 +168,7 @@ def test_propose_names_the_speculator_that_failed():
 
     chain.instances["fixed_b"]._draft_one = broken
     with pytest.raises(RuntimeError, match="table corrupted") as info:
-        propose1(chain, ("fixed_a", "fixed_b"))
+        propose1(DraftPolicy(chain), ("fixed_a", "fixed_b"))
     assert info.value.speculator == "fixed_b"
 
 

@@ -19,10 +19,10 @@ from specray.deployments.http.openai_schema import (
     ChatMessage,
     CompletionRequest,
     ContentPart,
-    OpenAIError,
     SpeculativeOptions,
     StreamOptions,
 )
+from specray.deployments.replica.errors import BadRequest
 from specray.deployments.replica.request import Constraint, EngineRequest
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -150,7 +150,7 @@ def test_speculative_and_message_fields_arrive():
 @pytest.mark.parametrize("name, value", [("best_of", 2), ("suffix", "tail")])
 def test_refused_fields_are_a_400_naming_them(name, value):
     assert name in REFUSED_FIELDS
-    with pytest.raises(OpenAIError) as e:
+    with pytest.raises(BadRequest) as e:
         CompletionRequest(prompt="p", **{name: value}).to_engine()
     assert (e.value.status, e.value.param) == (400, name)
 

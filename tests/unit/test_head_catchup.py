@@ -14,8 +14,10 @@ import hashlib
 
 import numpy as np
 
-from specray.engine import catchup_price
-from specray.engine.chain import Chain, Pricing, Proposal, SeqDraftRequest
+from specray.engine.policy import catchup_price
+from specray.engine.chain import Chain
+from specray.engine.policy import DraftPolicy, Proposal, SeqDraftRequest
+from specray.engine.policy.pricing import Pricing
 from specray.engine.config import ChainConfig, EngineConfig
 from specray.engine.cost import DecodeCostModel
 from specray.engine.hidden_rows import TAP_NEXTN, pack_rows
@@ -217,12 +219,13 @@ def test_the_catch_up_is_spread_over_the_rounds_a_head_keeps_drafting():
     chain = Chain(ChainConfig(speculators=["lagging"], policy="cost", n_max=8),
                   lambda name, params=None: LaggingHead())
     head = chain.instances["lagging"]
+    policy = DraftPolicy(chain)
     pricing = lambda: Pricing(lambda n: 0.010 + 0.0005 * (n - 1), base_tokens=1, n_decoding=1)  # noqa: E731
 
     def ask(seq_id: int, lag: float) -> bool:
         head.lag_seconds[seq_id] = lag
         before = len(head.asked)
-        chain.propose([SeqDraftRequest(seq_id, ("lagging",), np.arange(100, 160, dtype=np.int32), 8,
+        policy.propose([SeqDraftRequest(seq_id, ("lagging",), np.arange(100, 160, dtype=np.int32), 8,
                                        tokens_left=256)], pricing=pricing())
         return len(head.asked) > before
 
@@ -232,11 +235,11 @@ def test_the_catch_up_is_spread_over_the_rounds_a_head_keeps_drafting():
     # its drafts come out right (the acceptance estimate stays high) but are not sent (say the planner cut
     # them): it is not asked the next round either, and each new draft pays a whole lag again
     for k in range(8):
-        chain.accept(Proposal(0, None, asked=("lagging",), drafts={"lagging": np.array([5, 6, 7], np.int32)}),
+        policy.accept(Proposal(0, None, asked=("lagging",), drafts={"lagging": np.array([5, 6, 7], np.int32)}),
                      0, 0, np.array([5, 6, 7, 8], np.int32))
     assert not ask(1, 0.2)  # a new sequence's prompt: not worth catching up for this head any more
     assert ask(2, 0.0)  # a sequence it is level with: its drafts still pay
-    assert chain.steady.share("lagging") < 0.2
+    assert policy.models.steady.share("lagging") < 0.2
 
 
 def test_a_head_that_drafts_right_still_catches_up_each_new_sequence():

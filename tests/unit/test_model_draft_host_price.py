@@ -102,6 +102,6 @@ def test_a_losing_model_speculator_leaves_the_free_drafts_as_they_were():
     sent_alone = alone.chain.stats()["suffix"].drafts_chosen
     sent_with = with_head.chain.stats()["suffix"].drafts_chosen
     assert sent_alone > 20
-    assert sent_with >= 0.8 * sent_alone, (sent_with, sent_alone, with_head.pricer.host.to_dict())
+    assert sent_with >= 0.8 * sent_alone, (sent_with, sent_alone, with_head.policy.pricer.host.to_dict())
     # what the pricer learnt a draft row costs the host: microseconds, not the head's 30 ms
-    assert with_head.pricer.host.coefficients()[2] < 0.001
+    assert with_head.policy.pricer.host.coefficients()[2] < 0.001

@@ -7,13 +7,16 @@ import doctest
 import numpy as np
 import pytest
 
-from specray.engine import acceptance, calibration, config, cost, drafting, planner, request
-from specray.engine.acceptance import AcceptanceTracker
+from specray.engine import config, cost, request
+from specray.engine.policy import (acceptance, calibration, choose, estimates, model_drafts, planner, policy, pricing,
+                                   proposal)
+from specray.engine.policy.acceptance import AcceptanceTracker
 from specray.engine.cost import DecodeCostModel
-from specray.engine.planner import plan_draft_lengths
+from specray.engine.policy.planner import plan_draft_lengths
 
 
-@pytest.mark.parametrize("module", [acceptance, calibration, config, cost, drafting, planner, request])
+@pytest.mark.parametrize("module", [acceptance, calibration, choose, config, cost, estimates, model_drafts, planner,
+                                    policy, pricing, proposal, request])
 def test_docstring_examples(module):
     failed, attempted = doctest.testmod(module)
     assert attempted > 0 and failed == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specray.engine.planner import ranked_tokens
+from specray.engine.policy.planner import ranked_tokens
 
 
 def _numpy_ranked(prefix_probs):

@@ -8,12 +8,13 @@ import functools
 import numpy as np
 import pytest
 
-from specray.engine import host_cost, lookup_gate, round_price, round_stages
+from specray.engine import round_stages
+from specray.engine.policy import host_cost, lookup_gate, round_price
 from specray.engine.cost import DecodeCostModel
-from specray.engine.host_cost import HostCostModel
-from specray.engine.lookup_gate import LookupGate
-from specray.engine.planner import plan_draft_lengths
-from specray.engine.round_price import RoundPricer
+from specray.engine.policy.host_cost import HostCostModel
+from specray.engine.policy.lookup_gate import LookupGate
+from specray.engine.policy.planner import plan_draft_lengths
+from specray.engine.policy.round_price import RoundPricer
 
 H100 = {1: 0.0016, 2: 0.0025, 4: 0.0025, 8: 0.0025, 16: 0.0040, 32: 0.0070}
 

@@ -6,7 +6,9 @@ import time
 
 import numpy as np
 
-from specray.engine.chain import Chain, Pricing, SeqDraftRequest
+from specray.engine.chain import Chain
+from specray.engine.policy import DraftPolicy, SeqDraftRequest
+from specray.engine.policy.pricing import Pricing
 from specray.engine.config import ChainConfig
 from specray.engine.speculator import DraftRequest, Speculator
 from specray.engine.speculators.draft_base import ModelSpeculator
@@ -54,7 +56,8 @@ def cost(n: int) -> float:  # 10 ms + 2 ms per extra row
 
 def make(free_tokens, model_seconds, order=("model", "free"), policy="cost", catchup=0.0):
     specs = {"free": Free(free_tokens), "model": PricedModel(model_seconds, catchup=catchup)}
-    return Chain(ChainConfig(speculators=list(order), policy=policy), lambda name, p: specs[name]), specs
+    chain = Chain(ChainConfig(speculators=list(order), policy=policy), lambda name, p: specs[name])
+    return DraftPolicy(chain), specs
 
 
 def reqs(n=1, chain=("model", "free")):
@@ -135,7 +138,7 @@ def test_exploring_spends_at_most_its_share_of_the_round_time():
     spent = made * (0.15 + 0.002)  # what the drafts took, and their verify rows
     assert spent <= 0.03 * 0.010 * rounds + 0.15  # the share (the last draft may overdraw by its own time)
     assert made >= 3  # and the savings are used, not lost (0.6 s saved: 3-4 such drafts)
-    assert ch.explore_budget["model"] < 0.072  # what is left would not pay for another exploring draft
+    assert ch.models.explore_budget["model"] < 0.072  # what is left would not pay for another exploring draft
 
 
 def test_learnt_acceptance_decides():

@@ -10,6 +10,7 @@ import pytest
 from pydantic import BaseModel
 
 from specray.engine.speculator import DraftRequest, Speculator
+from specray.engine.speculators.ngram_simple import NgramSimpleParams, NgramSimpleSpeculator
 from specray.engine.speculators.registry import SPECULATOR_TYPES, make_params, make_speculator
 
 NAMES = {"ngram_simple", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "suffix", "grammar"}
@@ -68,6 +69,23 @@ def test_docstring_examples(mod):
     assert res.attempted > 0 and res.failed == 0
 
 
+@pytest.mark.parametrize("name", ["eagle3", "dflash"])
+def test_taps_of_a_missing_draft_file_name_its_option(name, tmp_path):
+    from specray.engine.config import EngineConfig
+    from specray.native.backends import BACKENDS
+
+    cfg = EngineConfig(hidden={f"{name}_model": str(tmp_path / "none.gguf")})
+    with pytest.raises(FileNotFoundError, match=rf"^--{name}-model \(engine.hidden.{name}_model\): "):
+        BACKENDS[name].taps(cfg)
+
+
+def test_native_backends_docstring_examples():
+    from specray.native import backends
+
+    res = doctest.testmod(backends, optionflags=doctest.ELLIPSIS)
+    assert res.attempted > 0 and res.failed == 0
+
+
 # ---- every speculator declared once: the registry entry, its native backend, its options ----------------------
 
 MODEL_NAMES = {"draft", "mtp", "eagle3", "dflash"}
@@ -88,10 +106,10 @@ def _engine_field(path: tuple[str, ...]):
 def test_every_speculator_declared_completely():
     from specray.engine.config import EngineConfig
     from specray.engine.speculators.registry import NEEDS, SPECULATORS, model_speculators
-    from specray.native.backends import BACKENDS
+    from specray.native.backends import BACKENDS, Backend
 
     assert {n for n, s in SPECULATORS.items() if s.model} == MODEL_NAMES and set(SPECULATORS) == NAMES | MODEL_NAMES
-    assert set(BACKENDS) == MODEL_NAMES, "each model speculator needs one native backend (native/backends.py)"
+    assert set(BACKENDS) == MODEL_NAMES, "each model speculator needs one native backend (native/NAME_backend.py)"
     for name, spec in SPECULATORS.items():
         assert spec.name == name and issubclass(spec.params, BaseModel), name
         assert spec.params.model_config.get("extra") == "forbid", name
@@ -100,8 +118,13 @@ def test_every_speculator_declared_completely():
             assert not (spec.needs or spec.config_field or spec.missing or spec.cli), name
             continue
         assert "model" in spec.needs and set(spec.needs) <= set(NEEDS), name
-        assert callable(BACKENDS[name].open) and callable(BACKENDS[name].taps), name
-        _engine_field(spec.config_field)
+        backend = BACKENDS[name]
+        assert isinstance(backend, Backend) and callable(backend.open) and callable(backend.taps), name
+        assert backend is importlib.import_module(f"specray.native.{name}_backend").BACKEND, name
+        # its config field is the one its entry declares (engine/config.py takes it from the registry)
+        annotation, declared = spec.config
+        f = _engine_field(spec.config_field)
+        assert (f.annotation, f.default, f.description) == (annotation, declared.default, declared.description)
         assert spec.cli and spec.missing, f"{name}: no command-line option or no 'needs' message"
         assert spec.cli[0].config_path == spec.config_field, f"{name}: its first option sets its config field"
         for option in spec.cli:
@@ -164,3 +187,97 @@ def test_model_speculator_names_come_from_the_registry(path):
             assert len(MODEL_NAMES.intersection(literal)) < 2, f"{path}:{node.lineno}: a list of speculator names"
         if isinstance(node, ast.Constant) and node.value in hidden:
             assert id(node) in own_names, f"{path}:{node.lineno}: {node.value!r} spelled out; use the registry"
+
+
+# ---- a model speculator is three files: its engine module, its native module, its registry entry ---------------
+
+def _fake_spec(**changes):
+    """A registry entry for a hidden-row speculator `fake` (parameters borrowed from eagle3), with `changes`."""
+    import dataclasses
+
+    from specray.engine.speculators.registry import SPECULATORS
+
+    option = dataclasses.replace(SPECULATORS["eagle3"].cli[0], flag="--fake-model",
+                                 config_path=("hidden", "fake_model"))
+    parts = dict(name="fake", config_field=("hidden", "fake_model"), cli=(option,),
+                 missing="a fake draft: start with --fake-model PATH (engine.hidden.fake_model)")
+    return dataclasses.replace(SPECULATORS["eagle3"], **(parts | changes))
+
+
+#: each part of a model speculator's entry, broken
+_BROKEN = {
+    "needs": ("hidden_rows", "companion"),  # without "model"
+    "config_field": ("draft", "fake_model"),  # it reads hidden rows: its field belongs in `hidden`
+    "config": None,  # the field's declaration: engine/config.py would not have it
+    "cli": (),
+    "missing": "a fake draft",  # names neither its option nor its config path
+}
+
+
+@pytest.mark.parametrize("part", sorted(_BROKEN))
+def test_a_model_speculator_entry_lacking_a_part_is_refused_naming_it(part):
+    _fake_spec()  # complete
+    with pytest.raises(ValueError) as e:
+        _fake_spec(**{part: _BROKEN[part]})
+    assert str(e.value).startswith(f"model speculator 'fake' lacks {part}"), str(e.value)
+
+
+def test_a_model_free_entry_with_model_parts_is_refused():
+    from specray.engine.speculators.registry import SpeculatorSpec
+
+    with pytest.raises(ValueError, match="model-free speculator 'ngram_simple' has model speculator parts: cli"):
+        SpeculatorSpec("ngram_simple", NgramSimpleParams, NgramSimpleSpeculator, cli=_fake_spec().cli)
+
+
+def test_a_registered_model_speculator_without_its_native_backend_fails_naming_it(monkeypatch):
+    import sys
+    import types
+
+    from specray.engine.speculators.registry import SPECULATORS
+    from specray.native.backends import BACKENDS
+
+    monkeypatch.setitem(SPECULATORS, "fake", _fake_spec())
+    assert list(BACKENDS)[-1] == "fake"
+    with pytest.raises(LookupError, match=r"'fake' has no native backend: native/fake_backend.py must export "
+                                          r"BACKEND = Backend\(open, taps\)"):
+        BACKENDS["fake"]  # no such module
+    monkeypatch.setitem(sys.modules, "specray.native.fake_backend", types.ModuleType("specray.native.fake_backend"))
+    with pytest.raises(LookupError, match="'fake' has no native backend"):
+        BACKENDS["fake"]  # a module without BACKEND
+    with pytest.raises(KeyError, match="'ngram_mod' is not a model speculator"):
+        BACKENDS["ngram_mod"]
+
+
+def test_a_model_speculator_needs_no_other_file(monkeypatch):
+    """Registered (its entry) with a native module exporting BACKEND, a hidden-row speculator is known to the
+    native backends, the target's taps and head opening, the command-line options and the config: no other file
+    names it (its engine module holds its parameters and speculator, which its backend builds)."""
+    import argparse
+    import sys
+    import types
+
+    from specray.cli.main import build_parser
+    from specray.engine.config import EngineConfig
+    from specray.engine.speculators.registry import SPECULATORS, cli_options, config_fields, enabled_speculators
+    from specray.native.backends import BACKENDS, Backend
+    from specray.native.hidden_heads import open_hidden_heads, target_taps
+
+    spec = _fake_spec()
+    monkeypatch.setitem(SPECULATORS, "fake", spec)
+    fake_module = types.ModuleType("specray.native.fake_backend")
+    head = types.SimpleNamespace(speculator=None, info=dict, close=lambda: None)
+    fake_module.BACKEND = Backend(open=lambda *a, **k: head, taps=lambda cfg: (7,))
+    monkeypatch.setitem(sys.modules, "specray.native.fake_backend", fake_module)
+
+    assert BACKENDS["fake"] is fake_module.BACKEND
+    with pytest.raises(ValueError, match=r"needs a fake draft: start with --fake-model"):
+        make_speculator("fake")
+    assert spec.cli[0] in cli_options(hidden_rows=True)
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert ["--fake-model"] in [a.option_strings for a in sub.choices["generate"]._actions]
+    # the config section built from the registry now has its field, and it enables the speculator
+    hidden = config_fields("hidden")
+    assert list(hidden.model_fields) == ["mtp", "eagle3_model", "dflash_model", "fake_model"]
+    cfg = EngineConfig.model_construct(hidden=hidden(fake_model="f.gguf"))
+    assert enabled_speculators(cfg, hidden_rows=True) == ["fake"] and target_taps(cfg) == (7,)
+    assert open_hidden_heads(cfg, None, target_n_ctx=256).named() == {"fake": head}

@@ -1,4 +1,4 @@
-"""Online tuning of the speculators' look-up parameters (engine/tuning.py): the bandit, its bounds, the grid
+"""Online tuning of the speculators' look-up parameters (engine/policy/tuning.py): the bandit, its bounds, the grid
 checks, the per-setting look-ups, and a chain that finds a better setting than its bad start."""
 
 from __future__ import annotations
@@ -6,11 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specray.engine.chain import Chain, Pricing, SeqDraftRequest
+from specray.engine.chain import Chain
+from specray.engine.policy import DraftPolicy, SeqDraftRequest
+from specray.engine.policy.pricing import Pricing
 from specray.engine.config import ChainConfig
 from specray.engine.speculators.registry import speculator_factory
-from specray.engine.tuning import MIN_ROUNDS, SHADOW_ALLOWANCE, Bandit, ParamTuner, draft_tuned
-from specray.engine.tuning_shadow import Shadow, ShadowLedger
+from specray.engine.policy.tuning import MIN_ROUNDS, SHADOW_ALLOWANCE, Bandit, ParamTuner, tuned_look_up
+from specray.engine.speculator import SpeculatorStats
+from specray.engine.policy.tuning_shadow import Shadow, ShadowLedger
 
 
 def test_the_bandit_settles_on_the_best_setting_from_side_by_side_judgments():
@@ -91,12 +94,15 @@ def test_a_shadow_waits_until_its_sent_prefixes_are_known_and_a_slot_reused_forg
 def test_grids_are_checked_against_the_speculators_parameters():
     factory = speculator_factory()
     with pytest.raises(ValueError, match="p_mn"):
-        Chain(ChainConfig(speculators=["suffix"], tune=True, tune_grids={"suffix": [{"p_mn": 0.1}]}), factory)
+        DraftPolicy(Chain(ChainConfig(speculators=["suffix"], tune=True, tune_grids={"suffix": [{"p_mn": 0.1}]}),
+                          factory))
     with pytest.raises(ValueError, match="suffix"):
-        Chain(ChainConfig(speculators=["suffix"], tune=True, tune_grids={"suffix": [{"p_min": 2.0}]}), factory)
+        DraftPolicy(Chain(ChainConfig(speculators=["suffix"], tune=True, tune_grids={"suffix": [{"p_min": 2.0}]}),
+                          factory))
     chain = Chain(ChainConfig(speculators=["suffix", "ngram_mod"], tune=True, tune_grids={"ngram_mod": []}), factory)
-    assert chain.tuner.tunes("suffix") and not chain.tuner.tunes("ngram_mod")  # an empty grid: not tuned
-    assert Chain(ChainConfig(speculators=["suffix"]), factory).tuner is None  # off by default
+    tuner = DraftPolicy(chain).tuner
+    assert tuner.tunes("suffix") and not tuner.tunes("ngram_mod")  # an empty grid: not tuned
+    assert DraftPolicy(Chain(ChainConfig(speculators=["suffix"]), factory)).tuner is None  # off by default
 
 
 class Recorder:
@@ -112,6 +118,7 @@ class Recorder:
     def __init__(self):
         self.params = Recorder.P()
         self.calls = []
+        self.stats = SpeculatorStats()
 
     def draft(self, reqs):
         self.calls.append((self.params.k, [r.seq_id for r in reqs]))
@@ -120,13 +127,15 @@ class Recorder:
 
 def test_each_request_drafts_with_its_setting_and_the_configured_one_comes_back():
     spec = Recorder()
+    chain = Chain(ChainConfig(speculators=["x"]), lambda name, params: spec)
     tuner = ParamTuner({"x": {"k": 1}}, {"x": [{"k": 2}, {"k": 3}]}, explore=0.0)
-    for _ in range(8):  # class "a" has found setting 1 ({"k": 2}) best
+    for _ in range(8):  # class "a" has found setting 1 ({"k": 2}) best, class "b" setting 2 ({"k": 3})
         tuner.bandit("x", "a").record([0.0, 1.0, 0.5])
+        tuner.bandit("x", "b").record([0.0, 0.5, 1.0])
     reqs = [SeqDraftRequest(0, ("x",), np.zeros(4, np.int32), 8, tune_class="a"),
             SeqDraftRequest(1, ("x",), np.zeros(4, np.int32), 8, tune_class=None),  # not tuned
-            SeqDraftRequest(2, ("x",), np.zeros(4, np.int32), 8, params={"x": {"k": 3}})]  # its own
-    drafts = draft_tuned(spec, "x", reqs, [8, 8, 8], tuner)
+            SeqDraftRequest(2, ("x",), np.zeros(4, np.int32), 8, tune_class="b")]
+    drafts = tuned_look_up(chain, "x", reqs, [8, 8, 8], tuner)
     assert [len(d) for d in drafts] == [2, 1, 3]
     assert spec.params.k == 1  # the configured parameters are back
     assert sorted(k for k, _ in spec.calls) == [1, 2, 3]  # one call per setting
@@ -139,17 +148,18 @@ def test_a_chain_tuned_from_a_bad_start_finds_a_setting_that_gains():
     cfg = ChainConfig(speculators=["ngram_simple"], params={"ngram_simple": {"size_n": 12, "size_m": 1}},
                       tune=True, tune_explore=0.05)
     chain = Chain(cfg, speculator_factory())
+    policy = DraftPolicy(chain)
     pricing = Pricing(cost=lambda n: 0.010 + 0.001 * (n - 1), base_tokens=1, n_decoding=1)
     pos = 200
     chain.begin(0, ("ngram_simple",), text[:pos])
     while pos < len(text) - 64:
-        prop = chain.propose([SeqDraftRequest(0, ("ngram_simple",), text[:pos], 32)], pricing=pricing)[0]
+        prop = policy.propose([SeqDraftRequest(0, ("ngram_simple",), text[:pos], 32)], pricing=pricing)[0]
         d = prop.tokens
         n_acc = int(np.argmin(np.append(d == text[pos:pos + len(d)], False)))  # matching prefix
         emitted = text[pos:pos + n_acc + 1]
-        chain.accept(prop, len(d), n_acc, emitted)
+        policy.accept(prop, len(d), n_acc, emitted)
         pos += n_acc + 1
-    tuning = chain.tuner.to_dict()["ngram_simple"]["default"]
+    tuning = policy.tuner.to_dict()["ngram_simple"]["default"]
     assert tuning["choice"]["size_m"] > 1, tuning
     start, best = tuning["settings"][0], max(tuning["settings"], key=lambda s: s["gain_per_round"] or -1)
     assert best["gain_per_round"] > start["gain_per_round"] + 1.0, tuning
@@ -160,24 +170,26 @@ def test_a_shadow_drafts_with_every_setting_unseen_by_the_counters_and_is_judged
     cfg = ChainConfig(speculators=["ngram_simple"], params={"ngram_simple": {"size_n": 2, "size_m": 2}},
                       tune=True, tune_grids={"ngram_simple": [{"size_m": 8}]})
     chain = Chain(cfg, speculator_factory())
+    policy = DraftPolicy(chain)
     spec = chain.instances["ngram_simple"]
     pricing = Pricing(cost=lambda n: 0.010 + 0.001 * (n - 1), base_tokens=1, n_decoding=1)
     chain.begin(0, ("ngram_simple",), text[:100])
-    prop = chain.propose([SeqDraftRequest(0, ("ngram_simple",), text[:100], 16)], pricing=pricing)[0]
+    prop = policy.propose([SeqDraftRequest(0, ("ngram_simple",), text[:100], 16)], pricing=pricing)[0]
     assert list(prop.tokens) == list(text[100:102])  # the configured setting's draft was offered
     assert spec.stats.calls == 1  # the shadow's two look-ups are not counted
-    [shadow] = chain.tuner.ledger.pending[("ngram_simple", 0)]
+    [shadow] = policy.tuner.ledger.pending[("ngram_simple", 0)]
     assert [list(d) for d in shadow.drafts] == [list(text[100:102]), list(text[100:108])]
     # what the cost policy would send of each: a fresh tracker's estimates fall with the position
     assert shadow.pos == 100 and shadow.sends == [2, 4], shadow.sends
-    chain.accept(prop, 2, 2, text[100:103])
-    chain.propose([SeqDraftRequest(0, ("ngram_simple",), text[:103], 16)], pricing=pricing)
-    assert chain.tuner.bandits[("ngram_simple", "default")].judged == 0  # 1 of 4 sent tokens still to come
-    chain.propose([SeqDraftRequest(0, ("ngram_simple",), text[:112], 16)], pricing=pricing)
-    b = chain.tuner.bandits[("ngram_simple", "default")]
+    policy.accept(prop, 2, 2, text[100:103])
+    policy.propose([SeqDraftRequest(0, ("ngram_simple",), text[:103], 16)], pricing=pricing)
+    assert policy.tuner.bandits[("ngram_simple", "default")].judged == 0  # 1 of 4 sent tokens still to come
+    policy.propose([SeqDraftRequest(0, ("ngram_simple",), text[:112], 16)], pricing=pricing)
+    b = policy.tuner.bandits[("ngram_simple", "default")]
     assert b.judged == 2  # that one, and the one made at 103 (at most 8 tokens sent: known by 112)
     g0, g1 = b.gains  # both right to the end: the longer draft gains more, net of its verify time
     assert g1 > g0 > 0, b.gains
     chain.end(0, ("ngram_simple",))
-    assert not chain.tuner.ledger.pending  # the shadow made on the last propose is forgotten with the sequence
-    assert chain.tuner.to_dict()["ngram_simple"]["default"]["judged"] == 2
+    policy.forget_sequence(0, ("ngram_simple",))
+    assert not policy.tuner.ledger.pending  # the shadow made on the last propose is forgotten with the sequence
+    assert policy.tuner.to_dict()["ngram_simple"]["default"]["judged"] == 2

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from specray.bench import shapes
 from specray.engine import verify_shape
 from specray.engine.config import EngineConfig
-from specray.engine.planner import plan_draft_lengths
+from specray.engine.policy.planner import plan_draft_lengths
 from specray.engine.verify_shape import batch_rows, max_draft, padded_rows
 
 

@@ -16,7 +16,7 @@ share decide whether a draft row pays.
 
 from __future__ import annotations
 
-from .cost import DecodeCostModel
+from ..cost import DecodeCostModel
 from .host_cost import HostCostModel
 
 

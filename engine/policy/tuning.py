@@ -4,10 +4,10 @@ speculation): a bandit over a small grid per speculator, per sequence class.
 Only parameters a speculator reads at each look-up are tuned (suffix's `min_match` / `p_min`, ngram_mod's
 `n_min`, ngram_cache's `n_draft`, ngram_simple's `size_n` / `size_m`): one instance, with its shared tables
 and trees, serves every setting, the setting being swapped in for the look-ups of the sequences that use it
-(`Chain.propose`). Parameters that shape an index (ngram_mod's `n_match`, a trie's depth) and model
+(`Chain.look_up`'s settings). Parameters that shape an index (ngram_mod's `n_match`, a trie's depth) and model
 speculators' (held by the companion actor) are not tuned.
 
-Judging (engine/tuning_shadow.py): now and then, every setting drafts for one sequence at the same point (a
+Judging (engine/policy/tuning_shadow.py): now and then, every setting drafts for one sequence at the same point (a
 shadow look-up); once the target has emitted the tokens that followed, each draft gets the reward the cost
 model's own accounting gives it: the tokens of the prefix the cost policy would have sent that the target
 kept, less those rows' verify time and the look-up's own time, in tokens of the round's plain rate. So the
@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 
-from .speculator import DraftRequest
 from .tuning_shadow import MAX_WAITING, Shadow, ShadowLedger, send_length
 
 #: the grid each speculator is tuned over when ChainConfig.tune_grids names none; the configured parameters
@@ -165,8 +164,8 @@ class ParamTuner:
         tuned sequences with the fewest waiting (at most MAX_WAITING), while the class's allowance lasts or the speculator's saved-up share
         of `plain_seconds` (the round's plain decode time) covers what its last shadow took."""
         budget = self.budget[name] = min(SHADOW_BUDGET_CAP, self.budget.get(name, 0.0) + self.explore * plain_seconds)
-        cands = [j for j, r in enumerate(reqs) if r.tune_class is not None and not (r.params or {}).get(name)
-                 and self.ledger.waiting(name, r.seq_id) < MAX_WAITING]
+        cands = [j for j, r in enumerate(reqs)
+                 if r.tune_class is not None and self.ledger.waiting(name, r.seq_id) < MAX_WAITING]
         if not cands:
             return None
         fewest = min(self.ledger.waiting(name, reqs[j].seq_id) for j in cands)
@@ -205,75 +204,47 @@ class ParamTuner:
         return out
 
 
-def draft_tuned(spec, name: str, reqs: list, n_max: list[int], tuner: ParamTuner | None, pricing=None,
-                estimate=None) -> list:
-    """`spec.draft` for the chain's requests `reqs` (SeqDraftRequest, each drafting at most n_max[j] tokens),
-    each with its setting: the request's own `params` for this speculator (not tuned), else the tuner's
-    choice for its class (tune_class None: the configured parameters). Requests sharing a setting draft
-    together; the configured parameters are put back afterwards. With `pricing` (chain.Pricing) and
-    `estimate(seq_id, length)` (the speculator's calibrated prefix probabilities for its last draft), the tuner first
-    judges the shadows now due and may make one (`shadow`). Returns the drafts in request order."""
-    drafts_for = [DraftRequest(r.seq_id, r.history_for(spec), n) for r, n in zip(reqs, n_max)]
-    tuned = tuner is not None and tuner.tunes(name)
-    if not tuned and not any(r.params for r in reqs):
-        return spec.draft(drafts_for)  # the common case: no per-round work (host cost)
-    if tuned and pricing is not None and estimate is not None:
+def tuned_look_up(chain, name: str, reqs: list, n_max: list[int], tuner: ParamTuner | None, pricing=None,
+                  estimate=None) -> list:
+    """`chain.look_up` of `name` for `reqs` (SeqDraftRequest, each drafting at most n_max[j] tokens), each with
+    the tuner's choice of setting for its class (tune_class None, or no tuner: the configured parameters).
+    With `pricing` (pricing.Pricing) and `estimate(seq_id, length)` (the speculator's calibrated prefix
+    probabilities for its last draft), the tuner first judges the shadows now due and may make one (`shadow`).
+    Returns the drafts in request order."""
+    spec = chain.speculator(name)
+    asks = [(r.seq_id, r.history_for(spec), n) for r, n in zip(reqs, n_max)]
+    if tuner is None or not tuner.tunes(name):
+        return chain.look_up(name, asks)  # the common case: no per-round work (host cost)
+    if pricing is not None and estimate is not None:
         tuner.judge_due(name, reqs)
         j = tuner.to_shadow(name, reqs, pricing.cost(pricing.base_tokens))
         if j is not None:  # before the real look-ups: what a speculator keeps of its last draft is theirs
-            shadow(spec, name, tuner, reqs[j], drafts_for[j], pricing, estimate)
-    groups: dict[tuple, list[int]] = {}
-    over: list[dict] = []
-    for j, r in enumerate(reqs):
-        fix = (r.params or {}).get(name)
-        if fix is None and tuned and r.tune_class is not None:
-            o = tuner.choose(name, r.tune_class)[1]
-        else:
-            o = fix or {}
-        over.append(o)
-        groups.setdefault(tuple(sorted(o.items())), []).append(j)
-    if len(groups) == 1 and not over[0]:
-        return spec.draft(drafts_for)
-    out: list = [None] * len(reqs)
-    configured = spec.params
-    try:
-        for key, members in groups.items():
-            spec.params = configured.model_copy(update=dict(key)) if key else configured
-            for j, d in zip(members, spec.draft([drafts_for[j] for j in members])):
-                out[j] = d
-    finally:
-        spec.params = configured
-    return out
+            shadow(chain, name, tuner, reqs[j], asks[j], pricing, estimate)
+    settings = [tuner.choose(name, r.tune_class)[1] if r.tune_class is not None else {} for r in reqs]
+    return chain.look_up(name, asks, settings)
 
 
-def shadow(spec, name: str, tuner: ParamTuner, req, draft_req, pricing, estimate) -> None:
-    """Draft for one sequence with every setting of `name` (engine/tuning_shadow.py), in an order that turns
-    round by round (a look-up's first call of a round may do the speculator's shared work), and leave the
-    drafts to be judged. The speculator's counters do not count them: they were never offered."""
+def shadow(chain, name: str, tuner: ParamTuner, req, ask: tuple, pricing, estimate) -> None:
+    """Draft for one sequence with every setting of `name` (engine/policy/tuning_shadow.py), in an order that
+    turns round by round (a look-up's first call of a round may do the speculator's shared work), and leave
+    the drafts to be judged. The speculator's counters do not count them: they were never offered."""
     settings = tuner.settings[name]
     n = len(settings)
     first = tuner.turn.get(name, 0) % n
-    calls, generated = spec.stats.calls, spec.stats.drafts_generated
     base = pricing.cost(pricing.base_tokens)
     rate = pricing.n_decoding / base if base > 0 else 0.0
-    time_tokens = pricing.time_in_tokens(max(1, draft_req.n_max))
+    time_tokens = pricing.time_in_tokens(max(1, ask[2]))
     drafts: list = [None] * n
     sends, lookups = [0] * n, [0.0] * n
-    configured = spec.params
     t_all = time.perf_counter()
-    try:
-        for i in [(first + k) % n for k in range(n)]:
-            spec.params = configured.model_copy(update=settings[i]) if settings[i] else configured
-            t0 = time.perf_counter()
-            d = drafts[i] = spec.draft([draft_req])[0]
-            lookups[i] = (time.perf_counter() - t0) * rate
-            if len(d):  # estimated right after its own look-up: the estimate reads the draft's context
-                sends[i] = send_length(estimate(req.seq_id, len(d)), time_tokens)
-    finally:
-        spec.params = configured
-        spec.stats.calls, spec.stats.drafts_generated = calls, generated
+    for i in [(first + k) % n for k in range(n)]:
+        t0 = time.perf_counter()
+        d = drafts[i] = chain.look_up(name, [ask], [settings[i]], counted=False)[0]
+        lookups[i] = (time.perf_counter() - t0) * rate
+        if len(d):  # estimated right after its own look-up: the estimate reads the draft's context
+            sends[i] = send_length(estimate(req.seq_id, len(d)), time_tokens)
     tuner.spent(name, req.tune_class, time.perf_counter() - t_all)
-    tuner.ledger.add(name, req.seq_id, Shadow(req.tune_class, len(draft_req.history), drafts, sends,
+    tuner.ledger.add(name, req.seq_id, Shadow(req.tune_class, len(ask[1]), drafts, sends,
                                               np.asarray(time_tokens), lookups))
 
 

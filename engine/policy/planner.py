@@ -108,3 +108,18 @@ def plan_draft_lengths(
             while lengths[s] < sizes[s] and rows(lengths[:s] + [lengths[s] + 1] + lengths[s + 1 :]) == rows(lengths):
                 lengths[s] += 1
     return lengths
+
+
+def fit_to_room(lengths: list[int], room: int) -> list[int]:
+    """Scale draft lengths down proportionally so they total at most `room` rows.
+
+    >>> fit_to_room([8, 4, 0], 6)
+    [4, 2, 0]
+    >>> fit_to_room([3, 2], 10)
+    [3, 2]
+    """
+    total = sum(lengths)
+    if total <= room:
+        return list(lengths)
+    scale = room / total
+    return [int(n * scale) for n in lengths]

@@ -26,7 +26,7 @@ free, and llama.cpp's snapshots are written by every decode, drafted or not
 
 from __future__ import annotations
 
-from .rollback import RollbackStats
+from ..rollback import RollbackStats
 
 #: weight of a round's measurement in the running means (a few dozen rounds of memory)
 ALPHA = 0.05
