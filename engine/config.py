@@ -58,8 +58,8 @@ class ChainConfig(BaseModel):
     tune: bool = Field(
         False,
         description="tune each model-free speculator's look-up parameters online (engine/policy/tuning.py): a "
-        "bandit per speculator and sequence class over a small grid (suffix min_match/p_min, ngram_mod n_min, ngram_cache "
-        "n_draft, ngram_simple size_n/size_m); every setting is judged side by side on shadow look-ups by the tokens "
+        "bandit per speculator and sequence class over a small grid (suffix min_match/p_min, ngram_mod n_min, "
+        "ngram_cache n_draft, ngram_simple size_n/size_m); every setting is judged side by side on shadow look-ups by the tokens "
         "its drafts would gain net of their verify and look-up time; starts from `params`. /v1/stats `tuning` shows "
         "the current choice",
     )
@@ -67,7 +67,8 @@ class ChainConfig(BaseModel):
         0.02, ge=0.0, le=1.0,
         description="tuning: share of the rounds' plain decode time a speculator's shadow look-ups may take (every "
         "setting drafting for one sequence, judged later against what the target emitted; "
-        "engine/policy/tuning_shadow.py), saved up round by round, after a start-up allowance of 16 shadows per speculator and class",
+        "engine/policy/tuning_shadow.py), saved up round by round, after a start-up allowance of 16 shadows per "
+        "speculator and class",
     )
     tune_grids: dict[str, list[dict[str, Any]]] = Field(
         default_factory=dict,

@@ -190,9 +190,9 @@ def commit_round(verdict: Callable[[Proposal, int, int, np.ndarray], None], deco
                  results: list[StepResult], mirror: Callable[[Sequence, np.ndarray, int], None]) -> tuple[list, list]:
     """Take a round's results into its sequences: each decoding sequence's verdict (`verdict(proposal,
     n_drafted, n_accepted, emitted)`: its speculators and the policy told, its committed tokens mirrored, its
-    position moved on) and each prompt chunk's progress. Returns ([(sequence,
-    result) to emit], [(sequence, error)] for those the target could not go on with (a state it could not roll
-    back: they end with that error, every other sequence goes on)."""
+    position moved on) and each prompt chunk's progress. Returns ([(sequence, result) to emit], [(sequence,
+    error)] for those the target could not go on with (a state it could not roll back: they end with that
+    error, every other sequence goes on)."""
     failed = [(s, r.error) for s, r in zip(decoding + [s for s, _ in chunks], results) if r.error]
     emit: list[tuple[Sequence, StepResult]] = []
     for s, prop, res, it in zip(decoding, proposals, results[: len(decoding)], items):

@@ -113,9 +113,10 @@ class DraftPolicy:
                    stats=None) -> list[Proposal]:
         """The drafts of one round, one Proposal per request, in order (empty where nothing pays or fits).
         A speculator that raises is added to `disabled`; the round then sends no drafts. `stats` (the
-        scheduler's RoundStats, if given) counts the time spent drafting and the failures. Three cuts, in order: the best draft per sequence (model drafts priced before they are
-        made); under `cost`, the planner's cut to the length that maximises expected tokens per second;
-        finally all drafts together are scaled down to the batch's free rows."""
+        scheduler's RoundStats, if given) counts the time spent drafting and the failures. Three cuts, in
+        order: the best draft per sequence (model drafts priced before they are made); under `cost`, the
+        planner's cut to the length that maximises expected tokens per second; finally all drafts together
+        are scaled down to the batch's free rows."""
         if not any(r.chain and r.n_max > 0 for r in requests) or room.free_rows <= 0:
             return [Proposal(r.seq_id, None) for r in requests]
         config = self.chain.config
