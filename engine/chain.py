@@ -23,6 +23,7 @@ start-up config and cannot change.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -61,6 +62,9 @@ class Chain:
         self._factory = factory
         self.instances: dict[str, Speculator] = {}
         self._needs_hidden: dict[tuple[str, ...], bool] = {}  # needs_hidden's answers
+        # (speculator, setting) -> its parameters with the setting applied: made once, not per look-up (a
+        # pydantic copy costs more than many look-ups, and tuning times the look-ups of each setting)
+        self._settings: dict[tuple[str, tuple], object] = {}
         for name in config.speculators:
             self.speculator(name)  # fail fast on unknown names / bad params
 
@@ -77,6 +81,7 @@ class Chain:
     def _install(self, name: str, spec: Speculator) -> Speculator:
         self.instances[name] = spec
         self._needs_hidden.clear()  # a new instance may read hidden rows where the old one did not
+        self._settings = {k: v for k, v in self._settings.items() if k[0] != name}  # its new parameters
         return spec
 
     def reconfigure(self, new: ChainConfig,
@@ -155,26 +160,63 @@ class Chain:
 
     # ---- drafting ------------------------------------------------------------------
     def look_up(self, name: str, asks: list[tuple[int, np.ndarray, int]],
-                settings: list[dict] | None = None, counted: bool = True) -> list[np.ndarray]:
+                settings: list[dict] | None = None) -> list[np.ndarray]:
         """`name`'s drafts for `asks` (seq_id, history, most tokens), in order. settings[j]: parameter
         overrides ask j's look-up runs with (online tuning; {} for the configured ones): asks sharing a setting
-        draft together, and the configured parameters are put back afterwards. counted False: the speculator's
-        counters do not count these look-ups (a shadow look-up, never offered). An exception raised here names
+        draft together, and the configured parameters are put back afterwards. An exception raised here names
         the speculator (`.speculator`), so the caller can disable it."""
         spec = self.instances[name]
         reqs = [DraftRequest(seq_id, history, n) for seq_id, history, n in asks]
-        before = (spec.stats.calls, spec.stats.drafts_generated)
         try:
             if not settings or not any(settings):
-                out = spec.draft(reqs)
-            else:
-                out = _draft_by_setting(spec, reqs, settings)
+                return spec.draft(reqs)
+            return self._draft_by_setting(name, spec, reqs, settings)
+        except Exception as e:
+            blame(e, name)
+            raise
+
+    def shadow_look_up(self, name: str, ask: tuple[int, np.ndarray, int], setting: dict) -> tuple[np.ndarray, float]:
+        """(draft, seconds the look-up itself took) of `name` for one ask with `setting` swapped in, unseen by
+        the speculator's counters (online tuning's shadow look-ups: settings are compared by what their
+        look-ups cost, so the swap is kept out of the time)."""
+        spec = self.instances[name]
+        configured, before = spec.params, (spec.stats.calls, spec.stats.drafts_generated)
+        spec.params = self._params(name, configured, tuple(sorted(setting.items())))
+        try:
+            t0 = time.perf_counter()
+            draft = spec.draft([DraftRequest(*ask)])[0]
+            return draft, time.perf_counter() - t0
         except Exception as e:
             blame(e, name)
             raise
         finally:
-            if not counted:
-                spec.stats.calls, spec.stats.drafts_generated = before
+            spec.params = configured
+            spec.stats.calls, spec.stats.drafts_generated = before
+
+    def _params(self, name: str, configured, key: tuple):
+        """`configured` with the setting `key` (sorted items) applied, made once per speculator and setting."""
+        if not key:
+            return configured
+        params = self._settings.get((name, key))
+        if params is None:
+            params = self._settings[(name, key)] = configured.model_copy(update=dict(key))
+        return params
+
+    def _draft_by_setting(self, name: str, spec: Speculator, reqs: list[DraftRequest],
+                          settings: list[dict]) -> list[np.ndarray]:
+        """spec.draft with each request's parameter overrides swapped in for its group's look-ups."""
+        groups: dict[tuple, list[int]] = {}
+        for j, o in enumerate(settings):
+            groups.setdefault(tuple(sorted(o.items())), []).append(j)
+        out: list = [None] * len(reqs)
+        configured = spec.params
+        try:
+            for key, members in groups.items():
+                spec.params = self._params(name, configured, key)
+                for j, d in zip(members, spec.draft([reqs[j] for j in members])):
+                    out[j] = d
+        finally:
+            spec.params = configured
         return out
 
     def draft_context(self, name: str, seq_id: int) -> int:
@@ -190,23 +232,6 @@ class Chain:
 
     def stats(self) -> dict[str, SpeculatorStats]:
         return {name: spec.stats for name, spec in self.instances.items()}
-
-
-def _draft_by_setting(spec: Speculator, reqs: list[DraftRequest], settings: list[dict]) -> list[np.ndarray]:
-    """spec.draft with each request's parameter overrides swapped in for its group's look-ups."""
-    groups: dict[tuple, list[int]] = {}
-    for j, o in enumerate(settings):
-        groups.setdefault(tuple(sorted(o.items())), []).append(j)
-    out: list = [None] * len(reqs)
-    configured = spec.params
-    try:
-        for key, members in groups.items():
-            spec.params = configured.model_copy(update=dict(key)) if key else configured
-            for j, d in zip(members, spec.draft([reqs[j] for j in members])):
-                out[j] = d
-    finally:
-        spec.params = configured
-    return out
 
 
 def _begin_on_running(specs: Mapping[str, Speculator],

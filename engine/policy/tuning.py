@@ -238,9 +238,8 @@ def shadow(chain, name: str, tuner: ParamTuner, req, ask: tuple, pricing, estima
     sends, lookups = [0] * n, [0.0] * n
     t_all = time.perf_counter()
     for i in [(first + k) % n for k in range(n)]:
-        t0 = time.perf_counter()
-        d = drafts[i] = chain.look_up(name, [ask], [settings[i]], counted=False)[0]
-        lookups[i] = (time.perf_counter() - t0) * rate
+        d, seconds = chain.shadow_look_up(name, ask, settings[i])
+        drafts[i], lookups[i] = d, seconds * rate
         if len(d):  # estimated right after its own look-up: the estimate reads the draft's context
             sends[i] = send_length(estimate(req.seq_id, len(d)), time_tokens)
     tuner.spent(name, req.tune_class, time.perf_counter() - t_all)
