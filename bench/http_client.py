@@ -23,6 +23,7 @@ import json
 import queue
 import threading
 import time
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -298,35 +299,52 @@ def aggregate(results: list[dict], errors: list[str], wall: float, concurrency: 
     }
 
 
-def run(url: str, prompts: list[Prompt], concurrency: int, max_tokens: int = 128, extra: dict | None = None,
-        timeout: float = 600, api_key: str | None = None) -> dict:
-    """Stream every prompt with `concurrency` client threads; aggregate + server-window figures."""
-    url = url.rstrip("/")
+def run_clients(url: str, items: list, concurrency: int, timeout: float, api_key: str | None,
+                handle: Callable[[Server, object], None]) -> float:
+    """Run `concurrency` client threads that take the items off one queue in order and call handle(server,
+    item) with a Server of their own (closed when the queue is empty); returns the wall seconds they took."""
     work: queue.Queue = queue.Queue()
-    for p in prompts:
-        work.put(p)
-    results: list[dict] = []
-    errors: list[str] = []
-    lock = threading.Lock()
+    for item in items:
+        work.put(item)
 
     def worker() -> None:
         server = Server(url, timeout, api_key)
         try:
             while True:
                 try:
-                    p = work.get_nowait()
+                    item = work.get_nowait()
                 except queue.Empty:
                     return
-                try:
-                    res = one_request(server, p, max_tokens, extra or {})
-                    with lock:
-                        results.append(res)
-                except Exception as e:
-                    server.close()  # a broken stream leaves the connection unusable; reconnect lazily
-                    with lock:
-                        errors.append(f"{type(e).__name__}: {e}")
+                handle(server, item)
         finally:
             server.close()
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def run(url: str, prompts: list[Prompt], concurrency: int, max_tokens: int = 128, extra: dict | None = None,
+        timeout: float = 600, api_key: str | None = None) -> dict:
+    """Stream every prompt with `concurrency` client threads; aggregate + server-window figures."""
+    url = url.rstrip("/")
+    results: list[dict] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def handle(server: Server, p: Prompt) -> None:
+        try:
+            res = one_request(server, p, max_tokens, extra or {})
+            with lock:
+                results.append(res)
+        except Exception as e:
+            server.close()  # a broken stream leaves the connection unusable; reconnect lazily
+            with lock:
+                errors.append(f"{type(e).__name__}: {e}")
 
     before = get_stats(url, api_key)
     # the server's processes on this machine: CPU per token, decode threads and the rest (bench/server_cpu.py)
@@ -335,13 +353,7 @@ def run(url: str, prompts: list[Prompt], concurrency: int, max_tokens: int = 128
     # and Ray's own processes beside them (the daemons, Serve's controller and proxy)
     ray_pids = server_cpu.ray_pids(exclude=pids) if pids else []
     cpu_before = server_cpu.cpu_seconds(pids, decoding) | {"ray": server_cpu.process_seconds(ray_pids)} if pids else None
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_clients(url, prompts, concurrency, timeout, api_key, handle)
     cpu_after = server_cpu.cpu_seconds(pids, decoding) | {"ray": server_cpu.process_seconds(ray_pids)} if pids else None
     after = get_stats(url, api_key) if before is not None else None
     agg = aggregate(results, errors, wall, concurrency)

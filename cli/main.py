@@ -218,7 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
             "plus a new user message (Spec-Bench's MT-bench questions, chained), every turn sent with\n"
             "cache_prompt true and false; per turn: prompt tokens, time to first token with and without\n"
             "the prompt cache, their ratio and the cached tokens the server reports.\n"
-            "  specray bench --url http://127.0.0.1:8000 --turns 6 --max-tokens 128 --json mt.json"))
+            "  specray bench --url http://127.0.0.1:8000 --turns 6 --max-tokens 128 --json mt.json\n\n"
+            "Agents (--url with --agents [N]): N conversations share one long system prompt (a tool\n"
+            "catalogue with rules), --turns turns each, --concurrency at a time, each turn the history\n"
+            "plus a new user message; per server: time to first token p50/p90 of first and later turns,\n"
+            "wall time, output tokens/s and the cached prompt tokens the server reports.\n"
+            "  specray bench --url http://127.0.0.1:8000 --url http://127.0.0.1:8090 --agents 8 --turns 3 \\\n"
+            "      --concurrency 4 --system-tokens 1600 --max-tokens 48 --json agents.json"))
     bench.add_argument("--prompts", default=None,
                        help="JSONL: one object per line with 'prompt' (raw text) or 'messages' (chat), optional "
                             "'category' (default: $SPECRAY_SPEC_BENCH, else Spec-Bench's 480 questions shipped "
@@ -324,10 +330,24 @@ def build_parser() -> argparse.ArgumentParser:
     mt.add_argument("--turns", type=int, default=None, metavar="N",
                     help="run the multi-turn bench instead: conversations of N turns (history grows every turn), "
                          "each turn with cache_prompt true and false; prints TTFT per turn with and without the "
-                         "prompt cache. --prompts must have entries with 2+ 'turns', as Spec-Bench's have")
+                         "prompt cache. --prompts must have entries with 2+ 'turns', as Spec-Bench's have. With "
+                         "--agents: each agent conversation's turns (default: 3)")
     mt.add_argument("--conversations", type=int, default=None, metavar="K",
                     help="with --turns: conversations per server, one after another; the table shows per-turn "
                          "medians (default: 3)")
+    ag = bench.add_argument_group("agents over HTTP (with --url)")
+    ag.add_argument("--agents", type=int, nargs="?", const=8, default=None, metavar="N",
+                    help="run the agent bench instead: N conversations (default 8) that share one system prompt, "
+                         "--turns turns each, every turn the whole history and the server's own answers plus a "
+                         "new user message (Spec-Bench's MT-bench questions), streamed, greedy, --max-tokens per "
+                         "answer. Per server: TTFT p50/p90 of first and of later turns, wall time, output tok/s, "
+                         "cached prompt tokens (median, share of prompt tokens), requests, errors. Several --url "
+                         "run one after another, each after an unmeasured warm-up request")
+    ag.add_argument("--concurrency", type=int, default=None, metavar="C",
+                    help="with --agents: conversations at a time, each its turns in order (default: 4)")
+    ag.add_argument("--system-tokens", type=int, default=None, metavar="S",
+                    help="with --agents: approximate size in tokens of the shared system prompt, a deterministic "
+                         "tool catalogue (JSON tool definitions and numbered rules) (default: 1600)")
 
     serve = sub.add_parser(
         "serve", help="start the OpenAI-compatible server on Ray Serve",
@@ -410,6 +430,16 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "prompts (the next turn of a chat prefills only the new message); requests opt out with "
                         "`cache_prompt: false`. Usage reports prompt_tokens_details.cached_tokens "
                         f"(docs/serving.md; default: {'on' if EngineConfig().prompt_cache else 'off'})")
+    g.add_argument("--cache-ram", type=int, default=S, metavar="MIB",
+                   help="host memory for the prompt cache's host tier, as llama-server's --cache-ram: prefixes "
+                        "evicted from the KV cells are saved there and restored for a later prompt that shares "
+                        "them (an agent's next turn, a shared system prompt); 0 turns it off; /v1/stats "
+                        "prompt_cache.host shows entries and bytes (default: a quarter of the memory free at "
+                        "start, at most 8192)")
+    g.add_argument("--prefill-budget", type=int, default=S, metavar="TOKENS",
+                   help="prompt tokens one round carries in all while other requests generate, so their streams "
+                        "keep their pace during long prefills; short prompts and continuations go first "
+                        "(default: as many as a round's batch, n_batch, has room for)")
     g.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=S,
                    help="a generation that reaches its context discards old tokens and goes on (llama-server's "
                         "--context-shift; requests may set context_shift, n_keep, n_discard themselves) "
@@ -576,6 +606,8 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if args.agents is not None or args.concurrency is not None or args.system_tokens is not None:
+        return _cmd_bench_agents(args)
     if args.turns is not None or args.conversations is not None:
         return _cmd_bench_multiturn(args)
     if args.url or args.http:
@@ -618,6 +650,23 @@ def _cmd_bench_multiturn(args) -> int:
     from specray.bench.multiturn import main_multiturn
 
     return main_multiturn(args)
+
+
+def _cmd_bench_agents(args) -> int:
+    if args.agents is None:
+        flag = "--concurrency" if args.concurrency is not None else "--system-tokens"
+        raise ValueError(f"{flag} is for the agent bench: give --agents [N] too")
+    if not args.url:
+        raise ValueError("--agents benches running servers: give --url URL")
+    if args.conversations is not None:
+        raise ValueError("--conversations is for the multi-turn bench (--turns alone); with --agents give the "
+                         "number of conversations as --agents N")
+    for flag in ("http", "streams", "num_prompts", "configs", "plot", "order", "serve_modes", "port", "profile"):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} does not apply to the agent bench (--agents)")
+    from specray.bench.agents import main_agents
+
+    return main_agents(args)
 
 
 def _cmd_serve(args) -> int:
@@ -690,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     for flag in ("max_tokens", "threads", "n_ctx", "per_category", "slots", "num_prompts", "repeats", "turns",
-                 "conversations"):
+                 "conversations", "agents", "concurrency", "system_tokens"):
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")

@@ -39,6 +39,8 @@ _FLAG_FIELDS = {
     "exact": ("engine", "exact"),
     "flash_attn": ("engine", "flash_attn"),
     "prompt_cache": ("engine", "prompt_cache"),
+    "cache_ram": ("engine", "cache_ram"),
+    "prefill_budget": ("engine", "prefill_budget"),
     "context_shift": ("engine", "context_shift"),
     "verify_shape": ("engine", "verify_shape"),
     "verify_buckets": ("engine", "verify_buckets"),

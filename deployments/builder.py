@@ -176,6 +176,37 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def free_memory() -> int:
+    """Bytes of memory free now (MemAvailable), 0 where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def host_cache_bytes(config: EngineConfig, free: int) -> int:
+    """The prompt cache's host tier budget: config.cache_ram MiB, else a quarter of the `free` bytes, at most
+    8 GiB (llama-server's default), as a log line says.
+
+    >>> host_cache_bytes(EngineConfig(cache_ram=0), 2**34), host_cache_bytes(EngineConfig(), 2**32) // 2**20
+    (0, 1024)
+    """
+    mib = config.cache_ram if config.cache_ram is not None else min(8192, free // 4 // 2**20)
+    return mib * 2**20 if config.prompt_cache else 0
+
+
+def _host_tier(config: EngineConfig, memory: TargetMemory) -> int:
+    budget = host_cache_bytes(config, free_memory()) if memory.keeps_prefix else 0
+    if budget:
+        log.info("prompt cache host tier: up to %d MiB of evicted prefixes kept in host memory (cache_ram)",
+                 budget // 2**20)
+    return budget
+
+
 def build_engine(config: EngineConfig, *, actors=None, model=None, step_timeout_s: float | None = None,
                  served: bool = False, target_hop: str = "actor", companion_hop: str = "actor") -> EngineParts:
     """Assemble an engine. Without `actors`, everything runs in this process (`model`: an already loaded
@@ -208,7 +239,7 @@ def _build_local(config: EngineConfig, model) -> EngineParts:
         # a sequence may use n_ctx_seq cells; with a unified KV cache all slots share n_ctx
         parts.scheduler = Scheduler(config, runner, model, chain, ctx.n_ctx_seq, cost,
                                     shared_cells=ctx.n_ctx if ctx.kv_unified else None, memory=memory,
-                                    constraints=runner.constraints)
+                                    constraints=runner.constraints, host_cache_bytes=_host_tier(config, memory))
     except BaseException:  # a setting this target refuses (context_shift on a recurrent model): nothing leaks
         parts.close()
         raise
@@ -240,8 +271,10 @@ def _build_remote(config: EngineConfig, actors, step_timeout_s: float | None, ta
     factory = companion_speculator_factory(actors.companion, config, ack_sink=remote.ack_hidden,
                                            extra=grammar_builders(model))
     chain = Chain(config.chain, factory)
+    memory = TargetMemory(**info["memory"])
+    # (the host tier's bytes live in the target actor: its budget is taken from this node's free memory)
     scheduler = Scheduler(config, remote, model, chain, info["n_ctx_seq"], cost,
-                          shared_cells=info["n_ctx"] if info["kv_unified"] else None,
-                          memory=TargetMemory(**info["memory"]), constraints=GrammarCompiler.of(model))
+                          shared_cells=info["n_ctx"] if info["kv_unified"] else None, memory=memory,
+                          constraints=GrammarCompiler.of(model), host_cache_bytes=_host_tier(config, memory))
     return EngineParts(config, model, chain, scheduler, info["n_ctx"], info["n_ctx_seq"], factory, remote=remote,
                        actors=actors)

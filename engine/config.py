@@ -321,6 +321,14 @@ class EngineConfig(BaseModel):
         None, ge=1, description="context shift: tokens discarded after the kept ones at each shift; None: half of "
         "what lies past them (llama-server's default). Requests may set `n_discard`")
     prefill_chunk: int = Field(256, ge=16, description="prompt tokens prefilled per round per sequence")
+    prefill_budget: int | None = Field(
+        None, ge=16, description="prompt tokens one round carries in all while other sequences decode, so their "
+        "streams keep a steady pace during long prefills (vLLM's chunked-prefill token budget); short prompts "
+        "and continuations go first. None: as many as n_batch has room for")
+    cache_ram: int | None = Field(
+        None, ge=0, description="MiB of host memory for the prompt cache's host tier (llama-server's "
+        "--cache-ram): evicted prefixes are saved there and restored when a later prompt shares them. 0: off; "
+        "None: a quarter of the memory free at start, at most 8192")
     max_queue: int = Field(256, ge=0, description="requests waiting for a slot before new ones are refused")
     chain: ChainConfig = Field(default_factory=ChainConfig, description="the speculator chain")
     draft: DraftModelConfig = Field(

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .prefix_plan import PrefixPlan, destination
 from .request import SeqState
 
 if TYPE_CHECKING:
-    from .prompt_cache import PromptCache
     from .request import Sequence
 
-__all__ = ["link", "admit_plan"]
+__all__ = ["link", "fork_plan"]
 
 
 def link(groups: dict[str, "Sequence"], seq: "Sequence") -> None:
@@ -46,18 +46,18 @@ def link(groups: dict[str, "Sequence"], seq: "Sequence") -> None:
         del groups[k]
 
 
-def admit_plan(seq: "Sequence", cache: "PromptCache", free: list[int], needs_every_row: bool,
-               keeps_prefix: bool) -> tuple[int, int, bool, int | None] | None:
-    """(slot, prompt tokens already there, whether the prompt cache was asked, slot to copy from) for the
-    sequence at the head of the queue; None: it waits for the sequence whose prompt it copies."""
+def fork_plan(seq: "Sequence", free: list[int], idle: dict, needs_every_row: bool,
+              keeps_prefix: bool) -> PrefixPlan | None:
+    """The plan of a sequence of an n > 1 group: copy its group's first sequence's prompt cells into a free slot
+    (an empty one, else the least recently used: `idle` are the idle caches), or wait while that one still
+    prefills; None where it prefills on its own (no group, the first is gone or failed, the copy cannot be
+    made)."""
     prompt = seq.req.prompt_tokens
     src = seq.fork_of
-    if src is not None and keeps_prefix and not needs_every_row and len(prompt) > 1:
-        if src.state in (SeqState.QUEUED, SeqState.PREFILL) and not src.finished:
-            return None
-        if src.state == SeqState.DECODING and src.error is None and src.n_past >= len(prompt):
-            slot, _ = cache.pick(free, prompt, False)
-            return slot, len(prompt) - 1, False, src.slot
-    use = seq.req.cache_prompt and not needs_every_row
-    slot, reuse = cache.pick(free, prompt, use)
-    return slot, reuse, use, None
+    if src is None or not keeps_prefix or needs_every_row or len(prompt) <= 1:
+        return None
+    if src.state in (SeqState.QUEUED, SeqState.PREFILL) and not src.finished:
+        return PrefixPlan(None, wait=src.slot)
+    if src.state == SeqState.DECODING and src.error is None and src.n_past >= len(prompt):
+        return PrefixPlan(destination(free, idle), len(prompt) - 1, copy_from=src.slot)
+    return None

@@ -31,8 +31,9 @@ from .context_shift import ContextShifter
 from .cost import DecodeCostModel
 from .logprobs import TokenLogprobs
 from .policy import DraftPolicy, Proposal, Room, SeqDraftRequest
-from .prompt_cache import PromptCache, idle_budget
-from .prompt_share import admit_plan, link
+from .prefix_cache import PrefixCache
+from .prompt_cache import idle_budget
+from .prompt_share import fork_plan, link
 from .request import GenerationRequest, Sequence, SeqState, admission_plan
 from .rollback import RollbackStats, TargetMemory
 from .round_stages import RoundClock
@@ -48,9 +49,13 @@ class Tokenizer(Protocol):
 
 
 class Target(Protocol):
-    def start(self, seq_id: int, params, prompt: np.ndarray, n_keep: int = 0, copy_from: int | None = None) -> None: ...
+    def start(self, seq_id: int, params, prompt: np.ndarray, n_keep: int = 0, copy_from: int | None = None,
+              restore: int | None = None) -> None: ...
     def step(self, items: list[StepItem]) -> StepOutput: ...
     def release(self, seq_id: int, keep: int = 0) -> None: ...
+    # the prompt cache's host tier (host_cache_bytes > 0 only): save a slot's cells, free saved ones
+    def stash(self, seq_id: int, key: int) -> None: ...
+    def drop_stash(self, keys: list[int]) -> None: ...
 
 
 class QueueFullError(RuntimeError):
@@ -124,21 +129,37 @@ def prefill_share(price: Callable[[int], float], n_total: int, n_prefill: int) -
     return 1.0 if n_total == n_prefill or full <= 0 else (full - price(n_total - n_prefill)) / full
 
 
-def prompt_chunks(left: list[int], room: int, chunk: int) -> list[int]:
-    """Rows of each prefilling sequence's prompt (`left`: rows it has left) in a batch with `room` rows free,
-    at most `chunk` each, in order; sequences past the room get none (the list may be shorter).
+def prompt_chunks(left: list[int], room: int, chunk: int, budget: int | None = None, first: tuple[int, ...] = (),
+                  oldest: int | None = None, floor: int = 0) -> list[int]:
+    """Rows of each prefilling sequence's prompt this round (`left`: the rows each has left; the answer is in
+    the same order, 0 for those that get none): at most `chunk` each, `room` in all, and at most `budget` in all
+    (the prompt rows a round carries beside decoding sequences; None: no cap but the room).
 
-    >>> prompt_chunks([300, 40, 500], room=400, chunk=256)
+    Short prompts go first: a conversation's next turn is a short continuation, and its first token should not
+    wait behind other prompts' long chunks. Before them go the sequences in `first` (others wait to copy their
+    prefix), and before everything `floor` rows of the `oldest` prompt, so a long prompt progresses every round.
+
+    >>> prompt_chunks([300, 40, 500], room=400, chunk=256)                   # shortest first, up to the room
     [256, 40, 104]
-    >>> prompt_chunks([300, 40], room=200, chunk=256)
-    [200]
+    >>> prompt_chunks([300, 40], room=200, chunk=256, budget=64)             # a budget beside decoding sequences
+    [24, 40]
+    >>> prompt_chunks([300, 40, 500], room=400, chunk=256, first=(2,))       # one others wait for goes first
+    [104, 40, 256]
+    >>> prompt_chunks([300, 40, 500], room=400, chunk=256, budget=100, oldest=2, floor=32)
+    [28, 40, 32]
     """
-    out = []
-    for n in left:
-        if room <= 0:
+    take = min(room, budget) if budget is not None else room
+    out = [0] * len(left)
+    if oldest is not None and take > 0:
+        out[oldest] = min(floor, left[oldest], chunk, take)
+        take -= out[oldest]
+    order = [*first, *sorted((i for i in range(len(left)) if i not in first), key=lambda i: (left[i], i))]
+    for i in order:
+        if take <= 0:
             break
-        out.append(min(chunk, n, room))
-        room -= out[-1]
+        n = min(chunk - out[i], left[i] - out[i], take)
+        out[i] += n
+        take -= n
     return out
 
 
@@ -157,6 +178,9 @@ def step_items(decoding: list[Sequence], proposals: list[Proposal], chunks: list
                               end == len(s.req.prompt_tokens), needs_hidden(s)))
     return items
 
+
+#: prompt rows the oldest prefilling sequence gets every round whatever shorter prompts take first
+PREFILL_FLOOR = 32
 
 #: a sequence replaying more rows than this (rollback.py: consecutive rollbacks add up) sends no draft until the
 #: replay has gone through, so a run of rejections cannot grow it without bound
@@ -235,11 +259,12 @@ class Scheduler:
     def __init__(
         self, config: EngineConfig, target: Target, tokenizer: Tokenizer, chain: Chain, n_ctx: int,
         cost: DecodeCostModel | None = None, shared_cells: int | None = None, memory: TargetMemory | None = None,
-        constraints: ConstraintFactory | None = None,
+        constraints: ConstraintFactory | None = None, host_cache_bytes: int = 0,
     ) -> None:
         """n_ctx: KV cells one sequence may use. shared_cells: all slots' cells (unified KV cache), or None.
         memory: the target's memory kind and rollback mode (rollback.py; default: an attention KV cache).
-        constraints: compiles requests' grammars (None: refused)."""
+        constraints: compiles requests' grammars (None: refused). host_cache_bytes: the prompt cache's host
+        tier budget (0: none; the target must then have `stash` and `drop_stash`)."""
         self.config, self.constraints = config, constraints
         self.memory = memory or TargetMemory()
         self.target, self.tok, self.chain, self.n_ctx = target, tokenizer, chain, n_ctx
@@ -249,13 +274,15 @@ class Scheduler:
         # which drafts are sent and how much of each: prices, estimates, gate, tuning and planner (engine/policy/)
         self.policy = DraftPolicy(chain, cost or DecodeCostModel(), self.memory.rollback)
         self.free_slots: list[int] = list(range(config.slots))[::-1]
-        # finished sequences' KV kept in their slots, reused by prompts that share a prefix (prompt_cache.py)
+        # one prefix cache for the engine: idle slots' KV, running sequences' cells, a host tier (prefix_cache.py)
         # (a recurrent state cannot be cut back to a shared prefix: no prompt cache on such targets)
-        self.prompt_cache = PromptCache(config.prompt_cache and self.memory.keeps_prefix)
+        self.prefix_cache = PrefixCache(target, config.prompt_cache and self.memory.keeps_prefix, shared_cells,
+                                        host_cache_bytes, self._prefill_seconds)
         self.active: dict[int, Sequence] = {}  # slot -> seq
         self.prompt_groups: dict[str, Sequence] = {}  # share_prompt key -> the group's first sequence
         self.queue: deque[Sequence] = deque()
-        self.reserved = 0  # KV cells reserved by active sequences
+        self.reserved = 0  # KV cells reserved by active sequences (without sharing: prefix_cache counts shares)
+        self.awaited: set[int] = set()  # slots of prefilling sequences whose prefix queued ones wait to copy
         self.stats = RoundStats()
         self.disabled_speculators: set[str] = set()
         self.on_event: Callable[[Event], None] | None = None
@@ -305,41 +332,50 @@ class Scheduler:
         return bool(self.active or self.queue)
 
     def _admit(self) -> None:
-        while self.queue and self.free_slots:
-            seq = self.queue[0]
+        """Queued sequences into free slots, in order; one that waits (for cells, or for another sequence's
+        prefill of the prefix it will copy) lets those behind it pass, unless it waits for cells."""
+        i = 0
+        self.awaited = set()  # slots of prefilling sequences whose prefix queued ones wait to copy
+        while i < len(self.queue) and self.free_slots:
+            seq = self.queue[i]
             prompt = seq.req.prompt_tokens
             # hidden-state speculators (and echo) need every prompt row, which a reused prefix never produces
             every_row = self._needs_hidden(seq) or seq.req.sampling.prompt_logprobs
-            plan = admit_plan(seq, self.prompt_cache, self.free_slots, every_row, self.memory.keeps_prefix)
+            use = seq.req.cache_prompt and not every_row
+            plan = fork_plan(seq, self.free_slots, self.prefix_cache.idle.slots, every_row, self.memory.keeps_prefix)
             if plan is None:
-                break  # it copies the prompt of a sequence still prefilling it (n > 1): next round
-            slot, reuse, use, copy_from = plan
-            if self.shared_cells is not None:  # one KV pool: idle caches hold cells of it too
-                room = self.shared_cells - self.reserved - seq.reserve
-                if room < 0 and self.active:
-                    break  # wait for cells to free up
-                self.prompt_cache.evict(max(0, room), self.target.release, but=slot)
-            self.queue.popleft()
-            self.free_slots.remove(slot)
-            self.prompt_cache.claim(slot, 0 if copy_from is not None else reuse, use)
-            self.stats.shared_prompts += copy_from is not None
-            seq.slot, seq.state, seq.t_admit = slot, SeqState.PREFILL, time.perf_counter()
-            seq.n_prefilled = seq.n_past = seq.cached_tokens = reuse
-            self.active[slot] = seq
+                plan = self.prefix_cache.plan(seq, self.free_slots, self.active, use,
+                                              lambda q: self.shifter.enabled(q.req))
+            if plan.slot is None:
+                self.awaited.add(plan.wait)
+                i += 1  # it copies the prefix of a sequence still prefilling it: a later round
+                continue
+            if not self.prefix_cache.admit(seq, plan, use, len(self.active)):
+                break  # wait for cells to free up
+            del self.queue[i]
+            self.free_slots.remove(plan.slot)
+            self.stats.shared_prompts += seq.fork_of is not None and plan.copy_from == seq.fork_of.slot
+            seq.slot, seq.state, seq.t_admit = plan.slot, SeqState.PREFILL, time.perf_counter()
+            self.active[plan.slot] = seq
             self.reserved += seq.reserve
-            self.target.start(slot, seq.req.sampling, prompt, reuse, copy_from)  # drops cells past the prefix
-            self.policy.forget_sequence(slot, seq.chain)  # what it learnt of the slot's last sequence
+            self.policy.forget_sequence(plan.slot, seq.chain)  # what it learnt of the slot's last sequence
             try:
-                self.chain.begin(slot, seq.chain, prompt, seq.req.sampling.grammar)
+                self.chain.begin(plan.slot, seq.chain, prompt, seq.req.sampling.grammar)
             except Exception:  # a failing speculator degrades to plain decoding
                 log.exception("speculator begin failed; sequence %s decodes without speculation", seq.id)
                 seq.chain = ()
-            if reuse:  # what a prefill of the reused prefix would have told the speculators
-                self._mirror(seq, prompt[:reuse], 0)
+            if plan.reuse:  # what a prefill of the reused prefix would have told the speculators
+                self._mirror(seq, prompt[: plan.reuse], 0)
 
     def forget_prompt_cache(self, clear_kv: bool = True) -> None:
-        """Drop every idle cache: the target's KV is gone (clear_kv False: a new target) or cannot be trusted."""
-        self.prompt_cache.evict(-1, self.target.release if clear_kv else (lambda slot: None))
+        """Drop every idle cache and host entry: the target's KV is gone (clear_kv False: a new target) or
+        cannot be trusted."""
+        self.prefix_cache.forget(clear_kv)
+
+    def _prefill_seconds(self, n: int) -> float:
+        """The cost model's price of prefilling n prompt tokens, in chunks of at most n_batch rows."""
+        full, rest = divmod(n, self.config.n_batch)
+        return full * self.cost.cost(self.config.n_batch, 0) + (self.cost.cost(rest, 0) if rest else 0.0)
 
     def _finish(self, seq: Sequence) -> None:
         seq.state = SeqState.FINISHED
@@ -350,10 +386,9 @@ class Scheduler:
             self.reserved -= seq.reserve
             self.free_slots.append(slot)
             # the KV cells hold the history up to n_past (a draft accepted past the end of generation is in the
-            # cells but not in the history: cut; after a context shift, only the kept front): kept for a later prompt
-            tokens = seq.kv_prefix()
-            keep = seq.error is None and self.prompt_cache.keep(slot, tokens)  # a failed state is never reused
-            self.target.release(slot, keep=len(tokens) if keep else 0)
+            # cells but not in the history: cut; after a context shift, only the kept front): kept for a later
+            # prompt, a failed state never
+            self.target.release(slot, keep=self.prefix_cache.finished(seq))
             self.policy.forget_sequence(slot, seq.chain)
             try:
                 self.chain.end(slot, seq.chain)
@@ -389,8 +424,8 @@ class Scheduler:
         clock.lap("admit")
         if self.shared_cells is not None and not self.config.flash_attn_on:
             # every cell in use is computed for every token, masked or not: idle caches slow the running sequences
-            self.prompt_cache.evict(idle_budget(self.config.prompt_cache_slowdown, self.cost.cost(1, 0),
-                                                self.cost.read_seconds), self.target.release)
+            cap = idle_budget(self.config.prompt_cache_slowdown, self.cost.cost(1, 0), self.cost.read_seconds)
+            self.prefix_cache.evict_idle(lambda: self.prefix_cache.idle.idle_cells() <= cap)
         budget = self.target_budget()
         # slot order: llama.cpp packs consecutive sequence ids into one ubatch with a KV stream per slot (exact)
         by_slot = [self.active[k] for k in sorted(self.active)]
@@ -399,14 +434,12 @@ class Scheduler:
         self.stats.context_shifts += self.shifter.apply(decoding, self.chain)  # before any draft: none is pending
         # rows the target replays in front of decoding sequences' own (a restored recurrent state: rollback.py)
         replay = sum(s.replay_rows for s in decoding)
-        # prompt chunks: what the batch has room for after one row per decoding sequence
-        chunks = list(zip(prefilling, prompt_chunks([len(s.req.prompt_tokens) - s.n_prefilled for s in prefilling],
-                                                    budget - len(decoding) - replay, self.config.prefill_chunk)))
+        chunks = self._prompt_chunks(prefilling, budget - len(decoding) - replay, bool(decoding))
         n_prefill = sum(n for _, n in chunks)
         # KV cells a token of this round attends, on average: with one shared KV stream every slot's cells
         # (masked, but computed; idle caches too), with a stream per slot its own sequence's
         seqs = decoding or prefilling
-        cells = (float(sum(s.n_past for s in by_slot) + self.prompt_cache.idle_cells()) if self.shared_cells
+        cells = (float(sum(s.n_past for s in by_slot) + self.prefix_cache.idle.idle_cells()) if self.shared_cells
                  else sum(s.n_past for s in seqs) / len(seqs) if seqs else 0.0)
         base_rows = len(decoding) + n_prefill + replay
         clock.lap("plan")
@@ -422,6 +455,7 @@ class Scheduler:
                 self.chain.hidden(out.hidden)
             except Exception:
                 log.exception("speculator hidden rows failed")
+        self.prefix_cache.round_done(out.stashed, out.restored)
         self.stats.target_seconds += out.decode_seconds
         self.stats.rollback.add(out.rollback)  # (None where a KV cache is trimmed)
 
@@ -442,6 +476,19 @@ class Scheduler:
                             sum(len(p.tokens) for p in proposals), clock.total - clock.seconds.get("decode", 0.0),
                             emitted, out.rollback)
         return events
+
+    def _prompt_chunks(self, prefilling: list[Sequence], room: int, beside: bool) -> list[tuple[Sequence, int]]:
+        """(sequence, rows) of the round's prompt chunks in slot order: what the batch has room for after the
+        decoding sequences' rows (prompt_chunks: short prompts and those others wait for first; `beside`:
+        sequences decode this round, so the prefill budget applies)."""
+        if not prefilling:
+            return []
+        first = tuple(i for i, s in enumerate(prefilling) if s.slot in self.awaited)
+        oldest = min(range(len(prefilling)), key=lambda i: prefilling[i].t_admit or 0.0)
+        rows = prompt_chunks([len(s.req.prompt_tokens) - s.n_prefilled for s in prefilling], room,
+                             self.config.prefill_chunk, self.config.prefill_budget if beside else None, first,
+                             oldest, PREFILL_FLOOR)
+        return [(s, n) for s, n in zip(prefilling, rows) if n]
 
     def target_budget(self) -> int:  # the most rows one round's decode may carry
         return self.config.n_batch

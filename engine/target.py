@@ -35,6 +35,8 @@ class TargetContext(Protocol):  # what specray.native.Context provides
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool: ...
     def clear_seq(self, seq_id: int) -> None: ...
     def shift_seq(self, seq_id: int, n_keep: int, n_discard: int) -> bool: ...
+    def save_seq(self, seq_id: int) -> Any: ...
+    def load_seq(self, seq_id: int, buf: Any) -> bool: ...
 
 
 @dataclass
@@ -88,6 +90,10 @@ class StepOutput:
     hidden: Any = None
     # this round's rollback work (rollback.RollbackStats; None where the target trims a KV cache)
     rollback: RollbackStats | None = None
+    # the host tier since the last round: saves (TargetRunner.stash: key -> bytes held, 0: nothing saved) and
+    # restores (TargetRunner.start with `restore`: key, seconds, whether llama.cpp took the cells)
+    stashed: dict[int, int] = field(default_factory=dict)
+    restored: list[tuple[int, float, bool]] = field(default_factory=list)
 
 
 @dataclass
@@ -228,6 +234,10 @@ class TargetRunner:
         self.hidden_out = None
         self.hidden_rows = 0  # hidden rows returned (committed tokens of hidden=True items)
         self.sessions: dict[int, _Session] = {}
+        self.stashed: dict[int, Any] = {}  # host-tier key -> a saved sequence's cells (stash / restore)
+        # since the last StepOutput: bytes saved per key, and restores (key, seconds, made)
+        self._stash_sizes: dict[int, int] = {}
+        self._restored: list[tuple[int, float, bool]] = []
         self.rounds = 0
         self.multi_seq_decodes = 0  # decodes that held rows of >= 2 sequences
         self.max_seqs_in_decode = 0
@@ -235,14 +245,23 @@ class TargetRunner:
         self.step_decode_seqs = 0  # sequences summed over those decodes: / step_decodes = mean batch width
 
     def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray, n_keep: int = 0,
-              copy_from: int | None = None) -> None:
+              copy_from: int | None = None, restore: int | None = None) -> None:
         """Register a sequence whose first `n_keep` prompt tokens are already in its slot's KV cells (the
         prompt cache: the scheduler knows they match); every cell past them is dropped. `copy_from`: the slot
-        whose cells are copied in first (a sibling of an n > 1 request that prefilled the same prompt)."""
+        whose cells are copied in first (another sequence, running or idle, holding the same prefix). `restore`:
+        the host-tier key whose saved cells are written in first (`stash`); where they cannot be (no run of free
+        cells long enough), the first `n_keep` prompt tokens are prefilled here instead, so the cells are what
+        the scheduler was told either way."""
         if copy_from is not None:
             self.ctx.clear_seq(seq_id)
             # the whole sequence (a copy across KV streams must be whole); the cells past n_keep go below
             self.ctx.seq_cp(copy_from, seq_id, -1, -1)
+        if restore is not None and n_keep > 0:
+            t0 = time.perf_counter()
+            made = self.restore(seq_id, restore)
+            self._restored.append((restore, time.perf_counter() - t0, made))
+            if not made:
+                self._prefill_quietly(seq_id, np.asarray(prompt[:n_keep], dtype=np.int32))
         if n_keep <= 0:
             self.ctx.clear_seq(seq_id)
         elif not self.ctx.seq_rm(seq_id, n_keep, -1):
@@ -271,6 +290,42 @@ class TargetRunner:
         self.rollback.forget(seq_id)
         if keep <= 0 or not self.ctx.seq_rm(seq_id, keep, -1):
             self.ctx.clear_seq(seq_id)
+
+    # ---- the prompt cache's host tier (engine/host_tier.py: the scheduler's index decides, the bytes stay here) --
+    def stash(self, seq_id: int, key: int) -> None:
+        """Save seq_id's cells to host memory under `key`; the bytes held (0: nothing was saved) come back in
+        the next StepOutput.stashed."""
+        buf = self.ctx.save_seq(seq_id)
+        if buf is not None:
+            self.stashed[key] = buf
+        self._stash_sizes[key] = 0 if buf is None else len(buf)
+
+    def take_host_report(self) -> tuple[dict[int, int], list[tuple[int, float, bool]]]:
+        """Since the last call: bytes saved per key, and the restores made (StepOutput.stashed, restored)."""
+        out = self._stash_sizes, self._restored
+        self._stash_sizes, self._restored = {}, []
+        return out
+
+    def restore(self, seq_id: int, key: int) -> bool:
+        """Write the cells saved under `key` into seq_id (its own cells dropped first); False, seq_id left empty,
+        where the target has no room for them or no such entry."""
+        buf = self.stashed.get(key)
+        return buf is not None and self.ctx.load_seq(seq_id, buf)
+
+    def drop_stash(self, keys: list[int]) -> None:
+        """Free the host memory of these saved prefixes (unknown keys are ignored)."""
+        for k in keys:
+            self.stashed.pop(k, None)
+
+    def _prefill_quietly(self, seq_id: int, tokens: np.ndarray) -> None:
+        """Decode `tokens` into seq_id's cells from position 0, outside any round (a restore that could not be
+        made); their logits are not used."""
+        batch = self.ctx.batch
+        for p0 in range(0, len(tokens), self.ctx.n_batch):
+            part = tokens[p0 : p0 + self.ctx.n_batch]
+            batch.clear()
+            batch.add_seq(seq_id, part, p0, 1)
+            self.ctx.decode(batch)
 
     def _drop_constraint(self, seq_id: int) -> None:
         sess = self.sessions.get(seq_id)
@@ -417,6 +472,7 @@ class TargetRunner:
         self.rounds += 1
         out = StepOutput([rnd.results[seq_id] for seq_id in rnd.order], rnd.decode_seconds, sum(rnd.sizes),
                          len(rnd.groups), rnd.sizes, rnd.seqs, verify_seconds=rnd.verify_seconds)
+        out.stashed, out.restored = self.take_host_report()
         if rnd.rollback_before is not None:
             out.rollback = self.rollback.stats.minus(rnd.rollback_before)
         if rnd.hidden:

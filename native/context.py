@@ -253,6 +253,23 @@ class Context:
         n = int(llama_cpp.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
         return bytes(memoryview(buf)[:n])
 
+    def save_seq(self, seq_id: int):
+        """seq_id's cells saved to host memory (the prompt cache's host tier): a ctypes buffer that `load_seq`
+        takes back without another copy; None where llama.cpp wrote nothing."""
+        size = int(llama_cpp.llama_state_seq_get_size(self.ptr, seq_id))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(llama_cpp.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
+        return buf if n > 0 else None
+
+    def load_seq(self, seq_id: int, buf) -> bool:
+        """Write a `save_seq` buffer into seq_id (cleared first). False, with seq_id left empty, where llama.cpp
+        refuses it (no run of free cells long enough)."""
+        self.clear_seq(seq_id)
+        if int(llama_cpp.llama_state_seq_set_data(self.ptr, buf, len(buf), seq_id)) == 0:
+            self.clear_seq(seq_id)
+            return False
+        return True
+
     def state_seq_set(self, seq_id: int, data: bytes) -> None:
         """Restore a checkpoint into seq_id (which should be empty first)."""
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)

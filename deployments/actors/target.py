@@ -113,20 +113,20 @@ class TargetService:
     def step(
         self,
         items: list[StepItem],
-        starts: list[tuple] = (),
-        releases: list[tuple[int, int]] = (),
+        ops: list[tuple] = (),
         hidden_acks: list = (),
     ) -> tuple[StepOutput, float]:
-        """Releases, then starts, then one round. Returns (output, seconds spent in here). Hidden rows
+        """The slot operations the router buffered since the last round, in its order (("release", seq_id, keep),
+        ("start", seq_id, params, prompt, n_keep, copy_from, restore), ("stash", seq_id, key), ("drop", keys):
+        TargetRunner's methods), then one round. Returns (output, seconds spent in here). Hidden rows
         (StepOutput.hidden) leave as a transport handle; hidden_acks free the transport's buffers."""
         t0 = time.perf_counter()
         with self._lock:
             if hidden_acks and self.hidden_transport is not None:
                 self.hidden_transport.acknowledge(hidden_acks)
-            for seq_id, keep in releases:
-                self.runner.release(seq_id, keep)
-            for start in starts:  # (seq_id, params, prompt, n_keep, copy_from)
-                self.runner.start(*start)
+            for op in ops:
+                SLOT_OPS[op[0]](self.runner, *op[1:])
+            # (an empty step, a flush, leaves the host tier's report for the next round's output)
             out = self.runner.step(items) if items else StepOutput([], 0.0, 0, 0)
             if out.hidden is not None and self.hidden_transport is not None:
                 out.hidden = self.hidden_transport.export(out.hidden)
@@ -135,7 +135,7 @@ class TargetService:
 
     def channel(self, msg: tuple):
         """The one method of the compiled graph (target_channel.py), on Ray's compiled-graph thread, which then
-        does every decode: ("step", items, starts, releases, acks) | ("calibrate",) | ("park",). A park holds the
+        does every decode: ("step", items, ops, acks) | ("calibrate",) | ("park",). A park holds the
         thread in a plain wait until `wake`: between executions Ray 2.60's graph loop polls its input channel,
         a whole core while the router is idle."""
         op, args = msg[0], msg[1:]
@@ -217,6 +217,11 @@ class HopStats:
         }
 
 
+#: the router's buffered slot operations, by name, as the actor applies them (RemoteTarget buffers them)
+SLOT_OPS = {"release": TargetRunner.release, "start": TargetRunner.start, "stash": TargetRunner.stash,
+            "drop": TargetRunner.drop_stash}
+
+
 class RemoteTarget:
     """TargetRunner's interface over the target actor: one actor call per round.
 
@@ -228,8 +233,9 @@ class RemoteTarget:
         self.timeout_s = timeout_s  # a step that takes longer counts as a hung actor (GetTimeoutError)
         self.mode = hop  # "actor": one actor call a round; "compiled": a Ray compiled graph (target_channel.py)
         self.channel = self._open_channel(actor)
-        self._starts: list[tuple] = []  # TargetRunner.start's arguments
-        self._releases: list[tuple[int, int]] = []  # (slot, KV cells it keeps for the prompt cache)
+        # slot operations for the next step, in order: ("release", slot, KV cells it keeps for the prompt cache),
+        # ("start", TargetRunner.start's arguments...), ("stash", slot, key), ("drop", keys)
+        self._ops: list[tuple] = []
         self._hidden_acks: list = []  # CUDA-IPC hidden-row buffers the companion is done with
         self.hop = HopStats()
 
@@ -248,8 +254,7 @@ class RemoteTarget:
         self.channel = self._open_channel(actor)
         self.actor = actor
         self.epoch = epoch
-        self._starts = []
-        self._releases = []
+        self._ops = []
         self._hidden_acks = []
 
     def close(self) -> None:
@@ -277,31 +282,37 @@ class RemoteTarget:
         self._hidden_acks.extend(acks)
 
     def pending(self) -> bool:
-        return bool(self._releases or self._starts)
+        return bool(self._ops)
 
     @property
     def pending_releases(self) -> int:
         """Slot releases buffered for the next step (/v1/stats `pending_releases`)."""
-        return len(self._releases)
+        return sum(op[0] == "release" for op in self._ops)
 
     def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray, n_keep: int = 0,
-              copy_from: int | None = None) -> None:
-        self._starts.append((seq_id, params, np.asarray(prompt, dtype=np.int32), n_keep, copy_from))
+              copy_from: int | None = None, restore: int | None = None) -> None:
+        self._ops.append(("start", seq_id, params, np.asarray(prompt, dtype=np.int32), n_keep, copy_from, restore))
 
     def release(self, seq_id: int, keep: int = 0) -> None:
-        # a slot released and started again before the next step: the release must come first,
-        # which step() guarantees (releases are applied before starts)
-        self._starts = [s for s in self._starts if s[0] != seq_id]
-        self._releases.append((seq_id, keep))
+        # after a start of the same slot not yet sent (a sequence cancelled before its first round): the start
+        # still goes first, so the cells kept are those it set up (copied or restored ones too)
+        self._ops.append(("release", seq_id, keep))
+
+    def stash(self, seq_id: int, key: int) -> None:
+        """Applied in order with the next step; the bytes saved come back in its StepOutput.stashed."""
+        self._ops.append(("stash", seq_id, key))
+
+    def drop_stash(self, keys: list[int]) -> None:
+        if keys:
+            self._ops.append(("drop", list(keys)))
 
     def step(self, items: list[StepItem]) -> StepOutput:
-        starts, self._starts = self._starts, []
-        releases, self._releases = self._releases, []
+        ops, self._ops = self._ops, []
         acks, self._hidden_acks = self._hidden_acks, []
         t0 = time.perf_counter()
         if self.channel is not None:
             rows = sum(len(it.tokens) for it in items)
-            out, inside = self.channel.call(("step", items, starts, releases, acks), rows)
+            out, inside = self.channel.call(("step", items, ops, acks), rows)
             self.channel.wait.observe(rows, inside)
             if isinstance(out.hidden, HiddenRows):
                 # rows sent by value arrive as views of the channel's buffer, and the companion's proxy keeps
@@ -309,8 +320,7 @@ class RemoteTarget:
                 # round then timed out); copied, the buffer is free again
                 out.hidden = out.hidden.owned()
         else:
-            ref = self.actor.step.remote(items, starts, releases, acks) if acks else self.actor.step.remote(
-                items, starts, releases)
+            ref = self.actor.step.remote(items, ops, acks) if acks else self.actor.step.remote(items, ops)
             out, inside = ray.get(ref, timeout=self.timeout_s)
         self.hop.add(max(0.0, time.perf_counter() - t0 - inside))
         return out
@@ -321,5 +331,5 @@ class RemoteTarget:
 
     def flush(self) -> None:
         """Apply buffered releases now (e.g. when the router goes idle)."""
-        if self._releases or self._starts:
+        if self._ops:
             self.step([])

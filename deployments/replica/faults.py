@@ -76,14 +76,16 @@ class Faults:
 
     def round_failed(self, e: Exception) -> None:
         """A round raised. A lost actor is marked down (the supervisor restarts it; its sequences fail with
-        a 503 in sync_target); anything else is a bug: the running sequences get a 500, queued ones stay."""
+        a 503 in sync_target); anything else is a bug: the running sequences get a 500, queued ones stay,
+        unless nothing was running: then the round failed admitting them, as every round would, and they get
+        the 500 instead of waiting for their clients' timeouts."""
         if self.actors is not None and is_actor_death(e):
             self.actors.target.mark_down(e, self.parts.remote.epoch)
             self.sync_target()
             return
         self.rel.round_failures += 1
         self.last_error = short_error(e)
-        seqs = self.slots.running()
+        seqs = self.slots.running() or list(self.parts.scheduler.queue)
         log.exception("round failed; failing %d requests", len(seqs))
         self.slots.fail(seqs, EngineFailure(f"internal error: {self.last_error}"))
         # what a failed round left in the KV cells is unknown: no later prompt may reuse them

@@ -20,6 +20,10 @@ Names follow vLLM / llama-server. They are Ray Serve custom metrics
     ray_specray_e2e_request_latency_seconds{arm}                      histogram
     ray_specray_slots_busy{arm}, ray_specray_slots_total{arm},
     ray_specray_slot_occupancy{arm} (busy / total), ray_specray_requests_waiting{arm}
+    ray_specray_prefix_cache_queries_total{arm}                       prompt tokens of finished requests
+    ray_specray_prefix_cache_hits_total{arm}                          of them, found cached (vLLM's pair)
+    ray_specray_prefix_cache_host_bytes{arm},                         the prompt cache's host tier: bytes
+    ray_specray_prefix_cache_host_entries{arm}                        and prefixes held in host memory
 
 The spec-decode counters are engine-level (as vLLM's): the replica's
 speculator counters, pushed as deltas from the round thread (at most once per
@@ -134,6 +138,10 @@ class EngineMetrics:
         self.slots_total = G(p + "slots_total", "slots of the replica", tag_keys=arm_tag)
         self.occupancy = G(p + "slot_occupancy", "busy slots / slots", tag_keys=arm_tag)
         self.waiting = G(p + "requests_waiting", "requests queued for a slot", tag_keys=arm_tag)
+        self.cache_queries = C(p + "prefix_cache_queries", "prompt tokens of finished requests", tag_keys=arm_tag)
+        self.cache_hits = C(p + "prefix_cache_hits", "prompt tokens found in the prefix cache", tag_keys=arm_tag)
+        self.host_bytes = G(p + "prefix_cache_host_bytes", "bytes of prefixes held in host memory", tag_keys=arm_tag)
+        self.host_entries = G(p + "prefix_cache_host_entries", "prefixes held in host memory", tag_keys=arm_tag)
         self.slots_total.set(slots, tags=self.tags)
         self._seen = (0, 0, 0, [])  # spec totals already pushed
         self._last_flush = 0.0
@@ -143,6 +151,9 @@ class EngineMetrics:
         reason = reason or seq.finish_reason or "unknown"
         self.requests.inc(1, tags={"arm": self.arm, "finish_reason": reason})
         self.prompt_tokens.inc(len(seq.req.prompt_tokens), tags=self.tags)
+        self.cache_queries.inc(len(seq.req.prompt_tokens), tags=self.tags)
+        if seq.cached_tokens:
+            self.cache_hits.inc(seq.cached_tokens, tags=self.tags)
         if seq.generated:
             self.generation_tokens.inc(len(seq.generated), tags=self.tags)
         t = timing_of(seq)
@@ -153,9 +164,11 @@ class EngineMetrics:
         self.e2e.observe(t["e2e_s"], tags=self.tags)
         self._finished_since_flush = True
 
-    def after_round(self, spec_stats: dict[str, Any], busy: int, waiting: int, idle: bool = False) -> None:
+    def after_round(self, spec_stats: dict[str, Any], busy: int, waiting: int, idle: bool = False,
+                    host: dict | None = None) -> None:
         """Push the spec-decode deltas and slot gauges, rate-limited (forced after a request ended or when
-        the replica went idle, so the figures are exact once the traffic stops)."""
+        the replica went idle, so the figures are exact once the traffic stops). `host`: the prompt cache's
+        host tier figures (HostTier.to_dict)."""
         now = time.monotonic()
         if not (idle or self._finished_since_flush or now - self._last_flush >= self.flush_interval_s):
             return
@@ -166,6 +179,9 @@ class EngineMetrics:
         self.slots_busy.set(busy, tags=self.tags)         # was seen exported as 0)
         self.waiting.set(waiting, tags=self.tags)
         self.occupancy.set(busy / self.slots if self.slots else 0.0, tags=self.tags)
+        if host is not None:
+            self.host_bytes.set(host["bytes"], tags=self.tags)
+            self.host_entries.set(host["entries"], tags=self.tags)
 
     def flush_spec(self, spec_stats: dict[str, Any]) -> None:
         drafts, tokens, accepted, per_pos = spec_totals(spec_stats)

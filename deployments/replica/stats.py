@@ -40,9 +40,11 @@ def round_snapshot(core) -> dict:
         "queued": len(s.queue),
         "free_slots": len(s.free_slots),
         "reserved_cells": s.reserved,
-        # idle slots' KV kept for later prompts with the same prefix; cached_cells: per slot, 0 if none
-        "prompt_cache": s.prompt_cache.stats() | {
-            "cached_cells": [len(c.tokens) if (c := s.prompt_cache.slots.get(i)) else 0
+        # the prefix cache (engine/prefix_cache.py): idle slots' KV kept for later prompts with the same prefix
+        # (cached_cells: per slot, 0 if none), copies of other slots' cells, waits, the pool's cells in use
+        # counting shared ones once, and the host tier (entries, bytes, saves, restores, evictions)
+        "prompt_cache": s.prefix_cache.stats() | {
+            "cached_cells": [len(c.tokens) if (c := s.prefix_cache.idle.slots.get(i)) else 0
                              for i in range(parts.config.slots)]},
         "streams": len(core.slots.streams),
         "scheduler": asdict(s.stats),
@@ -116,6 +118,6 @@ def observe_round(core, idle: bool) -> None:
         return
     s = core.scheduler
     try:
-        obs.after_round(core.chain.stats(), len(s.active), len(s.queue), idle)
+        obs.after_round(core.chain.stats(), len(s.active), len(s.queue), idle, s.prefix_cache.host.to_dict())
     except Exception:
         log.exception("metrics update failed")

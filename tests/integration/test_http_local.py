@@ -17,7 +17,7 @@ def test_the_in_process_row_reuses_no_cached_prompt(smollm2):
                        chain=ChainConfig(speculators=[]))
     eng = LocalEngine(cfg, model=smollm2)
     try:
-        cache = eng.scheduler.prompt_cache
+        cache = eng.scheduler.prefix_cache.idle
         assert cache.enabled  # on by default: the rows must opt out, as the HTTP client does
         first = run_in_process(eng, PROMPTS, 1, 4)
         again = run_in_process(eng, PROMPTS, 2, 4)  # the same prompts, their KV still in the slots

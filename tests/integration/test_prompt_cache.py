@@ -1,8 +1,12 @@
-"""The prompt cache (engine/prompt_cache.py): multi-turn chats reuse their slot's KV, and the output does not change.
+"""The prefix cache (engine/prefix_cache.py): multi-turn chats reuse their KV wherever it lives, and the output
+does not change.
 
-Conversations run turn by turn, several at once on several slots, speculation on: turn n's prompt is turn n-1's
-prompt, the answer and a new user message. One engine keeps finished sequences' KV (the default), one does not;
-exact mode (batch-invariant target) must give token-identical output, fast mode may diverge only at near-ties.
+Conversations run turn by turn, several at once on several slots, speculation on, all with one system prompt
+(as agents send): turn n's prompt is turn n-1's prompt, the answer and a new user message. One engine keeps
+finished sequences' KV (the default), one does not; exact mode (batch-invariant target) must give
+token-identical output, with the system prompt copied between slots (from running sequences too) and evicted
+conversations restored from the host tier; fast mode (one KV pool, copies share cells) may diverge only at
+near-ties. Prefill never stalls a conversation: short continuations go first, decoding streams keep going.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from specray.bench.run import classify_divergence, measure_batch_variance, measu
 from specray.deployments.local_engine import LocalEngine
 from specray.engine.config import ChainConfig, EngineConfig
 from specray.engine.cost import DecodeCostModel
-from specray.engine.request import GenerationRequest
+from specray.engine.request import GenerationRequest, SeqState
 
 from ..conftest import spec_bench_questions
 
@@ -24,6 +28,10 @@ CHAIN = ("ngram_mod", "suffix")
 PARAMS = {"ngram_mod": {"n_match": 3, "n_min": 1, "n_max": 8, "pool_size": 1 << 16},
           "suffix": {"min_match": 1, "p_min": 0.01}}
 FOLLOW_UP = "Now say the same in two sentences."
+# the agents' shared system prompt: long enough that a conversation waits for another's prefill of it and copies
+SYSTEM = ("You are a careful assistant with tools. Rules: " + " ".join(
+    f"{i}. Answer question kind {i} briefly, cite tool {i % 7}, and never invent a value for field f{i}."
+    for i in range(1, 17)))
 
 
 def _engine(model, exact: bool, prompt_cache: bool, slots: int = 4, **kw) -> LocalEngine:
@@ -44,7 +52,7 @@ def _chat(engine: LocalEngine, convs: list[list[str]], max_tokens: int = 40, cac
     """Every conversation's turns, all conversations' turn t submitted together; returns [turn][conv] Sequence.
     `answers` ([turn][conv] Sequence of another run): its answers make the history, so both runs' prompts are the
     same even where their answers differ."""
-    history: list[list[dict]] = [[] for _ in convs]
+    history: list[list[dict]] = [[{"role": "system", "content": SYSTEM}] for _ in convs]
     turns = []
     for t in range(len(convs[0])):
         reqs = []
@@ -69,7 +77,7 @@ def convs():
 def exact_without_cache(smollm2, convs):
     eng = _engine(smollm2, exact=True, prompt_cache=False)
     turns = _chat(eng, convs)
-    assert eng.scheduler.prompt_cache.stats()["hits"] == 0
+    assert eng.scheduler.prefix_cache.idle.stats()["hits"] == 0
     eng.close()
     return turns
 
@@ -77,32 +85,41 @@ def exact_without_cache(smollm2, convs):
 def test_multi_turn_output_is_token_identical_with_the_cache_in_exact_mode(smollm2, convs, exact_without_cache):
     eng = _engine(smollm2, exact=True, prompt_cache=True)
     turns = _chat(eng, convs)
+    system = len(eng.prompt_tokens(messages=[{"role": "system", "content": SYSTEM}]))
+    assert system > 256 + 8  # MIN_WAIT_TOKENS: the first turns wait for the first one's prefill and copy it
     assert eng.runner.max_seqs_in_decode >= 4  # the conversations really shared batches
     for t, (with_cache, without) in enumerate(zip(turns, exact_without_cache)):
         for c, (a, b) in enumerate(zip(with_cache, without)):
             assert a.generated == b.generated, f"turn {t}, conversation {c} diverged with the prompt cache"
             assert b.cached_tokens == 0
-            if t == 0:
-                assert a.cached_tokens == 0  # nothing of this conversation was cached before its first turn
+            if t == 0:  # one conversation prefilled the system prompt, the others waited and copied (at least
+                # its first chunk: the rest is too short to wait for) from its slot
+                assert a.cached_tokens == 0 if c == 0 else a.cached_tokens >= 256, (c, a.cached_tokens)
             else:  # at least the whole previous prompt was found in the slot (it is a prefix of this one)
                 prev = turns[t - 1][c]
                 assert a.cached_tokens >= len(prev.req.prompt_tokens), (t, c, a.cached_tokens)
                 assert a.cached_tokens < len(a.req.prompt_tokens)  # the last prompt token is always decoded
     assert sum(s.spec_total.accepted for seqs in turns for s in seqs) > 0  # speculation was on and paid
-    stats = eng.scheduler.prompt_cache.stats()
-    assert stats["hits"] == 8 and stats["reused_tokens"] == sum(s.cached_tokens for seqs in turns for s in seqs)
+    stats = eng.scheduler.prefix_cache.stats()
+    assert stats["hits"] == 11 and stats["reused_tokens"] == sum(s.cached_tokens for seqs in turns for s in seqs)
+    assert stats["copies_from_running"] >= 3 and stats["waits"] >= 3
     # KV cells of idle slots are exactly what the cache records: nothing leaked, nothing lost
     kv = [eng.ctx.seq_pos_max(i) + 1 for i in range(4)]
-    assert kv == [len(eng.scheduler.prompt_cache.slots[i].tokens) for i in range(4)]
+    assert kv == [len(eng.scheduler.prefix_cache.idle.slots[i].tokens) for i in range(4)]
     eng.close()
 
 
 def test_more_conversations_than_slots_and_opting_out(smollm2, convs, exact_without_cache):
-    # 4 conversations on 2 slots: caches are evicted and reused in turn; the output stays the same
-    eng = _engine(smollm2, exact=True, prompt_cache=True, slots=2)
+    # 4 conversations on 2 slots: caches are evicted to the host tier and restored in turn; the output stays the same
+    eng = _engine(smollm2, exact=True, prompt_cache=True, slots=2, cache_ram=256)
     turns = _chat(eng, convs)
     for t, (with_cache, without) in enumerate(zip(turns, exact_without_cache)):
         assert [s.generated for s in with_cache] == [s.generated for s in without], f"turn {t}"
+    host = eng.scheduler.prefix_cache.stats()["host"]
+    assert host["saves"] >= 2 and host["restores"] >= 2 and host["failed_restores"] == 0, host
+    assert 0 < host["bytes"] <= 256 * 2**20 and host["entries"] == len(eng.runner.stashed)
+    # a later turn found its whole history in host memory (its slot held another conversation meanwhile)
+    assert all(s.cached_tokens >= len(p.req.prompt_tokens) for s, p in zip(turns[2], turns[1]))
     # a request that says cache_prompt: false prefills everything, even where its prefix is cached
     again = _chat(eng, convs[:2], cache_prompt=False)
     assert all(s.cached_tokens == 0 for seqs in again for s in seqs)
@@ -129,12 +146,12 @@ def test_idle_caches_give_way_to_new_sequences_in_one_kv_pool(smollm2):
     eng = _engine(smollm2, exact=False, prompt_cache=True, slots=2)
     assert eng.scheduler.shared_cells == 2048
     first = eng.generate(prompt="Count: " + " ".join(str(i) for i in range(120)), max_tokens=8, chain=())
-    cached = eng.scheduler.prompt_cache.idle_cells()
+    cached = eng.scheduler.prefix_cache.idle.idle_cells()
     assert cached == first.n_past > 100 and eng.ctx.seq_pos_max(first.slot) + 1 == cached
     long_prompt = (np.arange(1900, dtype=np.int32) % 500) + 1000  # shares no prefix; leaves < `cached` cells free
     seq = eng.run([GenerationRequest(long_prompt, max_tokens=8, chain=())])[0]
     assert seq.slot != first.slot and seq.cached_tokens == 0 and len(seq.generated) == 8
-    assert eng.scheduler.prompt_cache.evicted == 1
+    assert eng.scheduler.prefix_cache.idle.evicted == 1
     assert eng.ctx.seq_pos_max(first.slot) + 1 == 0  # the evicted cache's cells were freed
     eng.close()
 
@@ -149,7 +166,31 @@ def test_idle_caches_are_capped_by_their_price_with_flash_attention_off(smollm2)
                for base in (1000, 2000, 3000))
     assert a.n_past == b.n_past == 107 and len({a.slot, b.slot, c.slot}) == 3
     # b decoded beside a's 107 idle cells (within the price); c beside a's and b's 214: the older, a's, went
-    assert eng.scheduler.prompt_cache.evicted == 1
-    assert sorted(eng.scheduler.prompt_cache.slots) == sorted([b.slot, c.slot])
+    assert eng.scheduler.prefix_cache.idle.evicted == 1
+    assert sorted(eng.scheduler.prefix_cache.idle.slots) == sorted([b.slot, c.slot])
     assert eng.ctx.seq_pos_max(a.slot) + 1 == 0
+    eng.close()
+
+
+def test_prefill_never_stalls_a_conversation(smollm2):
+    # one stream decodes while a 1,500-token prompt prefills at 64 prompt rows a round; a short continuation
+    # submitted meanwhile goes before the long prompt's rows and answers within a few rounds
+    eng = _engine(smollm2, exact=False, prompt_cache=True, slots=3, prefill_budget=64)
+    talker = eng.submit(GenerationRequest(np.arange(50, dtype=np.int32) + 1000, max_tokens=300, chain=()))
+    eng.step()
+    assert len(talker.generated) == 1
+    long = eng.submit(GenerationRequest((np.arange(1500, dtype=np.int32) % 400) + 2000, max_tokens=4, chain=()))
+    short = None
+    rounds_to_first_token = None
+    for r in range(1, 16):
+        if r == 3:
+            short = eng.submit(GenerationRequest(np.arange(40, dtype=np.int32) + 5000, max_tokens=4, chain=()))
+        before = (len(talker.generated), long.n_prefilled)
+        eng.step()
+        assert len(talker.generated) == before[0] + 1, f"round {r}: the decoding stream stalled"
+        assert long.n_prefilled > before[1] or long.state != SeqState.PREFILL, f"round {r}: the long prompt stalled"
+        if short is not None and short.generated and rounds_to_first_token is None:
+            rounds_to_first_token = r - 2
+    assert long.state == SeqState.PREFILL  # still prefilling: 15 rounds of at most 64 rows
+    assert rounds_to_first_token is not None and rounds_to_first_token <= 2, rounds_to_first_token
     eng.close()

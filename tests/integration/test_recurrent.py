@@ -64,7 +64,7 @@ def test_speculation_on_a_recurrent_target_is_token_identical(models, name, requ
     try:
         assert eng.scheduler.memory.kind == ("recurrent" if name == "mamba2" else "hybrid")
         assert eng.scheduler.memory.rollback == mode
-        assert not eng.scheduler.prompt_cache.enabled  # a recurrent state cannot be cut back to a prefix
+        assert not eng.scheduler.prefix_cache.idle.enabled  # a recurrent state cannot be cut back to a prefix
         base = [s.generated for s in _run(eng, ())]
         assert all(len(b) == MAX_TOKENS for b in base)
         for chain in [(n,) for n in ALL] + [DEFAULT_CHAIN]:

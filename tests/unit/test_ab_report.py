@@ -153,8 +153,9 @@ def test_spec_counters_are_pushed_as_deltas_and_survive_a_reset():
     stats["s"] = {"drafts_chosen": 5, "tokens_generated": 20, "tokens_accepted": 9, "accepted_per_pos": [4, 3, 2]}
     m.after_round(stats, busy=1, waiting=0)  # rate-limited: nothing pushed yet
     assert rec.values[("specray_spec_decode_num_drafts", (("arm", "fast"),))] == 2
-    m.after_round(stats, busy=0, waiting=0, idle=True)
+    m.after_round(stats, busy=0, waiting=0, idle=True, host={"bytes": 4096, "entries": 2})
     v = rec.values
+    assert v[("specray_prefix_cache_host_bytes", (("arm", "fast"),))] == 4096
     assert v[("specray_spec_decode_num_drafts", (("arm", "fast"),))] == 5
     assert v[("specray_spec_decode_num_accepted_tokens", (("arm", "fast"),))] == 9
     assert v[("specray_spec_decode_num_accepted_tokens_per_pos", (("arm", "fast"), ("position", "2")))] == 2
