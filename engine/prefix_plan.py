@@ -72,7 +72,7 @@ def destination(free: list[int], idle: dict[int, Cached]) -> int:
 
 def plan_prefix(prompt: np.ndarray, free: list[int], holders: Holders, can_copy: bool,
                 worth_restore: Callable[[int, int], bool] = lambda key, gain: True,
-                min_wait: int = 256) -> PrefixPlan:
+                min_wait: int = 32) -> PrefixPlan:
     """The plan for a new sequence's prompt (see the module docstring). `can_copy`: cells may be copied between
     slots (the target keeps prefixes and the request allows it). `worth_restore(key, gain)`: whether restoring
     host entry `key` beats prefilling `gain` more tokens. `min_wait`: the fewest tokens a wait must save.
