@@ -753,10 +753,13 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("streams", "verify_buckets"):
         if any(c < 1 for c in getattr(args, flag, None) or ()):
             parser.error(f"--{flag.replace('_', '-')} must all be >= 1, got {getattr(args, flag)}")
-    for flag in ("n_max", "n_gpu_layers", "main_gpu"):
+    for flag in ("n_max", "n_gpu_layers", "main_gpu", "cache_ram"):
         v = getattr(args, flag, None)
         if v is not None and v < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0, got {v}")
+    v = getattr(args, "prefill_budget", None)
+    if v is not None and v < 16:
+        parser.error(f"--prefill-budget must be >= 16 (prompt tokens a round), got {v}")
     _check_engine_rules(parser, args)
     _check_draft_flags(parser, args)
     if getattr(args, "temperature", None) is not None and args.temperature < 0:

@@ -159,3 +159,23 @@ def test_short_prompts_go_first_and_the_oldest_still_progresses():
     assert prompt_chunks([1500, 60], room=500, chunk=256, budget=128, oldest=0, floor=32) == [68, 60]
     assert prompt_chunks([1500], room=500, chunk=256, budget=128, oldest=0, floor=32) == [128]
     assert prompt_chunks([1500, 60], room=500, chunk=256, oldest=0, floor=32) == [256, 60]  # nothing decodes
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prefill-budget", "5"], "--prefill-budget must be >= 16"),
+    (["--cache-ram", "-1"], "--cache-ram must be >= 0"),
+])
+def test_serve_names_a_bad_prefix_cache_flag(argv, message, capsys):
+    from specray.cli import main as cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["serve", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_serve_flags_reach_the_engine_config():
+    from specray.cli import main as cli
+    from specray.cli.serve import flag_overrides
+
+    args = cli.build_parser().parse_args(["serve", "--cache-ram", "512", "--prefill-budget", "128"])
+    assert {"cache_ram": 512, "prefill_budget": 128}.items() <= flag_overrides(args)["engine"].items()
