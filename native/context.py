@@ -248,10 +248,8 @@ class Context:
     # ---- state checkpoints per sequence ------------------------------------------
     def state_seq_get(self, seq_id: int) -> bytes:
         """A checkpoint of one sequence (its KV cells, or recurrent state)."""
-        size = int(llama_cpp.llama_state_seq_get_size(self.ptr, seq_id))
-        buf = (ctypes.c_uint8 * size)()
-        n = int(llama_cpp.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
-        return bytes(memoryview(buf)[:n])
+        buf = self.save_seq(seq_id)
+        return b"" if buf is None else bytes(buf)
 
     def save_seq(self, seq_id: int):
         """seq_id's cells saved to host memory (the prompt cache's host tier): a ctypes buffer that `load_seq`
@@ -259,7 +257,9 @@ class Context:
         size = int(llama_cpp.llama_state_seq_get_size(self.ptr, seq_id))
         buf = (ctypes.c_uint8 * size)()
         n = int(llama_cpp.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
-        return buf if n > 0 else None
+        if n <= 0:
+            return None
+        return buf if n == size else (ctypes.c_uint8 * n).from_buffer(buf)  # (a view: it keeps `buf` alive)
 
     def load_seq(self, seq_id: int, buf) -> bool:
         """Write a `save_seq` buffer into seq_id (cleared first). False, with seq_id left empty, where llama.cpp
