@@ -141,9 +141,9 @@ def replay_config(engine, name: str, requests: list, truth: list[np.ndarray], ta
     runner = engine.runner
     start = runner.start
 
-    def start_expecting(seq_id, params, prompt, n_keep=0, copy_from=None):
+    def start_expecting(seq_id, params, prompt, *rest, **named):
         decode.expect(seq_id, by_prompt[np.asarray(prompt, dtype=np.int32).tobytes()])
-        return start(seq_id, params, prompt, n_keep, copy_from)
+        return start(seq_id, params, prompt, *rest, **named)
 
     runner.start = start_expecting
     engine.ctx.decode = decode  # the instance attribute shadows the method: TargetRunner calls ctx.decode(batch)
