@@ -410,8 +410,15 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                                                   "docs/configuration.md lists the fields)")
 
     g = p.add_argument_group("model and context")
-    g.add_argument("--model", default=S,
-                   help=f"packaged alias (smollm2-135m, gemma3-270m) or a .gguf path {d(EngineConfig, 'model')}")
+    g.add_argument("--model", action="append", default=S, metavar="[ID=]MODEL",
+                   help="packaged alias (smollm2-135m, gemma3-270m) or a .gguf path "
+                        f"{d(EngineConfig, 'model')}. Repeat it to serve several models in one app, routed by "
+                        "each request's `model` field: --model smol=smollm2-135m --model gemma=gemma3-270m (ID: "
+                        "the id requests name; default: the alias or the file's stem). The other flags apply to "
+                        "every model; per-model settings (aliases, chain, placement, scaling) go in --config's "
+                        "`models` (docs/serving.md)")
+    g.add_argument("--default-model", default=S, metavar="ID",
+                   help="with several models: the one that answers a request without `model` (default: the first)")
     g.add_argument("--chat-template", default=S,
                    help="chat template name (e.g. gemma, chatml) for models whose GGUF has none (default: the "
                         "GGUF's own)")

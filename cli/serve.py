@@ -13,6 +13,7 @@ from specray.engine.speculators.registry import cli_options
 from specray.cluster.ray_env import environment, quiet_ray_env
 from specray.deployments.ab.arms import parse_arm_flag, resolve_arms
 from specray.deployments.config import ServeConfig, deep_merge, load_serve_config, read_yaml
+from specray.deployments.models.config import model_configs
 
 # argparse flag -> ServeConfig path. The serve flags default to argparse.SUPPRESS: an attribute
 # exists only if the user gave the flag, so "given" never has to be guessed from the value.
@@ -28,7 +29,7 @@ _FLAG_FIELDS = {
     "user_code_loop": ("user_code_loop",),
     "direct_writes": ("direct_writes",),
     "slots": ("engine", "slots"),
-    "model": ("engine", "model"),
+    "default_model": ("default_model",),
     "chat_template": ("engine", "chat_template"),
     "threads": ("engine", "threads"),
     "n_gpu_layers": ("engine", "n_gpu_layers"),
@@ -88,6 +89,39 @@ def arms_from_flags(flags: list[str], file_arms: list[dict]) -> list[dict]:
     return out
 
 
+def parse_model_flag(text: str) -> tuple[str, str]:
+    """`--model [ID=]MODEL` -> (id, model): the id requests name, and the packaged alias or .gguf path.
+
+    >>> parse_model_flag("smol=smollm2-135m"), parse_model_flag("/m/Qwen2-0.5B.Q4.gguf")
+    (('smol', 'smollm2-135m'), ('Qwen2-0.5B.Q4', '/m/Qwen2-0.5B.Q4.gguf'))
+    """
+    ident, sep, model = text.partition("=")
+    if not sep:
+        return ServeConfig(engine={"model": text}).model_id, text
+    if not ident.strip() or not model.strip():
+        raise ValueError(f"--model {text!r}: expected MODEL or ID=MODEL, e.g. smol=smollm2-135m")
+    return ident.strip(), model.strip()
+
+
+def models_from_flags(flags: list[str], file_models: list[dict]) -> list[dict] | None:
+    """--model flags -> the config's `models`, or None where they name one model without an id and the file
+    has no `models` (then the flag is engine.model, as it always was). A model the file also lists (same id)
+    keeps its other settings there; given flags replace the file's set of models."""
+    if len(flags) == 1 and "=" not in flags[0] and not file_models:
+        return None
+    by_id = {m.get("id"): m for m in file_models or []}
+    out = []
+    for text in flags:
+        ident, model = parse_model_flag(text)
+        base = dict(by_id.get(ident, {}))
+        out.append(base | {"id": ident, "engine": deep_merge(base.get("engine") or {}, {"model": model})})
+    ids = [m["id"] for m in out]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise ValueError(f"--model: model ids must be unique, repeated: {dup} (name them: --model ID=MODEL)")
+    return out
+
+
 def config_from_args(args, environ: dict | None = None) -> ServeConfig:
     """ServeConfig's defaults, then --config FILE, then every flag given (nested keys merged).
     $SPECRAY_API_KEY is the API key when neither the file nor --api-key sets one."""
@@ -96,6 +130,13 @@ def config_from_args(args, environ: dict | None = None) -> ServeConfig:
     if hasattr(args, "arm"):
         file_arms = (read_yaml(args.config).get("arms") or []) if getattr(args, "config", None) else []
         over["arms"] = arms_from_flags(args.arm, file_arms)
+    if hasattr(args, "model"):
+        file_models = (read_yaml(args.config).get("models") or []) if getattr(args, "config", None) else []
+        models = models_from_flags(args.model, file_models)
+        if models is None:
+            over = deep_merge(over, {"engine": {"model": args.model[0]}})
+        else:
+            over["models"] = models
     cfg = load_serve_config(deep_merge(base, over))
     env_key = (os.environ if environ is None else environ).get("SPECRAY_API_KEY")
     if env_key and cfg.api_key is None and not hasattr(args, "api_key"):
@@ -220,17 +261,33 @@ def auto_direct_ingress(starts_local_ray: bool, serve_imported: bool, several: s
     return True, "direct ingress (auto)"
 
 
+def serving_line(model_id: str, cfg: ServeConfig, layout: str | None = None) -> str:
+    """How one model serves, for the start-up line (`layout`: said here in a one-model app).
+
+    >>> serving_line("smol", ServeConfig(engine={"slots": 2, "chain": {"speculators": ["suffix"]}}))
+    'smol (colocated, chain suffix, 2 slots per replica)'
+    """
+    if cfg.arms:
+        arms = ", ".join(f"{a.name}={a.chain_config(cfg.engine.chain).label}@{a.weight:g}" for a in resolve_arms(cfg))
+        what = f"arms {arms}"
+    else:
+        what = f"chain {cfg.engine.chain.label}"
+    layout = f"{layout}, " if layout else ""
+    return f"{model_id} ({cfg.mode}, {layout}{what}, {cfg.engine.slots} slots per replica)"
+
+
 def main_serve(args) -> int:
     cfg = config_from_args(args)
     from specray.native.models import resolve_model
 
-    resolve_model(cfg.engine.model)  # fail fast (exit 2) on a bad model before starting Ray
-    for option in cli_options():  # the model speculators' model files (--draft-model, --eagle3-model, ...)
-        path = cfg.engine
-        for part in option.config_path:
-            path = getattr(path, part)
-        if not option.switch and path:
-            resolve_model(path)
+    for mcfg in model_configs(cfg).values():  # fail fast (exit 2) on a bad model before starting Ray
+        resolve_model(mcfg.engine.model)
+        for option in cli_options():  # the model speculators' model files (--draft-model, --eagle3-model, ...)
+            path = mcfg.engine
+            for part in option.config_path:
+                path = getattr(path, part)
+            if not option.switch and path:
+                resolve_model(path)
 
     proxy_port = cfg.port
     address, why = find_ray_target(getattr(args, "address", None))
@@ -270,19 +327,15 @@ def main_serve(args) -> int:
     t0 = time.perf_counter()
     serve.run(build_app_from_config(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
     url = url_of(cfg)
-    if cfg.arms:
-        arms = ", ".join(f"{a.name}={a.chain_config(cfg.engine.chain).label}@{a.weight:g}" for a in resolve_arms(cfg))
-        what = f"arms {arms}"
-    else:
-        what = f"chain {cfg.engine.chain.label}"
     layout = "fused: the engine replica serves HTTP" if uses_fused(cfg) else "split: ingress + engine deployments"
     if cfg.direct_ingress:
         layout += f"; direct ingress: the replica listens on {cfg.port}, Serve's proxy on {proxy_port}"
     if auto is not None:
         layout += f"; {auto}"
-    print(f"specray: serving {cfg.model_id} ({cfg.mode}, {layout}, {what}, "
-          f"{cfg.engine.slots} slots per replica) at {url}/v1  [ready in {time.perf_counter() - t0:.1f}s]",
-          flush=True)
+    what = "; ".join(serving_line(mid, mcfg, None if cfg.models else layout) for mid, mcfg in model_configs(cfg).items())
+    if cfg.models:
+        what = f"{len(cfg.models)} models ({layout}): {what}"
+    print(f"specray: serving {what} at {url}/v1  [ready in {time.perf_counter() - t0:.1f}s]", flush=True)
     auth = " -H 'Authorization: Bearer <api key>'" if cfg.api_key else ""
     print(f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
           "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'", flush=True)

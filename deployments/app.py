@@ -37,6 +37,7 @@ from specray.deployments.fused import FusedReplica
 from specray.deployments.http.ingress import Ingress
 from specray.deployments.replica.deployment import EngineReplica
 from specray.deployments.config import ServeConfig, load_serve_config
+from specray.deployments.models.config import deployment_prefix, model_configs
 from specray.deployments.layout import uses_fused  # noqa: F401  (re-exported)
 
 
@@ -107,21 +108,30 @@ def build_fused(cfg: ServeConfig, arm: ArmConfig) -> Application:
     ).bind(cfg.model_dump(mode="json"), acfg.model_dump(mode="json"), arm.name, acfg.num_replicas)
 
 
-def build_app_from_config(cfg: ServeConfig) -> Application:
-    conf = cfg.model_dump(mode="json")
-    arms = resolve_arms(cfg)
-    if uses_fused(cfg):
-        return build_fused(cfg, arms[0])
+def model_engines(mcfg: ServeConfig, model: str | None) -> dict[str, Application]:
+    """One model's engine deployments, {arm: bound EngineReplica}: named EngineReplica[-MODEL][-ARM] (`model`
+    None in a one-model app, whose names are as they were before several models)."""
     engines = {}
-    for arm in arms:
-        acfg = arm_serve_config(cfg, arm)
+    for arm in resolve_arms(mcfg):
+        acfg = arm_serve_config(mcfg, arm)
         opts = replica_options(acfg) | {
-            "name": deployment_name(arm.name, explicit=bool(cfg.arms)),
+            "name": deployment_name(arm.name, explicit=bool(mcfg.arms), model=model),
             "user_config": {"chain": acfg.engine.chain.model_dump(mode="json")},
         }
         engines[arm.name] = EngineReplica.options(**opts).bind(acfg.model_dump(mode="json"), arm.name)
+    return engines
+
+
+def build_app_from_config(cfg: ServeConfig) -> Application:
+    conf = cfg.model_dump(mode="json")
+    if uses_fused(cfg):
+        return build_fused(cfg, resolve_arms(cfg)[0])
+    several = bool(cfg.models)
+    engines = {mid: model_engines(mcfg, deployment_prefix(mid) if several else None)
+               for mid, mcfg in model_configs(cfg).items()}
     return Ingress.options(
-        user_config={"weights": {a.name: a.weight for a in arms}},
+        user_config={"weights": {m: {a.name: a.weight for a in resolve_arms(c)} for m, c in model_configs(cfg).items()}
+                     if several else {a.name: a.weight for a in resolve_arms(cfg)}},
         num_replicas=cfg.ingress_replicas,
         max_ongoing_requests=cfg.ingress_max_ongoing_requests,
         # the HTTP proxy's queue in front of the ingress: bounded too (Serve answers 503 + Retry-After itself)

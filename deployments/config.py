@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from specray.engine.config import EngineConfig
 
 from specray.deployments.ab.arms import ArmConfig
+from specray.deployments.models.config import ServedModel
 
 Mode = Literal["colocated", "distributed"]
 
@@ -151,6 +152,14 @@ class ServeConfig(BaseModel):
         20000, ge=0, description="per-request records (timings, tokens, drafts) the ingress keeps per arm for "
         "/v1/stats and `specray ab-report` (the oldest are dropped; totals are kept regardless)")
 
+    # ---- several models (deployments/models) ------------------------------------------------------------
+    models: list[ServedModel] = Field(
+        default_factory=list, description="the models of a multi-model app, routed by each request's `model` "
+        "(id or alias); each sets its own engine, arms, placement and scaling over the app's settings. Empty: one "
+        "model, the top-level engine's")
+    default_model: str | None = Field(
+        None, description="the model (id or alias) that answers a request without `model` (None: the first)")
+
     # ---- reliability: limits, auth, actor supervision ----------------------------------------------
     api_key: str | None = Field(
         None, repr=False, description="if set, every endpoint except /health needs `Authorization: Bearer <key>` "
@@ -190,7 +199,31 @@ class ServeConfig(BaseModel):
             raise ValueError(f"arm names must be unique, repeated: {dup}")
         if self.arms and sum(a.weight for a in self.arms) <= 0:
             raise ValueError("at least one arm needs a positive weight")
+        if self.models or self.default_model:
+            self._check_models()
         return self
+
+    def _check_models(self) -> None:
+        from specray.deployments.models.config import model_configs
+
+        if not self.models:
+            raise ValueError("default_model names a model of `models`, which is empty")
+        if self.served_model_name:
+            raise ValueError("served_model_name is the one-model app's id; with `models`, each model has its `id`")
+        names = [n for m in self.models for n in [m.id, *m.aliases]]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"model ids and aliases must be unique across models, repeated: {dup}")
+        if self.default_model and self.default_model not in names:
+            raise ValueError(f"default_model {self.default_model!r} is not a model id or alias: {names}")
+        for m in self.models:
+            if m.split and (m.split.model not in names or m.split.model in [m.id, *m.aliases]):
+                raise ValueError(f"model {m.id!r}: split.model {m.split.model!r} must name another model of "
+                                 f"`models` ({names})")
+        try:
+            model_configs(self)
+        except ValueError as e:
+            raise ValueError(f"a model's own settings do not make a valid config: {e}") from None
 
     @property
     def model_id(self) -> str:

@@ -25,6 +25,7 @@ import logging
 from ray import serve
 
 from specray.deployments.ab.stats import aggregate_replicas
+from specray.deployments.config import ServeConfig
 from specray.deployments.http.ingress import IngressRoutes, app
 from specray.deployments.replica.deployment import EngineReplica
 from specray.deployments.replica.request import EngineRequest
@@ -111,7 +112,8 @@ class FusedReplica(IngressRoutes):
         self.replica = _ReplicaClass(engine_config, arm)
         # several replicas (num_replicas > 1 or autoscaling): /v1/stats gathers records and counters from all
         self.solo = replicas <= 1
-        super().__init__({arm: InProcessEngine(self.replica, None if self.solo else _own_handle)}, config)
+        model = ServeConfig.model_validate(engine_config).model_id
+        super().__init__({model: {arm: InProcessEngine(self.replica, None if self.solo else _own_handle)}}, config)
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve's lightweight update: {"chain": ChainConfig fields} (EngineReplica.reconfigure) and

@@ -8,11 +8,11 @@ from specray.deployments.config import ServeConfig
 
 
 def uses_fused(cfg: ServeConfig) -> bool:
-    """Whether this config deploys the fused layout: asked for, one arm (A/B needs the Ingress to route between
-    the arms' deployments) and a fixed replica count (under autoscaling the Ingress keeps the request records
+    """Whether this config deploys the fused layout: asked for, one model and one arm (the Ingress routes between
+    the models' and arms' deployments) and a fixed replica count (under autoscaling the Ingress keeps the request records
     of engine replicas that scale away; fused, they would go with the replica)."""
     arms = resolve_arms(cfg)
-    if cfg.layout != "fused" or len(arms) != 1:
+    if cfg.layout != "fused" or len(arms) != 1 or cfg.models:
         return False
     return (arms[0].autoscaling if arms[0].autoscaling is not None else cfg.autoscaling) is None
 

@@ -168,10 +168,15 @@ def resolve_arms(cfg) -> list[ArmConfig]:
     return list(cfg.arms) or [ArmConfig(name=DEFAULT_ARM)]
 
 
-def deployment_name(arm: str, explicit: bool) -> str:
+def deployment_name(arm: str, explicit: bool, model: str | None = None) -> str:
     """Serve deployment name of an arm's engine: `EngineReplica` for the implicit default arm (as before
-    arms existed), `EngineReplica-NAME` otherwise."""
-    return f"EngineReplica-{arm}" if explicit else "EngineReplica"
+    arms existed), `EngineReplica-NAME` otherwise; in a multi-model app the model comes first.
+
+    >>> deployment_name("default", False), deployment_name("fast", True), deployment_name("fast", True, "gemma")
+    ('EngineReplica', 'EngineReplica-fast', 'EngineReplica-gemma-fast')
+    """
+    parts = ["EngineReplica"] + ([model] if model else []) + ([arm] if explicit else [])
+    return "-".join(parts)
 
 
 def default_autoscaling(slots: int) -> dict[str, Any]:

@@ -72,10 +72,10 @@ def merge_results(rid: str, model: str, results: list[dict], chat: bool, logprob
     return out
 
 
-async def generate_choices(routes, req: EngineRequest, body, chat: bool, arm: str, n: int):
-    """IngressRoutes._generate for n > 1 (routes: the IngressRoutes; its engines, records and model id)."""
-    engine, records = routes.engines[arm], routes.records[arm]
-    rid, model = req.request_id, routes.model_id
+async def generate_choices(pick, req: EngineRequest, body, chat: bool, n: int):
+    """IngressRoutes._generate for n > 1 (pick: the request's model_route.Pick: engine, records, arm, model)."""
+    engine, records, arm = pick.engine, pick.records, pick.arm
+    rid, model = req.request_id, pick.model
     reqs = fan_out(req, n)
     wants = req.sampling.logprobs is not None
     tools = bool(req.tools)

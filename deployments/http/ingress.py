@@ -41,13 +41,16 @@ from ray import serve
 from ray.serve._private import constants as serve_constants  # read once at import, as Serve itself does
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specray.deployments.ab.stats import ArmRecords, merge_snapshots
-from specray.deployments.ab.arms import ARM_HEADER, SESSION_HEADER, ArmTable, resolve_arms
+from specray.deployments.ab.stats import merge_snapshots
+from specray.deployments.ab.arms import ARM_HEADER, SESSION_HEADER
+from specray.deployments.models.config import model_configs
+from specray.deployments.models.directory import SPLIT_ARM_PREFIX, ModelDirectory
 from specray.deployments.replica.errors import BadRequest, EngineFailure, ServeError
 from specray.deployments.replica.request import EngineRequest, replace
 from specray.deployments.replica.stream_items import StreamError
 from specray.deployments.http.direct_response import DirectStreamingResponse
 from specray.deployments.http.engine_link import HandleEngine
+from specray.deployments.http.model_route import ModelRoute, Pick
 from specray.deployments.http.errors import openai_error
 from specray.deployments.http.guard import Guard, configure
 from specray.deployments.http.openai_schema import (
@@ -120,6 +123,19 @@ async def _on_error(request: Request, exc: Exception):
     return _error_response(exc)
 
 
+#: health statuses, best first: a model's (or app's) status is the worst of its parts'
+HEALTH_ORDER = ("ok", "degraded", "recovering", "failed")
+
+
+def worst(statuses) -> str:
+    """The worst of some health statuses (an unknown one counts as worse than failed).
+
+    >>> worst(["ok", "degraded"]), worst(["ok", "failed", "recovering"])
+    ('degraded', 'failed')
+    """
+    return max(statuses, key=lambda st: HEALTH_ORDER.index(st) if st in HEALTH_ORDER else len(HEALTH_ORDER))
+
+
 def _truncation_header(n: int) -> dict | None:
     """Prompt truncation (prompt_overflow: truncate) is said in a header as well as in usage."""
     return {"X-Specray-Prompt-Truncated": str(n)} if n else None
@@ -128,10 +144,10 @@ def _truncation_header(n: int) -> dict | None:
 
 
 class IngressRoutes:
-    """The routes and the A/B arm table, over links to the arms' engines (deployments/http/engine_link.py).
-    Two deployments serve them (deployments/app.py): `Ingress` below (split layout: the engines are other
-    deployments, reached through handles) and `FusedReplica` (deployments/fused.py: the one arm's engine in
-    the same replica, called in-process)."""
+    """The routes, the model directory and each model's arm table, over links to the engines
+    (deployments/http/engine_link.py). Two deployments serve them (deployments/app.py): `Ingress` below (split
+    layout: the engines are other deployments, reached through handles) and `FusedReplica`
+    (deployments/fused.py: one model's one arm, its engine in the same replica, called in-process)."""
 
     #: one ingress replica: /v1/stats' records are this replica's own (no broadcast to the others)
     solo = True
@@ -139,99 +155,110 @@ class IngressRoutes:
     layout = "split"
 
     def __init__(self, engines: dict, config: dict) -> None:
+        """`engines`: {model id: {arm: EngineLink}}, in the config's model and arm order."""
         self.cfg = ServeConfig.model_validate(config)
-        # {arm: EngineLink of that arm's engine}, in arm order
-        self.engines = engines
-        arms = resolve_arms(self.cfg)
-        self.arms = ArmTable(arms, salt=self.cfg.arm_salt)
-        self.init_weights = {a.name: a.weight for a in arms}
-        self.chains = {a.name: a.chain_config(self.cfg.engine.chain).label for a in arms}
-        self.records = {a.name: ArmRecords(self.cfg.stats_max_records) for a in arms}
-        self.engine = self.engines[self.arms.names[0]]  # the first arm: /v1/stats' top level, as before arms
-        self.model_id = self.cfg.model_id
+        self.directory = ModelDirectory(self.cfg)
+        self.routes = {mid: ModelRoute(mid, mcfg, engines[mid], self.cfg.arm_salt, self.cfg.stats_max_records)
+                       for mid, mcfg in model_configs(self.cfg).items()}
+        self.default = self.routes[self.directory.default]
         self.created = now()
         configure(self.cfg.api_key, self.cfg.max_body_bytes)
         _set_retry_after(self.cfg.retry_after_s)
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve's lightweight update (`user_config`, also applied at start): {"weights": {ARM: WEIGHT}}
-        changes the traffic split without restarting anything (arms not named keep their configured weight)."""
+        changes the traffic split of a one-model app without restarting anything (arms not named keep their
+        configured weight); {"weights": {MODEL: {ARM: WEIGHT}}} that of each model named."""
         unknown = sorted(set(user_config or {}) - {"weights"})
         if unknown:
             raise ValueError(f"unknown user_config keys {unknown} (the Ingress takes 'weights')")
         weights = (user_config or {}).get("weights")
-        if weights:
-            self.arms.set_weights(self.init_weights | weights)
-            log.info("arm weights now %s", self.arms.shares())
+        if not weights:
+            return
+        per_model = weights if self.cfg.models else {self.default.id: weights}
+        for name, w in per_model.items():
+            route = self.routes[self.directory.resolve(name)]
+            route.arms.set_weights(route.init_weights | w)
+            log.info("model %s: arm weights now %s", route.id, route.arms.shares())
 
-    def _pick_arm(self, request: Request, body) -> str:
+    def _pick(self, request: Request, body) -> Pick:
+        """The model (body.model, an alias, the default; a split may divert) and arm that answer a request."""
         forced = request.headers.get(ARM_HEADER)
-        key = body.user or request.headers.get(SESSION_HEADER)
+        key = body.user or request.headers.get(SESSION_HEADER) or None
+        asked, serving = self.directory.route(body.model, key)
+        route = self.routes[asked]
+        if serving != asked and forced is None:
+            return route.diverted(self.routes[serving], key)
         try:
-            return self.arms.pick(forced.strip() if forced is not None else None, key or None)
+            return route.pick(forced.strip() if forced is not None else None, key)
         except ValueError as e:
             raise BadRequest(f"{e} (header X-Specray-Arm)", param="X-Specray-Arm", code="unknown_arm") from None
 
     # ---- info -----------------------------------------------------------------------------------
     @app.get("/v1/models")
     async def models(self):
-        return {"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "specray",
-             "mode": self.cfg.mode, "chain": self.chains[self.arms.names[0]],
-             # attention, recurrent or hybrid, and the rollback mode of drafts (engine/rollback.py)
-             "memory": await self._target_memory(),
-             "arms": [{"name": n, "chain": self.chains[n], "weight": w}
-                      for n, w in zip(self.arms.names, self.arms.weights)]}]}
-
-    async def _target_memory(self) -> dict | None:
-        """The first arm's target memory (all arms serve one model), asked once of its engine; None while it
-        cannot answer (asked again next time)."""
-        if getattr(self, "_memory", None) is None:
-            try:
-                self._memory = (await self.engines[self.arms.names[0]].health()).get("target_memory")
-            except Exception:
-                return None
-        return self._memory
+        """Every model: its id, aliases, chain (the first arm's), arms, target memory and placement."""
+        data = []
+        for route in self.routes.values():
+            data.append({
+                "id": route.id, "object": "model", "created": self.created, "owned_by": "specray",
+                "aliases": [a for a, m in self.directory.aliases.items() if m == route.id],
+                "default": route is self.default,
+                "mode": route.cfg.mode, "chain": route.chains[route.arms.names[0]],
+                # attention, recurrent or hybrid, and the rollback mode of drafts (engine/rollback.py)
+                "memory": await route.target_memory(),
+                "placement": route.placement(),
+                "arms": [{"name": n, "chain": route.chains[n], "weight": w}
+                         for n, w in zip(route.arms.names, route.arms.weights)]})
+        return {"object": "list", "data": data}
 
     @app.get("/health")
-    async def health(self):
-        """200 when serving (status ok, or degraded: the companion is restarting, so no model drafts);
-        503 while the target actor restarts (recovering) or after it could not be restarted (failed)."""
-        order = ("ok", "degraded", "recovering", "failed")
+    async def health(self, model: str | None = None):
+        """200 when every model serves (status ok, or degraded: a companion is restarting, so no model
+        drafts); 503 while a model's target actor restarts (recovering) or after it could not be restarted
+        (failed), or none of its replicas answers. `?model=NAME` checks that model alone (404 if unknown).
+        With several models, `models` holds each one's health; the top level is the default model's (or the
+        named one's), its status the worst."""
+        routes = [self.routes[self.directory.resolve(model)]] if model else list(self.routes.values())
+        per_model = {r.id: await self._model_health(r) for r in routes}
+        h = dict(per_model[routes[0].id if model else self.default.id])
+        h["status"] = worst(m["status"] for m in per_model.values())
+        if len(self.routes) > 1:
+            h["models"] = per_model
+        serving = h["status"] in ("ok", "degraded")
+        return JSONResponse(h, status_code=200 if serving else 503, headers=None if serving else _retry_headers())
+
+    @staticmethod
+    async def _model_health(route: ModelRoute) -> dict:
+        """One model's health: its first arm's fields, the status the worst of its arms'."""
         per_arm: dict[str, dict] = {}
-        for name, handle in self.engines.items():
+        for name, link in route.engines.items():
             try:
-                per_arm[name] = await handle.health()
+                per_arm[name] = await link.health()
             except Exception as e:
-                if len(self.engines) == 1:
-                    return _error_response(ServeError(f"unhealthy: {type(e).__name__}: {e}", status=503))
-                per_arm[name] = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
-        # the first arm's fields at the top (as before arms); the status is the worst arm's
-        h = dict(per_arm[self.arms.names[0]])
-        h["status"] = max((a.get("status", "failed") for a in per_arm.values()),
-                          key=lambda st: order.index(st) if st in order else len(order))
+                per_arm[name] = {"status": "failed", "error": f"unhealthy: {type(e).__name__}: {e}"}
+        h = {"model": route.id} | per_arm[route.arms.names[0]]
+        h["status"] = worst(a.get("status", "failed") for a in per_arm.values())
         if len(per_arm) > 1:
             h["arms"] = per_arm
-        serving = h.get("status") in ("ok", "degraded")
-        return JSONResponse(h, status_code=200 if serving else 503, headers=None if serving else _retry_headers())
+        return h
 
     @app.get("/v1/stats")
     async def stats(self):
-        """The first arm's replica counters at the top level (one replica, as before arms), and `arms`:
-        per arm its weight, chain, request totals and records (all ingress replicas) and its engine
-        counters summed over its live replicas."""
+        """The default model's first arm's replica counters at the top level (one replica, as before arms),
+        and `arms`: per arm of that model its weight, chain, request totals and records (all ingress
+        replicas) and its engine counters summed over its live replicas. With several models, `models`
+        holds each model's `arms` block the same way."""
         try:
-            top = await self.engine.stats()
+            top = await self.default.first.stats()
         except Exception as e:
             return _error_response(e)
         records = await self._all_records()
-        engines = await asyncio.gather(*(h.stats_all() for h in self.engines.values()))
-        shares = self.arms.shares()
-        top["arms"] = {
-            name: {"weight": w, "share": shares[name], "chain": eng.get("chain") or self.chains[name]}
-            | merge_snapshots([r["arms"][name] for r in records if name in r["arms"]]) | {"engine": eng}
-            for (name, w), eng in zip(zip(self.arms.names, self.arms.weights), engines)
-        }
+        blocks = {mid: await self._arms_block(route, records) for mid, route in self.routes.items()}
+        top["arms"] = blocks[self.default.id]
+        if len(self.routes) > 1:
+            top["models"] = {mid: {"arms": b, "aliases": [a for a, m in self.directory.aliases.items() if m == mid],
+                                   "default": mid == self.default.id} for mid, b in blocks.items()}
         top["ingress"] = {"replicas": len(records), "pids": [r["pid"] for r in records],
                           "weights": [r["weights"] for r in records], "layout": self.layout,
                           # ServeConfig.user_code_loop as this process runs it (the env reached it, or not)
@@ -241,11 +268,33 @@ class IngressRoutes:
                           "retried_after_engine_loss": sum(r.get("retried", 0) for r in records)}
         return top
 
+    @staticmethod
+    async def _arms_block(route: ModelRoute, records: list[dict]) -> dict:
+        """One model's `arms`: per arm its weight, share, chain, records (merged over ingress replicas) and
+        engine counters (summed over the arm's replicas); a split's `@MODEL` arm has records only."""
+        engines = await asyncio.gather(*(link.stats_all() for link in route.engines.values()))
+        shares = route.arms.shares()
+        out = {
+            name: {"weight": w, "share": shares[name], "chain": eng.get("chain") or route.chains[name]}
+            | merge_snapshots([r["models"][route.id][name] for r in records if name in r["models"].get(route.id, {})])
+            | {"engine": eng}
+            for (name, w), eng in zip(zip(route.arms.names, route.arms.weights), engines)
+        }
+        for name in route.records:
+            if name not in out:  # a split's diverted requests
+                out[name] = {"diverted_to": name[len(SPLIT_ARM_PREFIX):]} | merge_snapshots(
+                    [r["models"][route.id][name] for r in records if name in r["models"].get(route.id, {})])
+        return out
+
     def arm_records(self) -> dict:
-        """This ingress replica's per-arm request records (merged over ingress replicas by /v1/stats)."""
-        return {"pid": os.getpid(), "weights": dict(zip(self.arms.names, self.arms.weights)),
-                "arms": {name: r.snapshot() for name, r in self.records.items()},
-                "retried": sum(getattr(e, "retried", 0) for e in self.engines.values())}
+        """This ingress replica's per-model, per-arm request records (merged over ingress replicas by
+        /v1/stats)."""
+        return {"pid": os.getpid(),
+                "weights": dict(zip(self.default.arms.names, self.default.arms.weights)),
+                "models": {mid: {name: r.snapshot() for name, r in route.records.items()}
+                           for mid, route in self.routes.items()},
+                "retried": sum(getattr(e, "retried", 0) for route in self.routes.values()
+                               for e in route.engines.values())}
 
     async def _all_records(self) -> list[dict]:
         if self.solo:
@@ -261,23 +310,21 @@ class IngressRoutes:
     # ---- generation -------------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
-        arm = self._pick_arm(request, body)
-        req = body.to_engine()
-        return await self._generate(req, body, chat=False, arm=arm, request=request)
+        pick = self._pick(request, body)
+        return await self._generate(body.to_engine(), body, chat=False, pick=pick, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        arm = self._pick_arm(request, body)
-        req = body.to_engine()
-        return await self._generate(req, body, chat=True, arm=arm, request=request)
+        pick = self._pick(request, body)
+        return await self._generate(body.to_engine(), body, chat=True, pick=pick, request=request)
 
-    async def _generate(self, req: EngineRequest, body, chat: bool, arm: str, request: Request):
+    async def _generate(self, req: EngineRequest, body, chat: bool, pick: Pick, request: Request):
         clock = StreamClock(request.scope)
         rid = new_id("chatcmpl" if chat else "cmpl")
         req = replace(req, request_id=rid)
         if req.n > 1:  # n choices: n engine requests sharing the prompt's cells (choices.py)
-            return await generate_choices(self, req, body, chat, arm, req.n)
-        engine, records = self.engines[arm], self.records[arm]
+            return await generate_choices(pick, req, body, chat, req.n)
+        engine, records, arm, model = pick.engine, pick.records, pick.arm, pick.model
         arm_header = {ARM_HEADER: arm}
         if not body.stream:
             try:
@@ -288,8 +335,8 @@ class IngressRoutes:
                 return self._failed(records, result.error, arm_header)
             records.add(result)
             wants = req.sampling.logprobs is not None
-            body_out = (chat_response(rid, self.model_id, result, logprobs=wants, tools=bool(req.tools))
-                        if chat else completion_response(rid, self.model_id, result, logprobs=wants))
+            body_out = (chat_response(rid, model, result, logprobs=wants, tools=bool(req.tools))
+                        if chat else completion_response(rid, model, result, logprobs=wants))
             return JSONResponse(body_out | {"arm": arm},
                                 headers=arm_header
                                 | (_truncation_header(result["usage"].get("truncated_prompt_tokens", 0)) or {}))
@@ -308,7 +355,7 @@ class IngressRoutes:
         if type(first) is StreamError:
             return self._failed(records, first.error, arm_header)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        body_iter = sse_body(gen, rid, self.model_id, self.records[arm], chat, include_usage, arm, clock,
+        body_iter = sse_body(gen, rid, model, records, chat, include_usage, arm, clock,
                              wants_timing(request.headers),
                              logprobs_on=req.sampling.logprobs is not None,
                              tools=ToolCallStream() if chat and req.tools else None, direct=direct)
@@ -345,8 +392,8 @@ class IngressRoutes:
 class Ingress(IngressRoutes):
     """The split layout's ingress: its own deployment in front of the arms' engine deployments (A/B)."""
 
-    def __init__(self, engines, config: dict) -> None:
-        # {arm: DeploymentHandle of that arm's EngineReplica deployment}, in arm order
-        handles = engines if isinstance(engines, dict) else {"default": engines}
-        super().__init__({arm: HandleEngine(h) for arm, h in handles.items()}, config)
+    def __init__(self, engines: dict, config: dict) -> None:
+        # {model id: {arm: DeploymentHandle of that arm's EngineReplica deployment}}, in config order
+        super().__init__({m: {arm: HandleEngine(h) for arm, h in arms.items()} for m, arms in engines.items()},
+                         config)
         self.solo = self.cfg.ingress_replicas <= 1

@@ -65,7 +65,7 @@ class EngineReplica:
         try:
             from specray.deployments.replica.metrics import EngineMetrics
 
-            self.core.observer = EngineMetrics(arm, self.cfg.engine.slots)
+            self.core.observer = EngineMetrics(arm, self.cfg.engine.slots, model=self.cfg.model_id)
         except Exception:  # no metrics (e.g. outside Ray): serving goes on
             log.exception("Prometheus metrics unavailable")
 

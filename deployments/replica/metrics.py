@@ -1,29 +1,29 @@
-"""Prometheus metrics of an engine replica, labelled by A/B arm.
+"""Prometheus metrics of an engine replica, labelled by model and A/B arm.
 
 Names follow vLLM / llama-server. They are Ray Serve custom metrics
 (`ray.serve.metrics`), exported by every node's Ray metrics agent with Ray's
 `ray_` prefix (counters also get `_total`) and Serve's own labels
-(`application`, `deployment`, `replica`) next to ours (`arm`, ...):
+(`application`, `deployment`, `replica`) next to ours (`model`: the served model id, as vLLM's `model_name`; `arm`, ...):
 
-    ray_specray_spec_decode_num_drafts_total{arm}                     drafts verified
-    ray_specray_spec_decode_num_draft_tokens_total{arm}               draft tokens verified
-    ray_specray_spec_decode_num_accepted_tokens_total{arm}            draft tokens accepted
-    ray_specray_spec_decode_num_accepted_tokens_per_pos_total{arm,position}
+    ray_specray_spec_decode_num_drafts_total{model,arm}                     drafts verified
+    ray_specray_spec_decode_num_draft_tokens_total{model,arm}               draft tokens verified
+    ray_specray_spec_decode_num_accepted_tokens_total{model,arm}            draft tokens accepted
+    ray_specray_spec_decode_num_accepted_tokens_per_pos_total{model,arm,position}
                                                                       drafts with >= position+1 accepted
-    ray_specray_requests_total{arm,finish_reason}                     finished requests (stop, length,
+    ray_specray_requests_total{model,arm,finish_reason}                     finished requests (stop, length,
                                                                       cancelled, error)
-    ray_specray_prompt_tokens_total{arm}, ray_specray_generation_tokens_total{arm}
-    ray_specray_time_to_first_token_seconds{arm}                      histogram: arrival at the replica
+    ray_specray_prompt_tokens_total{model,arm}, ray_specray_generation_tokens_total{model,arm}
+    ray_specray_time_to_first_token_seconds{model,arm}                      histogram: arrival at the replica
                                                                       -> first token
-    ray_specray_inter_token_latency_seconds{arm}                      histogram: per request, the mean
+    ray_specray_inter_token_latency_seconds{model,arm}                      histogram: per request, the mean
                                                                       time between its tokens after the first
-    ray_specray_e2e_request_latency_seconds{arm}                      histogram
-    ray_specray_slots_busy{arm}, ray_specray_slots_total{arm},
-    ray_specray_slot_occupancy{arm} (busy / total), ray_specray_requests_waiting{arm}
-    ray_specray_prefix_cache_queries_total{arm}                       prompt tokens of finished requests
-    ray_specray_prefix_cache_hits_total{arm}                          of them, found cached (vLLM's pair)
-    ray_specray_prefix_cache_host_bytes{arm},                         the prompt cache's host tier: bytes
-    ray_specray_prefix_cache_host_entries{arm}                        and prefixes held in host memory
+    ray_specray_e2e_request_latency_seconds{model,arm}                      histogram
+    ray_specray_slots_busy{model,arm}, ray_specray_slots_total{model,arm},
+    ray_specray_slot_occupancy{model,arm} (busy / total), ray_specray_requests_waiting{model,arm}
+    ray_specray_prefix_cache_queries_total{model,arm}                       prompt tokens of finished requests
+    ray_specray_prefix_cache_hits_total{model,arm}                          of them, found cached (vLLM's pair)
+    ray_specray_prefix_cache_host_bytes{model,arm},                         the prompt cache's host tier: bytes
+    ray_specray_prefix_cache_host_entries{model,arm}                        and prefixes held in host memory
 
 The spec-decode counters are engine-level (as vLLM's): the replica's
 speculator counters, pushed as deltas from the round thread (at most once per
@@ -110,22 +110,23 @@ class EngineMetrics:
     """The replica's metrics for one arm. Called on the router's round thread (`request_finished`,
     `after_round`); `backend` is the module with Counter / Gauge / Histogram (ray.serve.metrics)."""
 
-    def __init__(self, arm: str, slots: int, flush_interval_s: float = 1.0, backend=None) -> None:
+    def __init__(self, arm: str, slots: int, flush_interval_s: float = 1.0, backend=None, model: str = "") -> None:
         if backend is None:
             from ray.serve import metrics as backend
         self.arm = arm
-        self.tags = {"arm": arm}
+        self.tags = {"model": model, "arm": arm}
         self.slots = slots
         self.flush_interval_s = flush_interval_s
         C, G, H = backend.Counter, backend.Gauge, backend.Histogram
-        arm_tag = ("arm",)
+        arm_tag = ("model", "arm")
         p = PREFIX
         self.drafts = C(p + "spec_decode_num_drafts", "drafts verified by the target", tag_keys=arm_tag)
         self.draft_tokens = C(p + "spec_decode_num_draft_tokens", "draft tokens verified", tag_keys=arm_tag)
         self.accepted = C(p + "spec_decode_num_accepted_tokens", "draft tokens accepted", tag_keys=arm_tag)
         self.per_pos = C(p + "spec_decode_num_accepted_tokens_per_pos",
-                         "drafts with at least position+1 tokens accepted", tag_keys=("arm", "position"))
-        self.requests = C(p + "requests", "finished requests by finish reason", tag_keys=("arm", "finish_reason"))
+                         "drafts with at least position+1 tokens accepted", tag_keys=("model", "arm", "position"))
+        self.requests = C(p + "requests", "finished requests by finish reason",
+                          tag_keys=("model", "arm", "finish_reason"))
         self.prompt_tokens = C(p + "prompt_tokens", "prompt tokens of finished requests", tag_keys=arm_tag)
         self.generation_tokens = C(p + "generation_tokens", "tokens generated", tag_keys=arm_tag)
         self.ttft = H(p + "time_to_first_token_seconds", "arrival at the replica -> first token",
@@ -149,7 +150,7 @@ class EngineMetrics:
 
     def request_finished(self, seq, reason: str | None = None) -> None:
         reason = reason or seq.finish_reason or "unknown"
-        self.requests.inc(1, tags={"arm": self.arm, "finish_reason": reason})
+        self.requests.inc(1, tags=self.tags | {"finish_reason": reason})
         self.prompt_tokens.inc(len(seq.req.prompt_tokens), tags=self.tags)
         self.cache_queries.inc(len(seq.req.prompt_tokens), tags=self.tags)
         if seq.cached_tokens:
@@ -196,5 +197,5 @@ class EngineMetrics:
         for i, v in enumerate(per_pos):
             old = p0[i] if i < len(p0) else 0
             if v > old:
-                self.per_pos.inc(v - old, tags={"arm": self.arm, "position": str(i)})
+                self.per_pos.inc(v - old, tags=self.tags | {"position": str(i)})
         self._seen = (drafts, tokens, accepted, per_pos)

@@ -147,20 +147,20 @@ class _Recorder:
 
 def test_spec_counters_are_pushed_as_deltas_and_survive_a_reset():
     rec = _Recorder()
-    m = EngineMetrics("fast", slots=4, backend=rec)
+    m = EngineMetrics("fast", slots=4, backend=rec, model="smol")
     stats = {"s": {"drafts_chosen": 2, "tokens_generated": 8, "tokens_accepted": 3, "accepted_per_pos": [2, 1]}}
     m.after_round(stats, busy=2, waiting=0, idle=True)
     stats["s"] = {"drafts_chosen": 5, "tokens_generated": 20, "tokens_accepted": 9, "accepted_per_pos": [4, 3, 2]}
     m.after_round(stats, busy=1, waiting=0)  # rate-limited: nothing pushed yet
-    assert rec.values[("specray_spec_decode_num_drafts", (("arm", "fast"),))] == 2
+    assert rec.values[("specray_spec_decode_num_drafts", (("arm", "fast"), ("model", "smol")))] == 2
     m.after_round(stats, busy=0, waiting=0, idle=True, host={"bytes": 4096, "entries": 2})
     v = rec.values
-    assert v[("specray_prefix_cache_host_bytes", (("arm", "fast"),))] == 4096
-    assert v[("specray_spec_decode_num_drafts", (("arm", "fast"),))] == 5
-    assert v[("specray_spec_decode_num_accepted_tokens", (("arm", "fast"),))] == 9
-    assert v[("specray_spec_decode_num_accepted_tokens_per_pos", (("arm", "fast"), ("position", "2")))] == 2
-    assert v[("specray_slot_occupancy", (("arm", "fast"),))] == 0
+    assert v[("specray_prefix_cache_host_bytes", (("arm", "fast"), ("model", "smol")))] == 4096
+    assert v[("specray_spec_decode_num_drafts", (("arm", "fast"), ("model", "smol")))] == 5
+    assert v[("specray_spec_decode_num_accepted_tokens", (("arm", "fast"), ("model", "smol")))] == 9
+    assert v[("specray_spec_decode_num_accepted_tokens_per_pos", (("arm", "fast"), ("model", "smol"), ("position", "2")))] == 2
+    assert v[("specray_slot_occupancy", (("arm", "fast"), ("model", "smol")))] == 0
     m.after_round({"s": {"drafts_chosen": 1, "tokens_generated": 2, "tokens_accepted": 1,
                          "accepted_per_pos": [1]}}, 0, 0, idle=True)  # speculators rebuilt: counts restart
-    assert v[("specray_spec_decode_num_drafts", (("arm", "fast"),))] == 6
+    assert v[("specray_spec_decode_num_drafts", (("arm", "fast"), ("model", "smol")))] == 6
     assert spec_totals(stats) == (5, 20, 9, [4, 3, 2])

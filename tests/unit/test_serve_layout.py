@@ -40,7 +40,7 @@ def test_autoscaling_keeps_the_split_layout():
     for args in ({"autoscaling": {"max_replicas": 3}}, {"arms": [{"name": "a", "autoscaling": {"max_replicas": 3}}]}):
         d = _ingress({"layout": "fused"} | args)
         assert d.name == "Ingress"
-        (eng,) = d.init_args[0].values()
+        ((eng,),) = (arms.values() for arms in d.init_args[0].values())
         assert eng._bound_deployment._deployment_config.autoscaling_config.max_replicas == 3
 
 
@@ -55,14 +55,16 @@ def test_several_arms_build_the_split_layout_whatever_the_layout_says():
     assert not uses_fused(load_serve_config(args))
     d = _ingress(args)
     assert d.name == "Ingress"
-    assert {k: v._bound_deployment.name for k, v in d.init_args[0].items()} == {
+    (arms,) = d.init_args[0].values()  # {model: {arm: engine deployment}}
+    assert {k: v._bound_deployment.name for k, v in arms.items()} == {
         "base": "EngineReplica-base", "fast": "EngineReplica-fast"}
 
 
 def test_split_layout_keeps_the_ingress_tier_for_one_arm():
     d = _ingress({"layout": "split", "ingress_replicas": 2})
     assert d.name == "Ingress" and d._deployment_config.num_replicas == 2
-    assert {k: v._bound_deployment.name for k, v in d.init_args[0].items()} == {"default": "EngineReplica"}
+    assert {m: {k: v._bound_deployment.name for k, v in arms.items()} for m, arms in d.init_args[0].items()} == {
+        "smollm2-135m": {"default": "EngineReplica"}}
 
 
 def test_layout_default_flag_and_bad_value():
