@@ -195,6 +195,30 @@ class Report:
                 "metric": "tokens_per_s", "arms": [a.to_dict() for a in self.arms]}
 
 
+def model_stats(stats: dict, model: str | None) -> tuple[dict, str]:
+    """The /v1/stats part that holds `model`'s arms ({"arms": ...}), and its name for the report's title.
+    A multi-model server lists each model under `models` (with its aliases); without --model the report is the
+    default model's (the top-level `arms`). ValueError naming the models for one the server does not serve.
+
+    >>> st = {"arms": {"a": {}}, "models": {"smol": {"arms": {"a": {}}, "aliases": ["s"], "default": True},
+    ...                                     "gemma": {"arms": {"b": {}}, "aliases": [], "default": False}}}
+    >>> model_stats(st, "gemma")[0]["arms"], model_stats(st, "s")[1], model_stats(st, None)[1]
+    ({'b': {}}, 'smol', 'smol')
+    """
+    models = stats.get("models")
+    if not models:
+        if model is not None:
+            raise ValueError(f"--model {model!r}: this server serves one model (no `models` in its /v1/stats); "
+                             "leave --model out")
+        return stats, ""
+    if model is None:
+        return stats, next((m for m, b in models.items() if b.get("default")), "")
+    for mid, block in models.items():
+        if model == mid or model in block.get("aliases", []):
+            return block, mid
+    raise ValueError(f"--model {model!r}: not a model of this server; it serves {', '.join(models)}")
+
+
 def build_report(stats: dict, n_boot: int = 2000, seed: int = 0, source: str = "") -> Report:
     arms = stats.get("arms")
     if not arms:
@@ -310,7 +334,9 @@ def main_ab_report(args) -> int:
     if args.save_stats:
         with open(args.save_stats, "w") as f:
             json.dump(stats, f)
-    rep = build_report(stats, n_boot=args.bootstrap, seed=args.seed, source=source)
+    part, model = model_stats(stats, getattr(args, "model", None))
+    rep = build_report(part, n_boot=args.bootstrap, seed=args.seed, source=f"{source}, model {model}" if model
+                       else source)
     print(format_report(rep))
     if args.json:
         with open(args.json, "w") as f:

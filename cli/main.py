@@ -368,11 +368,15 @@ def build_parser() -> argparse.ArgumentParser:
             "`none` arm, else the first). A winner is named only when its tokens/s interval lies above every\n"
             "other arm's.\n"
             "  specray ab-report --url http://127.0.0.1:8000 --plot ab.png --save-stats run.json\n"
-            "  specray ab-report --from run.json"))
+            "  specray ab-report --from run.json\n"
+            "  specray ab-report --url http://127.0.0.1:8000 --model gemma   # one model of a multi-model app"))
     src = ab.add_mutually_exclusive_group(required=True)
     src.add_argument("--url", default=None, help="base URL of a running specray server (without /v1)")
     src.add_argument("--from", dest="from_file", default=None, metavar="FILE",
                      help="a saved /v1/stats JSON (e.g. written by --save-stats)")
+    ab.add_argument("--model", default=None, metavar="ID",
+                    help="with several models: compare this model's arms (id or alias), including the requests "
+                         "its split diverted to another model (arm @OTHER); default: the default model's")
     ab.add_argument("--plot", default=None, metavar="PNG", help="draw the comparison to this image file")
     ab.add_argument("--json", default=None, metavar="FILE", help="write the report (estimates, intervals) as JSON")
     ab.add_argument("--save-stats", default=None, metavar="FILE",

@@ -282,7 +282,8 @@ class IngressRoutes:
         }
         for name in route.records:
             if name not in out:  # a split's diverted requests
-                out[name] = {"diverted_to": name[len(SPLIT_ARM_PREFIX):]} | merge_snapshots(
+                to = name[len(SPLIT_ARM_PREFIX):]
+                out[name] = {"diverted_to": to, "chain": f"model {to}"} | merge_snapshots(
                     [r["models"][route.id][name] for r in records if name in r["models"].get(route.id, {})])
         return out
 

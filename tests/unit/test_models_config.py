@@ -126,3 +126,76 @@ def test_repeated_model_flags_serve_several_models(tmp_path):
         _serve_config("--model", "smollm2-135m", "--model", "smollm2-135m")
     with pytest.raises(ValueError, match="expected MODEL or ID=MODEL"):
         _serve_config("--model", "=x", "--model", "y")
+
+
+class _Link:
+    """An engine link (deployments/http/engine_link.py) standing in for one model's engine deployment: answers
+    every request with its model's text."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.asked = text, 0
+
+    async def generate(self, req):
+        self.asked += 1
+        return {"text": self.text, "finish_reason": "length", "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+                "speculative": {"drafts": 1, "drafted_tokens": 2, "accepted_tokens": 1},
+                "timing": {"ttft_s": 0.01, "itl_s": 0.005, "e2e_s": 0.02}}
+
+    async def health(self):
+        return {"status": "ok", "target_memory": {"kind": "attention"}}
+
+    async def stats(self):
+        return {"slots": 2}
+
+    async def stats_all(self):
+        return {"replicas": 1, "chain": None}
+
+
+class _Request:
+    def __init__(self, headers: dict) -> None:
+        self.headers, self.scope = headers, {}
+
+
+def test_a_split_answers_from_the_other_model_and_is_reported_as_an_arm_of_the_first():
+    """The ingress's routes over stand-in engines: a split sends its share to the other model's engine, the
+    response names the model that answered, the first model's stats list the diverted requests as arm `@OTHER`,
+    and `specray ab-report --model` compares them with the model's own arm."""
+    import asyncio
+    import json
+
+    from specray.bench.ab_report import build_report, model_stats
+    from specray.deployments.http.ingress import IngressRoutes
+    from specray.deployments.http.openai_schema import CompletionRequest
+
+    cfg = ServeConfig.model_validate({"models": [{"id": "smol", "split": {"model": "gemma", "share": 0.5}},
+                                                 {"id": "gemma", "aliases": ["g"]}]})
+    links = {"smol": _Link("from smol"), "gemma": _Link("from gemma")}
+    routes = IngressRoutes({m: {"default": link} for m, link in links.items()}, cfg.model_dump(mode="json"))
+
+    async def ask(model: str, user: str) -> dict:
+        body = CompletionRequest(model=model, prompt="hi", max_tokens=2, user=user)
+        pick = routes._pick(_Request({}), body)
+        r = await routes._generate(body.to_engine(), body, chat=False, pick=pick, request=_Request({}))
+        return json.loads(r.body)
+
+    answers = [asyncio.run(ask("smol", f"user-{i}")) for i in range(200)]
+    diverted = [a for a in answers if a["model"] == "gemma"]
+    assert all(a["choices"][0]["text"] == "from gemma" and a["arm"] == "@gemma" for a in diverted)
+    assert all(a["choices"][0]["text"] == "from smol" and a["arm"] == "default" for a in answers if a["model"] == "smol")
+    assert 70 < len(diverted) < 130 and links["gemma"].asked == len(diverted)
+    answers.append(asyncio.run(ask("smol", "user-7")))
+    assert answers[-1]["model"] == answers[7]["model"]  # sticky
+    diverted = [a for a in answers if a["model"] == "gemma"]
+    assert asyncio.run(ask("g", "user-7"))["model"] == "gemma"  # gemma's own requests are not split
+
+    stats = asyncio.run(routes.stats())
+    smol = stats["models"]["smol"]["arms"]
+    assert smol["@gemma"]["requests"] == len(diverted) and smol["@gemma"]["diverted_to"] == "gemma"
+    assert smol["default"]["requests"] == 201 - len(diverted) and stats["arms"] == smol  # smol is the default
+    assert stats["models"]["gemma"]["arms"]["default"]["requests"] == 1
+    part, model = model_stats(stats, "smol")
+    report = build_report(part, n_boot=200)
+    assert model == "smol" and {a.name: a.requests for a in report.arms} == {
+        "default": 201 - len(diverted), "@gemma": len(diverted)}
+    with pytest.raises(ValueError, match="it serves smol, gemma"):
+        model_stats(stats, "llama")
