@@ -344,11 +344,21 @@ def build_parser() -> argparse.ArgumentParser:
                          "cached prompt tokens (median, share of prompt tokens), requests, errors. Several --url "
                          "run one after another, each after an unmeasured warm-up request")
     ag.add_argument("--concurrency", type=int, default=None, metavar="C",
-                    help="with --agents: conversations at a time, each its turns in order (default: 4)")
+                    help="with --agents: conversations at a time, each its turns in order; with --models: client "
+                         "threads per model (default: 4)")
     ag.add_argument("--system-tokens", type=int, default=None, metavar="S",
                     help="with --agents: approximate size in tokens of the shared system prompt, a deterministic "
                          "tool catalogue (JSON tool definitions and numbered rules) (default: 1600)")
 
+    mm = bench.add_argument_group("several models over HTTP (with --url)")
+    mm.add_argument("--models", nargs="+", action="append", default=None, metavar="ID[@URL]",
+                    help="run the multi-model bench instead: every listed model gets --concurrency clients of its "
+                         "own (default 4), all at once, each request naming its model (ID@URL: that model's own "
+                         "server; ID: the first --url). Repeat --models to compare setups, e.g. one two-model app "
+                         "against two one-model apps; they run in turn, --repeats times in alternating order. "
+                         "Per model: requests, errors, tok/s, mean TTFT, acceptance length; and each setup's tok/s "
+                         "per model over the first setup's. --num-prompts prompts per model (default: 4 per "
+                         "client)")
     serve = sub.add_parser(
         "serve", help="start the OpenAI-compatible server on Ray Serve",
         description="Start the specray app (OpenAI-compatible HTTP) on Ray Serve, in a running Ray cluster or a "
@@ -617,8 +627,10 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if args.models is not None:
+        return _cmd_bench_models(args)
     if args.agents is not None or args.concurrency is not None or args.system_tokens is not None:
-        return _cmd_bench_agents(args)
+        return _cmd_bench_agents(args)  # (--concurrency is also the multi-model bench's, handled above)
     if args.turns is not None or args.conversations is not None:
         return _cmd_bench_multiturn(args)
     if args.url or args.http:
@@ -661,6 +673,17 @@ def _cmd_bench_multiturn(args) -> int:
     from specray.bench.multiturn import main_multiturn
 
     return main_multiturn(args)
+
+
+def _cmd_bench_models(args) -> int:
+    if args.agents is not None or args.turns is not None or args.conversations is not None:
+        raise ValueError("--models is its own bench: leave out --agents, --turns and --conversations")
+    for flag in ("http", "streams", "configs", "plot", "order", "serve_modes", "port", "profile", "spec"):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} does not apply to the multi-model bench (--models)")
+    from specray.bench.multi_model import main_multi_model
+
+    return main_multi_model(args)
 
 
 def _cmd_bench_agents(args) -> int:

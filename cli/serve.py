@@ -13,7 +13,7 @@ from specray.engine.speculators.registry import cli_options
 from specray.cluster.ray_env import environment, quiet_ray_env
 from specray.deployments.ab.arms import parse_arm_flag, resolve_arms
 from specray.deployments.config import ServeConfig, deep_merge, load_serve_config, read_yaml
-from specray.deployments.models.config import model_configs
+from specray.deployments.models.config import failed_models, model_configs
 
 # argparse flag -> ServeConfig path. The serve flags default to argparse.SUPPRESS: an attribute
 # exists only if the user gave the flag, so "given" never has to be guessed from the value.
@@ -325,7 +325,17 @@ def main_serve(args) -> int:
                          "from its processes' environment): add --address local")
     serve.start(http_options={"host": cfg.host, "port": proxy_port})
     t0 = time.perf_counter()
-    serve.run(build_app_from_config(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
+    try:
+        serve.run(build_app_from_config(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
+    except RuntimeError as e:
+        # one model that cannot start (a replica whose constructor fails) leaves the others serving
+        app = serve.status().applications.get(cfg.app_name)
+        statuses = {n: str(getattr(d.status, "value", d.status)) for n, d in (app.deployments if app else {}).items()}
+        failed = failed_models(cfg, statuses) if cfg.models else None
+        if not failed:
+            raise
+        print(f"specray: WARNING: {', '.join(failed)} could not start, serving the other models; its requests get "
+              f"503 and /health names it ({e})", file=sys.stderr, flush=True)
     url = url_of(cfg)
     layout = "fused: the engine replica serves HTTP" if uses_fused(cfg) else "split: ingress + engine deployments"
     if cfg.direct_ingress:

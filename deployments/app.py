@@ -37,7 +37,7 @@ from specray.deployments.fused import FusedReplica
 from specray.deployments.http.ingress import Ingress
 from specray.deployments.replica.deployment import EngineReplica
 from specray.deployments.config import ServeConfig, load_serve_config
-from specray.deployments.models.config import deployment_prefix, model_configs
+from specray.deployments.models.config import model_configs, model_deployments
 from specray.deployments.layout import uses_fused  # noqa: F401  (re-exported)
 
 
@@ -108,16 +108,14 @@ def build_fused(cfg: ServeConfig, arm: ArmConfig) -> Application:
     ).bind(cfg.model_dump(mode="json"), acfg.model_dump(mode="json"), arm.name, acfg.num_replicas)
 
 
-def model_engines(mcfg: ServeConfig, model: str | None) -> dict[str, Application]:
-    """One model's engine deployments, {arm: bound EngineReplica}: named EngineReplica[-MODEL][-ARM] (`model`
-    None in a one-model app, whose names are as they were before several models)."""
+def model_engines(mcfg: ServeConfig, names: list[str]) -> dict[str, Application]:
+    """One model's engine deployments, {arm: bound EngineReplica}, named `names` in arm order
+    (models.config.model_deployments: EngineReplica[-MODEL][-ARM])."""
     engines = {}
-    for arm in resolve_arms(mcfg):
+    for arm, name in zip(resolve_arms(mcfg), names, strict=True):
         acfg = arm_serve_config(mcfg, arm)
-        opts = replica_options(acfg) | {
-            "name": deployment_name(arm.name, explicit=bool(mcfg.arms), model=model),
-            "user_config": {"chain": acfg.engine.chain.model_dump(mode="json")},
-        }
+        opts = replica_options(acfg) | {"name": name,
+                                        "user_config": {"chain": acfg.engine.chain.model_dump(mode="json")}}
         engines[arm.name] = EngineReplica.options(**opts).bind(acfg.model_dump(mode="json"), arm.name)
     return engines
 
@@ -127,8 +125,8 @@ def build_app_from_config(cfg: ServeConfig) -> Application:
     if uses_fused(cfg):
         return build_fused(cfg, resolve_arms(cfg)[0])
     several = bool(cfg.models)
-    engines = {mid: model_engines(mcfg, deployment_prefix(mid) if several else None)
-               for mid, mcfg in model_configs(cfg).items()}
+    names = model_deployments(cfg)
+    engines = {mid: model_engines(mcfg, names[mid]) for mid, mcfg in model_configs(cfg).items()}
     return Ingress.options(
         user_config={"weights": {m: {a.name: a.weight for a in resolve_arms(c)} for m, c in model_configs(cfg).items()}
                      if several else {a.name: a.weight for a in resolve_arms(cfg)}},

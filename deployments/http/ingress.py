@@ -7,8 +7,10 @@ the actor hop, speculators, slots, KV cells per slot, cancellations, actor
 restarts, RSS; under `arms`, each A/B arm's figures: request records and
 totals kept here, engine counters summed over the arm's replicas).
 
-The routes live in `IngressRoutes`, over one engine link per arm
-(engine_link.py). Split layout: the `Ingress` deployment below serves them in
+The routes live in `IngressRoutes`, over one engine link per model and arm
+(engine_link.py, model_route.py). A request's `model` (an id or an alias, else
+the default model) picks the model in a multi-model app; an unknown one is a
+404 (deployments/models/directory.py). Split layout: the `Ingress` deployment below serves them in
 front of the arms' engine deployments (Serve handles). Fused layout (one arm,
 deployments/fused.py): the engine replica serves them itself, in-process.
 
@@ -45,12 +47,12 @@ from specray.deployments.ab.stats import merge_snapshots
 from specray.deployments.ab.arms import ARM_HEADER, SESSION_HEADER
 from specray.deployments.models.config import model_configs
 from specray.deployments.models.directory import SPLIT_ARM_PREFIX, ModelDirectory
-from specray.deployments.replica.errors import BadRequest, EngineFailure, ServeError
+from specray.deployments.replica.errors import BadRequest, EngineFailure, ServeError, Unavailable
 from specray.deployments.replica.request import EngineRequest, replace
 from specray.deployments.replica.stream_items import StreamError
 from specray.deployments.http.direct_response import DirectStreamingResponse
 from specray.deployments.http.engine_link import HandleEngine
-from specray.deployments.http.model_route import ModelRoute, Pick
+from specray.deployments.http.model_route import ModelRoute, Pick, worst
 from specray.deployments.http.errors import openai_error
 from specray.deployments.http.guard import Guard, configure
 from specray.deployments.http.openai_schema import (
@@ -123,17 +125,12 @@ async def _on_error(request: Request, exc: Exception):
     return _error_response(exc)
 
 
-#: health statuses, best first: a model's (or app's) status is the worst of its parts'
-HEALTH_ORDER = ("ok", "degraded", "recovering", "failed")
-
-
-def worst(statuses) -> str:
-    """The worst of some health statuses (an unknown one counts as worse than failed).
-
-    >>> worst(["ok", "degraded"]), worst(["ok", "failed", "recovering"])
-    ('degraded', 'failed')
-    """
-    return max(statuses, key=lambda st: HEALTH_ORDER.index(st) if st in HEALTH_ORDER else len(HEALTH_ORDER))
+#: how long /health (and the multi-model probe) waits for one engine deployment's answer before it counts that
+#: model's arm as failed
+HEALTH_TIMEOUT_S = 10.0
+#: a multi-model app's ingress asks every model's health this often, so requests for a model that cannot serve
+#: (no replica could start) get a 503 at once instead of waiting in Serve's queue for a replica
+PROBE_INTERVAL_S = 5.0
 
 
 def _truncation_header(n: int) -> dict | None:
@@ -182,7 +179,33 @@ class IngressRoutes:
             log.info("model %s: arm weights now %s", route.id, route.arms.shares())
 
     def _pick(self, request: Request, body) -> Pick:
-        """The model (body.model, an alias, the default; a split may divert) and arm that answer a request."""
+        """The model (body.model, an alias, the default; a split may divert) and arm that answer a request; a
+        503 (model_unavailable) for a model whose last health probe found nothing serving."""
+        pick = self._route(request, body)
+        if len(self.routes) > 1:
+            self._start_probe()
+            down = self.routes[pick.model].down
+            if down is not None:
+                raise Unavailable(f"model {pick.model!r} is not serving: {down}", param="model",
+                                  code="model_unavailable")
+        return pick
+
+    def _start_probe(self) -> None:
+        """Ask every model's health every PROBE_INTERVAL_S from now on (started by the first request, on the
+        event loop that serves it)."""
+        if getattr(self, "_probe", None) is None:
+            self._probe = asyncio.get_running_loop().create_task(self._probe_models())
+
+    async def _probe_models(self) -> None:
+        while True:
+            for route in self.routes.values():
+                try:
+                    await route.health(HEALTH_TIMEOUT_S)
+                except Exception:  # the probe must outlive anything one model does
+                    log.exception("health probe of model %s failed", route.id)
+            await asyncio.sleep(PROBE_INTERVAL_S)
+
+    def _route(self, request: Request, body) -> Pick:
         forced = request.headers.get(ARM_HEADER)
         key = body.user or request.headers.get(SESSION_HEADER) or None
         asked, serving = self.directory.route(body.model, key)
@@ -220,28 +243,13 @@ class IngressRoutes:
         With several models, `models` holds each one's health; the top level is the default model's (or the
         named one's), its status the worst."""
         routes = [self.routes[self.directory.resolve(model)]] if model else list(self.routes.values())
-        per_model = {r.id: await self._model_health(r) for r in routes}
+        per_model = {r.id: await r.health(HEALTH_TIMEOUT_S) for r in routes}
         h = dict(per_model[routes[0].id if model else self.default.id])
         h["status"] = worst(m["status"] for m in per_model.values())
         if len(self.routes) > 1:
             h["models"] = per_model
         serving = h["status"] in ("ok", "degraded")
         return JSONResponse(h, status_code=200 if serving else 503, headers=None if serving else _retry_headers())
-
-    @staticmethod
-    async def _model_health(route: ModelRoute) -> dict:
-        """One model's health: its first arm's fields, the status the worst of its arms'."""
-        per_arm: dict[str, dict] = {}
-        for name, link in route.engines.items():
-            try:
-                per_arm[name] = await link.health()
-            except Exception as e:
-                per_arm[name] = {"status": "failed", "error": f"unhealthy: {type(e).__name__}: {e}"}
-        h = {"model": route.id} | per_arm[route.arms.names[0]]
-        h["status"] = worst(a.get("status", "failed") for a in per_arm.values())
-        if len(per_arm) > 1:
-            h["arms"] = per_arm
-        return h
 
     @app.get("/v1/stats")
     async def stats(self):
@@ -280,11 +288,11 @@ class IngressRoutes:
             | {"engine": eng}
             for (name, w), eng in zip(zip(route.arms.names, route.arms.weights), engines)
         }
-        for name in route.records:
-            if name not in out:  # a split's diverted requests
-                to = name[len(SPLIT_ARM_PREFIX):]
-                out[name] = {"diverted_to": to, "chain": f"model {to}"} | merge_snapshots(
-                    [r["models"][route.id][name] for r in records if name in r["models"].get(route.id, {})])
+        seen = {name for r in records for name in r["models"].get(route.id, {})}  # every ingress replica's
+        for name in sorted(seen - set(out)):  # a split's diverted requests
+            to = name[len(SPLIT_ARM_PREFIX):]
+            out[name] = {"diverted_to": to, "chain": f"model {to}"} | merge_snapshots(
+                [r["models"][route.id][name] for r in records if name in r["models"].get(route.id, {})])
         return out
 
     def arm_records(self) -> dict:

@@ -9,12 +9,25 @@ it under the arm `@OTHER`, beside its own arms, so `specray ab-report --model` c
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
 from specray.deployments.ab.arms import ArmTable, resolve_arms
 from specray.deployments.ab.stats import ArmRecords
 from specray.deployments.models.directory import SPLIT_ARM_PREFIX
+
+#: health statuses, best first: a model's (or app's) status is the worst of its parts'
+HEALTH_ORDER = ("ok", "degraded", "recovering", "failed")
+
+
+def worst(statuses) -> str:
+    """The worst of some health statuses (an unknown one counts as worse than failed).
+
+    >>> worst(["ok", "degraded"]), worst(["ok", "failed", "recovering"])
+    ('degraded', 'failed')
+    """
+    return max(statuses, key=lambda st: HEALTH_ORDER.index(st) if st in HEALTH_ORDER else len(HEALTH_ORDER))
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,8 @@ class ModelRoute:
         self.records = {a.name: ArmRecords(max_records) for a in arms}
         self.first = self.engines[self.arms.names[0]]
         self.memory: dict | None = None
+        #: why this model cannot serve now (its last health probe: no replica answered, or all failed); None: up
+        self.down: str | None = None
 
     def pick(self, forced: str | None, key: str | None) -> Pick:
         """The arm for a request (ArmTable.pick; ValueError for an unknown forced arm)."""
@@ -57,6 +72,27 @@ class ModelRoute:
             self.records[arm] = ArmRecords(self.max_records)
         inner = to.pick(None, key)
         return Pick(inner.engine, self.records[arm], arm, to.id)
+
+    async def health(self, timeout_s: float) -> dict:
+        """The model's health: its first arm's fields, the status the worst of its arms'; an arm whose engine
+        does not answer within `timeout_s` (a deployment with no running replica queues the call) counts as
+        failed. Sets `down` for the requests that follow."""
+        per_arm: dict[str, dict] = {}
+        for name, link in self.engines.items():
+            try:
+                per_arm[name] = await asyncio.wait_for(link.health(), timeout_s)
+            except asyncio.TimeoutError:
+                per_arm[name] = {"status": "failed",
+                                 "error": f"no replica of the engine answered within {timeout_s:g} s"}
+            except Exception as e:
+                per_arm[name] = {"status": "failed", "error": f"unhealthy: {type(e).__name__}: {e}"}
+        h = {"model": self.id} | per_arm[self.arms.names[0]]
+        h["status"] = worst(a.get("status", "failed") for a in per_arm.values())
+        if len(per_arm) > 1:
+            h["arms"] = per_arm
+        failed = [a.get("error", a.get("status")) for a in per_arm.values() if a.get("status") == "failed"]
+        self.down = failed[0] if len(failed) == len(per_arm) else None
+        return h
 
     async def target_memory(self) -> dict | None:
         """The model's target memory (attention, recurrent or hybrid; engine/rollback.py), asked once of its

@@ -38,7 +38,7 @@ from .tool_calls import check_tools, parse_tool_calls, tool_call_schema
 #: the most choices (n) one request may ask for; the replica also refuses more than its slots
 MAX_CHOICES = 16
 #: request fields the ingress handles itself, never sent to the engine: `stream` / `stream_options` (the
-#: response's shape), `user` (the A/B arm's session key), `model` (one model is served and answers any name)
+#: response's shape), `user` (the A/B arm's session key), `model` (which model answers: deployments/models/directory.py)
 #: and `parallel_tool_calls` (accepted; a reply's calls are parsed however many there are)
 HTTP_FIELDS = frozenset({"model", "user", "stream", "stream_options", "parallel_tool_calls"})
 #: request fields refused with a 400 naming them when set to anything but their default

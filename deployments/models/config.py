@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from specray.deployments.ab.arms import ArmConfig
+from specray.deployments.ab.arms import ArmConfig, deployment_name, resolve_arms
 
 MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$")
 
@@ -114,3 +114,36 @@ def model_configs(cfg) -> dict[str, Any]:
                                "served_model_name": m.id}
         out[m.id] = type(cfg).model_validate(merged)
     return out
+
+
+def model_deployments(cfg) -> dict[str, list[str]]:
+    """{model id: the names of its engine deployments}, as the app builder names them.
+
+    >>> from specray.deployments.config import ServeConfig
+    >>> model_deployments(ServeConfig(models=[{"id": "a"}, {"id": "org/b", "arms": [{"name": "x"}]}]))
+    {'a': ['EngineReplica-a'], 'org/b': ['EngineReplica-org-b-x']}
+    >>> model_deployments(ServeConfig())
+    {'smollm2-135m': ['EngineReplica']}
+    """
+    several = bool(cfg.models)
+    return {mid: [deployment_name(a.name, explicit=bool(mcfg.arms), model=deployment_prefix(mid) if several else None)
+                  for a in resolve_arms(mcfg)]
+            for mid, mcfg in model_configs(cfg).items()}
+
+
+def failed_models(cfg, statuses: dict[str, str]) -> list[str] | None:
+    """After a deploy that did not come up whole: the models whose engine deployments are not all HEALTHY
+    (`statuses`: Serve's deployment name -> status), or None when nothing could serve (the Ingress is not
+    healthy, or no model is).
+
+    >>> from specray.deployments.config import ServeConfig
+    >>> cfg = ServeConfig(models=[{"id": "a"}, {"id": "b"}])
+    >>> failed_models(cfg, {"Ingress": "HEALTHY", "EngineReplica-a": "HEALTHY", "EngineReplica-b": "DEPLOY_FAILED"})
+    ['b']
+    >>> failed_models(cfg, {"Ingress": "HEALTHY", "EngineReplica-a": "UNHEALTHY", "EngineReplica-b": "DEPLOY_FAILED"})
+    """
+    if statuses.get("Ingress") != "HEALTHY":
+        return None
+    failed = [mid for mid, names in model_deployments(cfg).items()
+              if any(statuses.get(n) != "HEALTHY" for n in names)]
+    return failed if len(failed) < len(cfg.models) else None

@@ -237,3 +237,33 @@ def test_load_on_one_model_scales_it_alone(multi):
         for t in threads:
             t.join(timeout=300)
     assert not failures, failures[:3]
+
+
+def test_a_model_that_cannot_start_leaves_the_others_serving(ray_serve, refs, tmp_path):
+    """A model whose replicas fail in their constructor (a file llama.cpp cannot load): the deploy reports the
+    failure, the other model answers exactly, /health is 503 and names the failed model, which gets a 503."""
+    from ray import serve
+
+    from specray.deployments.app import build_app
+    from specray.deployments.config import ServeConfig
+    from specray.deployments.models.config import failed_models
+
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    args = {"engine": SMOL_ENGINE, "models": [{"id": "smol"}, {"id": "broken", "engine": {"model": str(broken)}}],
+            "replica_cpus": 0.1, "ingress_cpus": 0.1, "app_name": "broken", "route_prefix": "/broken"}
+    try:
+        with pytest.raises(RuntimeError):
+            serve.run(build_app(args), name="broken", route_prefix="/broken")
+        statuses = {n: str(d.status.value) for n, d in serve.status().applications["broken"].deployments.items()}
+        assert failed_models(ServeConfig.model_validate(args), statuses) == ["broken"], statuses
+        base = f"{ray_serve}/broken"
+        assert complete(base, "smol")["choices"][0]["text"] == refs["smol"]["completion"]
+        h = httpx.get(f"{base}/health", timeout=60)
+        assert h.status_code == 503 and h.json()["models"]["broken"]["status"] == "failed"
+        assert h.json()["models"]["smol"]["status"] == "ok"
+        assert httpx.get(f"{base}/health", params={"model": "smol"}, timeout=60).status_code == 200
+        r = httpx.post(f"{base}/v1/completions", json={"model": "broken", "prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_unavailable", r.text
+    finally:
+        serve.delete("broken")

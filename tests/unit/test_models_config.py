@@ -178,17 +178,20 @@ def test_a_split_answers_from_the_other_model_and_is_reported_as_an_arm_of_the_f
         r = await routes._generate(body.to_engine(), body, chat=False, pick=pick, request=_Request({}))
         return json.loads(r.body)
 
-    answers = [asyncio.run(ask("smol", f"user-{i}")) for i in range(200)]
+    async def scenario():
+        answers = [await ask("smol", f"user-{i}") for i in range(200)]
+        answers.append(await ask("smol", "user-7"))
+        own = await ask("g", "user-7")
+        return answers, own, await routes.stats()
+
+    answers, own, stats = asyncio.run(scenario())
     diverted = [a for a in answers if a["model"] == "gemma"]
     assert all(a["choices"][0]["text"] == "from gemma" and a["arm"] == "@gemma" for a in diverted)
     assert all(a["choices"][0]["text"] == "from smol" and a["arm"] == "default" for a in answers if a["model"] == "smol")
-    assert 70 < len(diverted) < 130 and links["gemma"].asked == len(diverted)
-    answers.append(asyncio.run(ask("smol", "user-7")))
+    assert 70 < len(diverted) < 130 and links["gemma"].asked == len(diverted) + 1
     assert answers[-1]["model"] == answers[7]["model"]  # sticky
-    diverted = [a for a in answers if a["model"] == "gemma"]
-    assert asyncio.run(ask("g", "user-7"))["model"] == "gemma"  # gemma's own requests are not split
+    assert own["model"] == "gemma" and own["arm"] == "default"  # gemma's own requests are not split
 
-    stats = asyncio.run(routes.stats())
     smol = stats["models"]["smol"]["arms"]
     assert smol["@gemma"]["requests"] == len(diverted) and smol["@gemma"]["diverted_to"] == "gemma"
     assert smol["default"]["requests"] == 201 - len(diverted) and stats["arms"] == smol  # smol is the default
@@ -199,3 +202,41 @@ def test_a_split_answers_from_the_other_model_and_is_reported_as_an_arm_of_the_f
         "default": 201 - len(diverted), "@gemma": len(diverted)}
     with pytest.raises(ValueError, match="it serves smol, gemma"):
         model_stats(stats, "llama")
+
+
+def test_a_model_that_does_not_answer_its_health_probe_gets_503s_and_the_others_serve():
+    import asyncio
+    import json
+
+    from specray.deployments.http import ingress
+    from specray.deployments.http.ingress import IngressRoutes
+    from specray.deployments.http.openai_schema import CompletionRequest
+    from specray.deployments.replica.errors import Unavailable
+
+    class Stuck(_Link):
+        async def health(self):  # a deployment without a running replica: the call waits in Serve's queue
+            await asyncio.sleep(3600)
+
+    cfg = ServeConfig.model_validate({"models": [{"id": "a"}, {"id": "b"}]})
+    routes = IngressRoutes({"a": {"default": _Link("from a")}, "b": {"default": Stuck("from b")}},
+                           cfg.model_dump(mode="json"))
+
+    async def scenario():
+        ingress.HEALTH_TIMEOUT_S = 0.2
+        try:
+            health = await routes.health()
+        finally:
+            ingress.HEALTH_TIMEOUT_S = 10.0
+        body = CompletionRequest(model="b", prompt="hi", max_tokens=2)
+        with pytest.raises(Unavailable) as e:
+            routes._pick(_Request({}), body)
+        ok = CompletionRequest(model="a", prompt="hi", max_tokens=2)
+        r = await routes._generate(ok.to_engine(), ok, chat=False, pick=routes._pick(_Request({}), ok),
+                                   request=_Request({}))
+        return health, e.value, json.loads(r.body)
+
+    health, err, answer = asyncio.run(scenario())
+    assert health.status_code == 503 and json.loads(health.body)["models"]["b"]["status"] == "failed"
+    assert "no replica of the engine answered" in json.loads(health.body)["models"]["b"]["error"]
+    assert err.status == 503 and err.code == "model_unavailable" and "'b' is not serving" in err.message
+    assert answer["choices"][0]["text"] == "from a"
