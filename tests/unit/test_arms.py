@@ -108,7 +108,8 @@ def test_config_without_arms_is_one_default_arm_deployed_as_before():
     cfg = load_serve_config({})
     arms = resolve_arms(cfg)
     assert [a.name for a in arms] == ["default"] and arm_serve_config(cfg, arms[0]).engine == cfg.engine
-    engines = build_app({"layout": "split"})._bound_deployment.init_args[0]  # the ingress's {arm: engine deployment}
+    # the ingress's {model: {arm: engine deployment}}
+    (engines,) = build_app({"layout": "split"})._bound_deployment.init_args[0].values()
     assert {k: v._bound_deployment.name for k, v in engines.items()} == {"default": "EngineReplica"}
     with pytest.raises(ValidationError, match="unique"):
         load_serve_config({"arms": [{"name": "a"}, {"name": "a"}]})
@@ -131,7 +132,8 @@ def test_arm_deployments_get_their_chain_scaling_and_user_config():
     assert autoscaling_config(None, 8) is None
     ingress = build_app(cfg.model_dump())._bound_deployment
     assert ingress.user_config == {"weights": {"base": 1.0, "fast": 3.0}}
-    engines = {k: v._bound_deployment for k, v in ingress.init_args[0].items()}
+    (arms,) = ingress.init_args[0].values()
+    engines = {k: v._bound_deployment for k, v in arms.items()}
     assert {k: d.name for k, d in engines.items()} == {"base": "EngineReplica-base", "fast": "EngineReplica-fast"}
     assert engines["fast"].user_config["chain"]["speculators"] == ["ngram_mod", "suffix"]
     assert engines["fast"].init_args[1] == "fast"  # the arm name: metrics label, /v1/stats
