@@ -225,7 +225,7 @@ class IngressRoutes:
         for route in self.routes.values():
             data.append({
                 "id": route.id, "object": "model", "created": self.created, "owned_by": "specray",
-                "aliases": [a for a, m in self.directory.aliases.items() if m == route.id],
+                "aliases": self.directory.aliases_of(route.id),
                 "default": route is self.default,
                 "mode": route.cfg.mode, "chain": route.chains[route.arms.names[0]],
                 # attention, recurrent or hybrid, and the rollback mode of drafts (engine/rollback.py)
@@ -265,7 +265,7 @@ class IngressRoutes:
         blocks = {mid: await self._arms_block(route, records) for mid, route in self.routes.items()}
         top["arms"] = blocks[self.default.id]
         if len(self.routes) > 1:
-            top["models"] = {mid: {"arms": b, "aliases": [a for a, m in self.directory.aliases.items() if m == mid],
+            top["models"] = {mid: {"arms": b, "aliases": self.directory.aliases_of(mid),
                                    "default": mid == self.default.id} for mid, b in blocks.items()}
         top["ingress"] = {"replicas": len(records), "pids": [r["pid"] for r in records],
                           "weights": [r["weights"] for r in records], "layout": self.layout,

@@ -65,6 +65,9 @@ class ModelDirectory:
         u = sticky_point(key, self.salt) if key else self._rng.random()
         return asked, split[0] if u < split[1] else asked
 
+    def aliases_of(self, model_id: str) -> list[str]:
+        return [a for a, m in self.aliases.items() if m == model_id]
+
     def listing(self) -> str:
         by_id: dict[str, list[str]] = {i: [] for i in self.ids}
         for alias, mid in self.aliases.items():

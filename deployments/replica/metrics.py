@@ -3,27 +3,27 @@
 Names follow vLLM / llama-server. They are Ray Serve custom metrics
 (`ray.serve.metrics`), exported by every node's Ray metrics agent with Ray's
 `ray_` prefix (counters also get `_total`) and Serve's own labels
-(`application`, `deployment`, `replica`) next to ours (`model`: the served model id, as vLLM's `model_name`; `arm`, ...):
+(`application`, `deployment`, `replica`) next to ours: `model` (the served
+model's id, as vLLM's `model_name`), `arm`, and where said `position` or
+`finish_reason`. Every name below carries {model,arm}:
 
-    ray_specray_spec_decode_num_drafts_total{model,arm}                     drafts verified
-    ray_specray_spec_decode_num_draft_tokens_total{model,arm}               draft tokens verified
-    ray_specray_spec_decode_num_accepted_tokens_total{model,arm}            draft tokens accepted
-    ray_specray_spec_decode_num_accepted_tokens_per_pos_total{model,arm,position}
-                                                                      drafts with >= position+1 accepted
-    ray_specray_requests_total{model,arm,finish_reason}                     finished requests (stop, length,
-                                                                      cancelled, error)
-    ray_specray_prompt_tokens_total{model,arm}, ray_specray_generation_tokens_total{model,arm}
-    ray_specray_time_to_first_token_seconds{model,arm}                      histogram: arrival at the replica
-                                                                      -> first token
-    ray_specray_inter_token_latency_seconds{model,arm}                      histogram: per request, the mean
-                                                                      time between its tokens after the first
-    ray_specray_e2e_request_latency_seconds{model,arm}                      histogram
-    ray_specray_slots_busy{model,arm}, ray_specray_slots_total{model,arm},
-    ray_specray_slot_occupancy{model,arm} (busy / total), ray_specray_requests_waiting{model,arm}
-    ray_specray_prefix_cache_queries_total{model,arm}                       prompt tokens of finished requests
-    ray_specray_prefix_cache_hits_total{model,arm}                          of them, found cached (vLLM's pair)
-    ray_specray_prefix_cache_host_bytes{model,arm},                         the prompt cache's host tier: bytes
-    ray_specray_prefix_cache_host_entries{model,arm}                        and prefixes held in host memory
+    ray_specray_spec_decode_num_drafts_total              drafts verified
+    ray_specray_spec_decode_num_draft_tokens_total        draft tokens verified
+    ray_specray_spec_decode_num_accepted_tokens_total     draft tokens accepted
+    ray_specray_spec_decode_num_accepted_tokens_per_pos_total{position}
+                                                          drafts with >= position+1 accepted
+    ray_specray_requests_total{finish_reason}             finished requests (stop, length, cancelled, error)
+    ray_specray_prompt_tokens_total, ray_specray_generation_tokens_total
+    ray_specray_time_to_first_token_seconds               histogram: arrival at the replica -> first token
+    ray_specray_inter_token_latency_seconds               histogram: per request, the mean time between its
+                                                          tokens after the first
+    ray_specray_e2e_request_latency_seconds               histogram
+    ray_specray_slots_busy, ray_specray_slots_total,
+    ray_specray_slot_occupancy (busy / total), ray_specray_requests_waiting
+    ray_specray_prefix_cache_queries_total                prompt tokens of finished requests
+    ray_specray_prefix_cache_hits_total                   of them, found cached (vLLM's pair)
+    ray_specray_prefix_cache_host_bytes,                  the prompt cache's host tier: bytes
+    ray_specray_prefix_cache_host_entries                 and prefixes held in host memory
 
 The spec-decode counters are engine-level (as vLLM's): the replica's
 speculator counters, pushed as deltas from the round thread (at most once per
