@@ -282,17 +282,19 @@ class IngressRoutes:
         engine counters (summed over the arm's replicas); a split's `@MODEL` arm has records only."""
         engines = await asyncio.gather(*(link.stats_all() for link in route.engines.values()))
         shares = route.arms.shares()
+        mine = [r["models"].get(route.id, {}) for r in records]  # this model's arms, per ingress replica
+
+        def merged(name: str) -> dict:
+            return merge_snapshots([arms[name] for arms in mine if name in arms])
+
         out = {
             name: {"weight": w, "share": shares[name], "chain": eng.get("chain") or route.chains[name]}
-            | merge_snapshots([r["models"][route.id][name] for r in records if name in r["models"].get(route.id, {})])
-            | {"engine": eng}
+            | merged(name) | {"engine": eng}
             for (name, w), eng in zip(zip(route.arms.names, route.arms.weights), engines)
         }
-        seen = {name for r in records for name in r["models"].get(route.id, {})}  # every ingress replica's
-        for name in sorted(seen - set(out)):  # a split's diverted requests
+        for name in sorted({n for arms in mine for n in arms} - set(out)):  # a split's diverted requests
             to = name[len(SPLIT_ARM_PREFIX):]
-            out[name] = {"diverted_to": to, "chain": f"model {to}"} | merge_snapshots(
-                [r["models"][route.id][name] for r in records if name in r["models"].get(route.id, {})])
+            out[name] = {"diverted_to": to, "chain": f"model {to}"} | merged(name)
         return out
 
     def arm_records(self) -> dict:
