@@ -128,6 +128,9 @@ class Context:
         # whether positions can be shifted (context shift): not for recurrent or hybrid memory, nor M-RoPE models
         self.can_shift = bool(llama_cpp.llama_memory_can_shift(self.mem))
         self.batch = Batch(n_batch)
+        # cross-stream copies llama.cpp has not made yet (seq_cp): destination -> source
+        self._unsettled: dict[int, int] = {}
+        self._settle_batch: Batch | None = None
         self.lock = threading.RLock()
         self.n_decodes = 0
         self._logits_view: np.ndarray | None = None  # logits(): the output buffer's view and its address
@@ -162,6 +165,7 @@ class Context:
             decode_threads.note()
         rc = llama_cpp.llama_decode(self.ptr, b.as_struct())
         self.n_decodes += 1
+        self._unsettled.clear()  # llama.cpp made the pending stream copies first (or the decode fails below)
         if rc != 0:
             raise DecodeError(
                 "llama_decode failed: " + ("no KV cache slot for the batch (context full)" if rc == 1 else f"code {rc}")
@@ -214,7 +218,31 @@ class Context:
         return bool(llama_cpp.llama_memory_seq_rm(self.mem, seq_id, p0, p1))
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Let dst see src's cells in [p0, p1). In one KV stream that is metadata only. Across streams (exact
+        mode) llama.cpp copies the metadata now but the K/V buffer at the next decode, so until then a save of
+        dst would read the old buffer and a restore into src would change what dst gets: `save_seq`,
+        `load_seq` and `state_seq_set` settle such a copy first (`settle`)."""
         llama_cpp.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+        if not self.kv_unified and src != dst and self.model.memory_kind == "attention":
+            # (recurrent state is copied at once; a hybrid's settling decode would advance its recurrent part)
+            self._unsettled[dst] = src
+
+    def settle(self, seq_id: int | None = None) -> None:
+        """Make every cross-stream copy that involves seq_id (None: any) real now: a one-token decode in one
+        copy's destination, whose cell is removed again. llama.cpp makes all pending copies at the start of
+        any decode and has no other call for it."""
+        if not self._unsettled or (seq_id is not None and seq_id not in self._unsettled
+                                   and seq_id not in self._unsettled.values()):
+            return
+        dst = next(iter(self._unsettled))
+        pos = self.seq_pos_max(dst) + 1
+        if self._settle_batch is None:
+            self._settle_batch = Batch(1)
+        b = self._settle_batch
+        b.clear()
+        b.add_seq(dst, np.zeros(1, dtype=np.int32), pos, 1)
+        self.decode(b)
+        self.seq_rm(dst, pos, -1)
 
     def seq_keep(self, seq_id: int) -> None:
         llama_cpp.llama_memory_seq_keep(self.mem, seq_id)
@@ -254,6 +282,7 @@ class Context:
     def save_seq(self, seq_id: int):
         """seq_id's cells saved to host memory (the prompt cache's host tier): a ctypes buffer that `load_seq`
         takes back without another copy; None where llama.cpp wrote nothing."""
+        self.settle(seq_id)
         size = int(llama_cpp.llama_state_seq_get_size(self.ptr, seq_id))
         buf = (ctypes.c_uint8 * size)()
         n = int(llama_cpp.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
@@ -264,6 +293,7 @@ class Context:
     def load_seq(self, seq_id: int, buf) -> bool:
         """Write a `save_seq` buffer into seq_id (cleared first). False, with seq_id left empty, where llama.cpp
         refuses it (no run of free cells long enough)."""
+        self.settle(seq_id)
         self.clear_seq(seq_id)
         if int(llama_cpp.llama_state_seq_set_data(self.ptr, buf, len(buf), seq_id)) == 0:
             self.clear_seq(seq_id)
@@ -272,6 +302,7 @@ class Context:
 
     def state_seq_set(self, seq_id: int, data: bytes) -> None:
         """Restore a checkpoint into seq_id (which should be empty first)."""
+        self.settle(seq_id)
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if int(llama_cpp.llama_state_seq_set_data(self.ptr, buf, len(data), seq_id)) == 0:
             raise RuntimeError(f"llama.cpp failed to restore the state of sequence {seq_id}")

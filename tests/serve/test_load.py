@@ -123,6 +123,9 @@ def run_one(c: httpx.Client, item: dict, solo: dict) -> dict:
                     ch = r.json()["choices"][0]
                     text = ch["message"]["content"] if chat else ch["text"]
                     res["ok"] = text == solo[key]
+                    if not res["ok"]:
+                        res["text"], res["want"], res["usage"] = text, solo[key], r.json().get("usage")
+                        res["prompt"] = item["prompt"]
             else:
                 parts = []
                 with c.stream("POST", path, json=body) as r:
@@ -138,6 +141,8 @@ def run_one(c: httpx.Client, item: dict, solo: dict) -> dict:
                             ch = ev["choices"][0]
                             parts.append((ch["delta"].get("content") or "") if chat else ch["text"])
                 res["ok"] = r.status_code == 200 and "error" not in res and "".join(parts) == solo[key]
+                if not res["ok"]:
+                    res["text"], res["want"], res["prompt"] = "".join(parts), solo[key], item["prompt"]
     except Exception as e:  # counted as a failure of its kind
         res["error"] = f"{type(e).__name__}: {e}"
     res["latency"] = time.perf_counter() - t0
@@ -183,6 +188,8 @@ def test_load_200_mixed_requests_at_concurrency_16(rel_server, solo):
     print(f"  replica RSS: {rss0 / 2**20:.1f} MiB before, {rss1 / 2**20:.1f} MiB after "
           f"({(rss1 - rss0) / 2**20:+.1f} MiB; bound {RSS_BOUND / 2**20:.0f} MiB)")
     bad = [r for r in results if not r["ok"]]
+    for r in bad:
+        print(f"  failed: {r}")
     assert not bad, bad[:5]
     assert st["active"] == 0 and st["queued"] == 0 and st["free_slots"] == st["slots"]
     assert kv_is_only_the_cache(st) and st["streams"] == 0
