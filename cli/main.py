@@ -461,6 +461,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens one round carries in all while other requests generate, so their streams "
                         "keep their pace during long prefills; short prompts and continuations go first "
                         "(default: as many as a round's batch, n_batch, has room for)")
+    g.add_argument("--queue-order", choices=["cached", "arrival"], default=S,
+                   help="when more requests wait than slots are free, which gets the next slot: cached, the one "
+                        "with the fewest prompt tokens left after its longest cached prefix (an agent's next turn "
+                        "before a new conversation), bounded by --queue-max-wait; arrival, first come first served "
+                        f"{d(EngineConfig, 'queue_order')}")
+    g.add_argument("--queue-max-wait", type=float, default=S, metavar="SECONDS",
+                   help="with --queue-order cached, a request that has waited this long goes ahead of any that "
+                        f"has not {d(EngineConfig, 'queue_max_wait_s')}")
     g.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=S,
                    help="a generation that reaches its context discards old tokens and goes on (llama-server's "
                         "--context-shift; requests may set context_shift, n_keep, n_discard themselves) "
@@ -791,6 +799,9 @@ def main(argv: list[str] | None = None) -> int:
         v = getattr(args, flag, None)
         if v is not None and v < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0, got {v}")
+    v = getattr(args, "queue_max_wait", None)
+    if v is not None and not v > 0:
+        parser.error(f"--queue-max-wait must be > 0 seconds, got {v}")
     v = getattr(args, "prefill_budget", None)
     if v is not None and v < 16:
         parser.error(f"--prefill-budget must be >= 16 (prompt tokens a round), got {v}")

@@ -42,6 +42,8 @@ _FLAG_FIELDS = {
     "prompt_cache": ("engine", "prompt_cache"),
     "cache_ram": ("engine", "cache_ram"),
     "prefill_budget": ("engine", "prefill_budget"),
+    "queue_order": ("engine", "queue_order"),
+    "queue_max_wait": ("engine", "queue_max_wait_s"),
     "context_shift": ("engine", "context_shift"),
     "verify_shape": ("engine", "verify_shape"),
     "verify_buckets": ("engine", "verify_buckets"),

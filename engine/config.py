@@ -330,6 +330,14 @@ class EngineConfig(BaseModel):
         "--cache-ram): evicted prefixes are saved there and restored when a later prompt shares them. 0: off; "
         "None: a quarter of the memory free at start, at most 8192")
     max_queue: int = Field(256, ge=0, description="requests waiting for a slot before new ones are refused")
+    queue_order: Literal["cached", "arrival"] = Field(
+        "cached", description="the order waiting requests get free slots in when more wait than slots are free. "
+        "cached: fewest prompt tokens left after the longest cached prefix first (a conversation's next turn "
+        "before a new conversation, as SGLang's longest-prefix-match order), bounded by queue_max_wait_s; "
+        "arrival: first come, first served")
+    queue_max_wait_s: float = Field(
+        20.0, gt=0, description="with queue_order cached: a request that has waited this long goes ahead of any "
+        "that has not, in arrival order, so none waits forever behind shorter prompts")
     chain: ChainConfig = Field(default_factory=ChainConfig, description="the speculator chain")
     draft: DraftModelConfig = Field(
         default_factory=DraftModelConfig, description="draft model for the `draft` speculator (in-process when "

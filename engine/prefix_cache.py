@@ -27,7 +27,7 @@ import numpy as np
 from .cell_ledger import CellLedger
 from .host_tier import HostTier
 from .prefix_plan import Holders, PrefixPlan, destination, plan_prefix
-from .prompt_cache import Cached, PromptCache
+from .prompt_cache import Cached, PromptCache, common_prefix
 from .request import SeqState
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class PrefixCache:
         self.prefill_seconds = prefill_seconds
         self.copies_from_running = 0  # admissions that copied a running sequence's cells
         self.waits = 0  # rounds a queued sequence waited for another's prefill of their shared prefix
+        self.cell_waits = 0  # rounds a free slot stayed empty: its sequence waited for KV cells (one pool)
 
     @property
     def enabled(self) -> bool:
@@ -91,6 +92,20 @@ class PrefixCache:
             self.waits += 1
         return plan
 
+    def held(self, prompt: np.ndarray, active: dict[int, "Sequence"]) -> int:
+        """The longest prefix of `prompt` held anywhere: idle caches, running sequences' committed cells, the
+        host tier (at most len(prompt) - 1, as `plan` reuses). An estimate for the admission order; which
+        holder a sequence starts from, and whether it waits, is `plan`'s choice at its admission."""
+        if not self.enabled or len(prompt) < 2:
+            return 0
+        n = max((common_prefix(c.tokens, prompt) for c in self.idle.slots.values()), default=0)
+        for q in active.values():
+            if q.error is None and not q.finished:
+                n = max(n, common_prefix(q.kv_prefix(), prompt))
+        if self.host.enabled and self.host.entries:
+            n = max(n, self.host.best(prompt)[1])
+        return min(n, len(prompt) - 1)
+
     def admit(self, seq: "Sequence", plan: PrefixPlan, used: bool, running: int) -> bool:
         """Take `plan`'s slot for `seq`: make room for its cells (False, nothing changed but idle caches let go,
         where there is none while `running` sequences hold cells: it waits), then the target starts it. Sets
@@ -99,6 +114,7 @@ class PrefixCache:
         if self.shared_cells is not None:
             keep = tuple(s for s in (slot, plan.copy_from) if s is not None)
             if not self._make_room(seq, plan, keep) and running:
+                self.cell_waits += 1
                 return False
         cached = self.idle.slots.get(slot)
         if cached is not None and len(cached.tokens) - (0 if copied_in(plan) else reuse) >= MIN_STASH_TOKENS:
@@ -197,6 +213,7 @@ class PrefixCache:
 
     def stats(self) -> dict:
         return self.idle.stats() | {"copies_from_running": self.copies_from_running, "waits": self.waits,
+                                    "cell_waits": self.cell_waits,
                                     "pool_cells": self.ledger.cells() if self.shared_cells is not None else None,
                                     "host": self.host.to_dict()}
 

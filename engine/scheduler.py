@@ -24,6 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .admission_order import ORDER_WINDOW, admission_order
 from .chain import Chain
 from .config import ChainConfig, EngineConfig
 from .constraint import ConstraintFactory
@@ -336,11 +337,12 @@ class Scheduler:
         prefill of the prefix it will copy) lets those behind it pass, unless it waits for cells."""
         i = 0
         self.awaited = set()  # slots of prefilling sequences whose prefix queued ones wait to copy
+        if self.config.queue_order == "cached" and 0 < len(self.free_slots) < len(self.queue):
+            self._order_queue()
         while i < len(self.queue) and self.free_slots:
             seq = self.queue[i]
             prompt = seq.req.prompt_tokens
-            # hidden-state speculators (and echo) need every prompt row, which a reused prefix never produces
-            every_row = self._needs_hidden(seq) or seq.req.sampling.prompt_logprobs
+            every_row = self._every_row(seq)
             use = seq.req.cache_prompt and not every_row
             plan = fork_plan(seq, self.free_slots, self.prefix_cache.idle.slots, every_row, self.memory.keeps_prefix)
             if plan is None:
@@ -366,6 +368,16 @@ class Scheduler:
                 seq.chain = ()
             if plan.reuse:  # what a prefill of the reused prefix would have told the speculators
                 self._mirror(seq, prompt[: plan.reuse], 0)
+
+    def _order_queue(self) -> None:
+        """More sequences wait than slots are free: the head of the queue in admission_order (fewest prompt
+        rows left after what is cached first, those waited queue_max_wait_s first of all)."""
+        head = [self.queue.popleft() for _ in range(min(ORDER_WINDOW, len(self.queue)))]
+        now = time.perf_counter()
+        rows = [len(s.req.prompt_tokens) - (self.prefix_cache.held(s.req.prompt_tokens, self.active)
+                                            if s.req.cache_prompt and not self._every_row(s) else 0) for s in head]
+        order = admission_order(rows, [now - s.t_submit for s in head], self.config.queue_max_wait_s)
+        self.queue.extendleft(head[i] for i in reversed(order))
 
     def forget_prompt_cache(self, clear_kv: bool = True) -> None:
         """Drop every idle cache and host entry: the target's KV is gone (clear_kv False: a new target) or
@@ -492,6 +504,11 @@ class Scheduler:
 
     def target_budget(self) -> int:  # the most rows one round's decode may carry
         return self.config.n_batch
+
+    def _every_row(self, s: Sequence) -> bool:
+        """Whether the sequence needs every prompt row decoded, which a reused prefix never gives: hidden-state
+        speculators (their rows) and echo (the prompt's logprobs)."""
+        return bool(self._needs_hidden(s) or s.req.sampling.prompt_logprobs)
 
     def _needs_hidden(self, s: Sequence) -> bool:
         """The target returns hidden rows only for sequences whose chain has a hidden-state speculator."""

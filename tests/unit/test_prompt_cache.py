@@ -164,6 +164,8 @@ def test_short_prompts_go_first_and_the_oldest_still_progresses():
 @pytest.mark.parametrize("argv, message", [
     (["--prefill-budget", "5"], "--prefill-budget must be >= 16"),
     (["--cache-ram", "-1"], "--cache-ram must be >= 0"),
+    (["--queue-max-wait", "0"], "--queue-max-wait must be > 0 seconds"),
+    (["--queue-order", "lifo"], "--queue-order: invalid choice"),
 ])
 def test_serve_names_a_bad_prefix_cache_flag(argv, message, capsys):
     from specray.cli import main as cli
@@ -177,5 +179,7 @@ def test_serve_flags_reach_the_engine_config():
     from specray.cli import main as cli
     from specray.cli.serve import flag_overrides
 
-    args = cli.build_parser().parse_args(["serve", "--cache-ram", "512", "--prefill-budget", "128"])
-    assert {"cache_ram": 512, "prefill_budget": 128}.items() <= flag_overrides(args)["engine"].items()
+    args = cli.build_parser().parse_args(["serve", "--cache-ram", "512", "--prefill-budget", "128",
+                                          "--queue-order", "arrival", "--queue-max-wait", "5"])
+    assert ({"cache_ram": 512, "prefill_budget": 128, "queue_order": "arrival", "queue_max_wait_s": 5.0}.items()
+            <= flag_overrides(args)["engine"].items())
