@@ -165,7 +165,8 @@ class Context:
             decode_threads.note()
         rc = llama_cpp.llama_decode(self.ptr, b.as_struct())
         self.n_decodes += 1
-        self._unsettled.clear()  # llama.cpp made the pending stream copies first (or the decode fails below)
+        if rc in (0, 1):  # llama.cpp made the pending stream copies before it looked for cells
+            self._unsettled.clear()
         if rc != 0:
             raise DecodeError(
                 "llama_decode failed: " + ("no KV cache slot for the batch (context full)" if rc == 1 else f"code {rc}")
