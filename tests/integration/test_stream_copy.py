@@ -92,3 +92,27 @@ def test_a_settled_copy_keeps_the_solo_cell_layout(smollm2):
     got = _next_logits(ctx, 1, 11, len(a))
     ctx.close()
     assert np.array_equal(got, want)
+
+
+def test_one_kv_pool_has_nothing_to_settle(smollm2):
+    """Without streams a copy is metadata only: a save right after it decodes nothing more."""
+    a, _ = _prompts(smollm2)
+    ctx = Context(smollm2, n_ctx=1024, n_seq_max=3, n_batch=256, exact=False)
+    _prefill(ctx, 0, a)
+    ctx.seq_cp(0, 1)
+    decodes = ctx.n_decodes
+    assert ctx.save_seq(1) is not None
+    assert ctx.n_decodes == decodes
+    ctx.close()
+
+
+def test_a_copy_made_by_the_next_decode_is_not_settled_again(smollm2):
+    a, _ = _prompts(smollm2)
+    ctx = _ctx(smollm2)
+    _prefill(ctx, 0, a)
+    ctx.seq_cp(0, 1)
+    _next_logits(ctx, 0, 11, len(a))  # any decode makes the pending copy
+    decodes = ctx.n_decodes
+    ctx.save_seq(1)
+    assert ctx.n_decodes == decodes
+    ctx.close()
