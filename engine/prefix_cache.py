@@ -41,7 +41,7 @@ MIN_WAIT_TOKENS = 32
 
 class PrefixTarget(Protocol):  # what the scheduler's target provides for the prefix cache
     def start(self, seq_id: int, params, prompt: np.ndarray, n_keep: int = 0, copy_from: int | None = None,
-              restore: int | None = None) -> None: ...
+              restore: int | None = None, share: tuple[int, int] | None = None) -> None: ...
     def release(self, seq_id: int, keep: int = 0) -> None: ...
     def stash(self, seq_id: int, key: int) -> None: ...
     def drop_stash(self, keys: list[int]) -> None: ...
@@ -62,6 +62,7 @@ class PrefixCache:
         self.copies_from_running = 0  # admissions that copied a running sequence's cells
         self.waits = 0  # rounds a queued sequence waited for another's prefill of their shared prefix
         self.cell_waits = 0  # rounds a free slot stayed empty: its sequence waited for KV cells (one pool)
+        self.shared_restores = 0  # restores that share a prefix another slot holds instead of a copy of it
 
     @property
     def enabled(self) -> bool:
@@ -84,7 +85,7 @@ class PrefixCache:
                    if q.state == SeqState.PREFILL and s in live and q.n_prefilled < len(q.req.prompt_tokens)}
         host = self.host.best if self.host.enabled and self.host.entries else None
         plan = plan_prefix(prompt, free, Holders(self.idle.slots, live, pending, host), can_copy,
-                           self._worth_restore, MIN_WAIT_TOKENS)
+                           self._worth_restore, MIN_WAIT_TOKENS, pooled)
         if not can_copy and plan.reuse and self._shares(plan.slot):
             # its own cache's cells are shared with other sequences: a shift would move theirs too
             plan = PrefixPlan(plan.slot)
@@ -112,7 +113,7 @@ class PrefixCache:
         seq.cached_tokens (and n_prefilled, n_past) to the tokens it starts with."""
         slot, reuse = plan.slot, plan.reuse
         if self.shared_cells is not None:
-            keep = tuple(s for s in (slot, plan.copy_from) if s is not None)
+            keep = tuple(s for s in (slot, plan.copy_from, plan.share and plan.share[0]) if s is not None)
             if not self._make_room(seq, plan, keep) and running:
                 self.cell_waits += 1
                 return False
@@ -123,9 +124,11 @@ class PrefixCache:
         # an n > 1 sibling's copy of its group's prompt is not a cache hit (Scheduler stats: shared_prompts)
         sibling = seq.fork_of is not None and plan.copy_from == seq.fork_of.slot
         self.idle.claim(slot, 0 if sibling else reuse, used, copied)
-        self.target.start(slot, seq.req.sampling, seq.req.prompt_tokens, reuse, plan.copy_from, plan.restore)
+        self.target.start(slot, seq.req.sampling, seq.req.prompt_tokens, reuse, plan.copy_from, plan.restore,
+                          plan.share)
         if plan.copy_from is not None and plan.copy_from not in self.idle.slots:
             self.copies_from_running += 1
+        self.shared_restores += plan.share is not None
         _apply(self.ledger, plan, seq.reserve)
         seq.n_prefilled = seq.n_past = seq.cached_tokens = reuse
         return True
@@ -213,7 +216,7 @@ class PrefixCache:
 
     def stats(self) -> dict:
         return self.idle.stats() | {"copies_from_running": self.copies_from_running, "waits": self.waits,
-                                    "cell_waits": self.cell_waits,
+                                    "cell_waits": self.cell_waits, "shared_restores": self.shared_restores,
                                     "pool_cells": self.ledger.cells() if self.shared_cells is not None else None,
                                     "host": self.host.to_dict()}
 
@@ -227,6 +230,10 @@ def _apply(ledger: CellLedger, plan: PrefixPlan, reserve: int) -> None:
     if plan.copy_from is not None:
         ledger.share(plan.slot, plan.copy_from, plan.reuse)
         ledger.own(plan.slot, plan.reuse, reserve)
+    elif plan.restore is not None and plan.share is not None:  # the restored cells past a shared prefix
+        src, n = plan.share
+        ledger.share(plan.slot, src, n)
+        ledger.own(plan.slot, n, reserve)
     elif plan.restore is not None:
         ledger.own(plan.slot, 0, reserve)
     else:

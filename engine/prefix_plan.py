@@ -34,14 +34,17 @@ from .prompt_cache import Cached, common_prefix
 @dataclass(frozen=True)
 class PrefixPlan:
     """`slot`: the free slot taken (None with `wait`); `reuse`: prompt tokens the sequence starts with; `copy_from`:
-    the slot whose first `reuse` cells it copies; `restore`: the host-tier key it restores; `wait`: the slot of a
-    prefilling sequence it waits for (it stays queued this round)."""
+    the slot whose first `reuse` cells it copies; `restore`: the host-tier key it restores; `share`: with a
+    restore in one KV pool, (slot, n): that slot holds the first n of those tokens, and the sequence shares its
+    cells instead of keeping the restored copy of them; `wait`: the slot of a prefilling sequence it waits for
+    (it stays queued this round)."""
 
     slot: int | None
     reuse: int = 0
     copy_from: int | None = None
     restore: int | None = None
     wait: int | None = None
+    share: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -72,22 +75,27 @@ def destination(free: list[int], idle: dict[int, Cached]) -> int:
 
 def plan_prefix(prompt: np.ndarray, free: list[int], holders: Holders, can_copy: bool,
                 worth_restore: Callable[[int, int], bool] = lambda key, gain: True,
-                min_wait: int = 32) -> PrefixPlan:
+                min_wait: int = 32, pooled: bool = False) -> PrefixPlan:
     """The plan for a new sequence's prompt (see the module docstring). `can_copy`: cells may be copied between
     slots (the target keeps prefixes and the request allows it). `worth_restore(key, gain)`: whether restoring
     host entry `key` beats prefilling `gain` more tokens. `min_wait`: the fewest tokens a wait must save.
+    `pooled`: one KV pool for all slots, where a restore shares the prefix another slot holds (`share`)
+    instead of keeping a second copy of it.
 
     >>> idle = {0: Cached(np.array([1, 2, 3, 4, 5]), 5), 1: Cached(np.array([1, 2, 9, 9, 9, 9, 9]), 3)}
     >>> h = Holders(idle, live={}, pending={})
     >>> plan_prefix(np.array([1, 2, 3, 4, 5, 6]), [0, 1, 2], h, True)   # the next turn of slot 0's conversation
-    PrefixPlan(slot=0, reuse=5, copy_from=None, restore=None, wait=None)
+    PrefixPlan(slot=0, reuse=5, copy_from=None, restore=None, wait=None, share=None)
     >>> plan_prefix(np.array([1, 2, 7]), [0, 1, 2], h, True)            # a new one: the empty slot, its prefix copied
-    PrefixPlan(slot=2, reuse=2, copy_from=0, restore=None, wait=None)
+    PrefixPlan(slot=2, reuse=2, copy_from=0, restore=None, wait=None, share=None)
     >>> plan_prefix(np.array([1, 2, 7]), [0, 1, 2], h, False)           # no copies: the empty slot, nothing reused
-    PrefixPlan(slot=2, reuse=0, copy_from=None, restore=None, wait=None)
+    PrefixPlan(slot=2, reuse=0, copy_from=None, restore=None, wait=None, share=None)
     >>> live = Holders(idle, live={3: np.arange(100, 400)}, pending={3: np.arange(100, 900)})
     >>> plan_prefix(np.arange(100, 800), [2], live, True)               # slot 3 will hold 700: wait for it
-    PrefixPlan(slot=None, reuse=0, copy_from=None, restore=None, wait=3)
+    PrefixPlan(slot=None, reuse=0, copy_from=None, restore=None, wait=3, share=None)
+    >>> host = Holders(idle, live={3: np.array([1, 2, 3, 9])}, pending={}, host=lambda p, limit: (7, 7))
+    >>> plan_prefix(np.arange(1, 9), [0, 1, 2], host, True, pooled=True)  # host entry 7 holds 7; slot 3 holds 3
+    PrefixPlan(slot=0, reuse=7, copy_from=None, restore=7, wait=None, share=(3, 3))
     """
     limit = max(0, len(prompt) - 1)
     idle = holders.idle
@@ -109,7 +117,10 @@ def plan_prefix(prompt: np.ndarray, free: list[int], holders: Holders, can_copy:
     if can_copy and holders.host is not None:
         key, n = holders.host(prompt, limit)
         if key is not None and n > plan.reuse and worth_restore(key, n - plan.reuse):
-            plan = PrefixPlan(dst, n, restore=key)
+            # the restore clears dst first: its own cells cannot be the ones shared
+            held = {s: min(k, n) for s, k in sources.items() if s != dst and k > 0}
+            src = max(held, key=lambda s: held[s], default=None) if pooled else None
+            plan = PrefixPlan(dst, n, restore=key, share=None if src is None else (src, held[src]))
     if can_copy:
         soon = {s: min(common_prefix(t, prompt), limit) for s, t in holders.pending.items()}
         waits = [s for s, n in soon.items() if n - plan.reuse >= min_wait]

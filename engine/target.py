@@ -245,13 +245,16 @@ class TargetRunner:
         self.step_decode_seqs = 0  # sequences summed over those decodes: / step_decodes = mean batch width
 
     def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray, n_keep: int = 0,
-              copy_from: int | None = None, restore: int | None = None) -> None:
+              copy_from: int | None = None, restore: int | None = None,
+              share: tuple[int, int] | None = None) -> None:
         """Register a sequence whose first `n_keep` prompt tokens are already in its slot's KV cells (the
         prompt cache: the scheduler knows they match); every cell past them is dropped. `copy_from`: the slot
         whose cells are copied in first (another sequence, running or idle, holding the same prefix). `restore`:
         the host-tier key whose saved cells are written in first (`stash`); where they cannot be (no run of free
         cells long enough), the first `n_keep` prompt tokens are prefilled here instead, so the cells are what
-        the scheduler was told either way."""
+        the scheduler was told either way. `share` (slot, n), with `restore` in one KV pool: that slot holds the
+        first n of those tokens, and the sequence sees its cells in place of its own copy of them (one pool:
+        no second copy of a shared system prompt)."""
         if copy_from is not None:
             self.ctx.clear_seq(seq_id)
             # the whole sequence (a copy across KV streams must be whole); the cells past n_keep go below
@@ -262,6 +265,10 @@ class TargetRunner:
             self._restored.append((restore, time.perf_counter() - t0, made))
             if not made:
                 self._prefill_quietly(seq_id, np.asarray(prompt[:n_keep], dtype=np.int32))
+            if share is not None:
+                src, n = share
+                self.ctx.seq_rm(seq_id, 0, n)
+                self.ctx.seq_cp(src, seq_id, 0, n)
         if n_keep <= 0:
             self.ctx.clear_seq(seq_id)
         elif not self.ctx.seq_rm(seq_id, n_keep, -1):

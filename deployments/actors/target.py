@@ -117,7 +117,7 @@ class TargetService:
         hidden_acks: list = (),
     ) -> tuple[StepOutput, float]:
         """The slot operations the router buffered since the last round, in its order (("release", seq_id, keep),
-        ("start", seq_id, params, prompt, n_keep, copy_from, restore), ("stash", seq_id, key), ("drop", keys):
+        ("start", seq_id, params, prompt, n_keep, copy_from, restore, share), ("stash", seq_id, key), ("drop", keys):
         TargetRunner's methods), then one round. Returns (output, seconds spent in here). Hidden rows
         (StepOutput.hidden) leave as a transport handle; hidden_acks free the transport's buffers."""
         t0 = time.perf_counter()
@@ -290,8 +290,10 @@ class RemoteTarget:
         return sum(op[0] == "release" for op in self._ops)
 
     def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray, n_keep: int = 0,
-              copy_from: int | None = None, restore: int | None = None) -> None:
-        self._ops.append(("start", seq_id, params, np.asarray(prompt, dtype=np.int32), n_keep, copy_from, restore))
+              copy_from: int | None = None, restore: int | None = None,
+              share: tuple[int, int] | None = None) -> None:
+        self._ops.append(("start", seq_id, params, np.asarray(prompt, dtype=np.int32), n_keep, copy_from, restore,
+                          share))
 
     def release(self, seq_id: int, keep: int = 0) -> None:
         # after a start of the same slot not yet sent (a sequence cancelled before its first round): the start

@@ -140,6 +140,27 @@ def test_fast_mode_diverges_only_at_near_ties(smollm2, convs):
     on.close(), off.close()
 
 
+def test_restores_share_the_system_prompt_in_one_kv_pool(smollm2, convs):
+    # 4 conversations on 2 slots, one KV pool: a history restored from host memory sees the system prompt's cells
+    # another slot holds instead of keeping its own copy of them; the output differs only at near-ties
+    on, off = (_engine(smollm2, exact=False, prompt_cache=pc, slots=2, cache_ram=256) for pc in (True, False))
+    prefix = off.prompt_tokens(messages=[{"role": "user", "content": convs[0][0]}])
+    tie_bound = 2.0 * max(measure_batch_variance(off, prefix), measure_layout_variance(off, prefix))
+    b = _chat(off, convs)
+    a = _chat(on, convs, answers=b)
+    stats = on.scheduler.prefix_cache.stats()
+    assert stats["host"]["restores"] >= 2 and stats["shared_restores"] >= 1, stats
+    kinds = [classify_divergence(y.generated, x.generated, y.margins, tie_bound)
+             for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
+    print(f"\nshared restores {stats['shared_restores']}, tie bound {tie_bound:.3f}, outcomes {kinds}")
+    assert "mismatch" not in kinds
+    # every idle slot holds in llama.cpp's cells exactly what the cache records
+    for slot, cached in on.scheduler.prefix_cache.idle.slots.items():
+        assert on.ctx.seq_pos_max(slot) + 1 == len(cached.tokens)
+        assert on.ctx.seq_pos_min(slot) == 0
+    on.close(), off.close()
+
+
 def test_idle_caches_give_way_to_new_sequences_in_one_kv_pool(smollm2):
     # 2 slots sharing 2048 cells: a cached conversation is evicted when a new request needs its cells
     eng = _engine(smollm2, exact=False, prompt_cache=True, slots=2)

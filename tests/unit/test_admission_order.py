@@ -19,7 +19,7 @@ from specray.engine.target import StepOutput, StepResult
 class OneTokenTarget:
     """Emits token 5 for every sampled row: enough for the scheduler's bookkeeping."""
 
-    def start(self, seq_id, params, prompt, n_keep=0, copy_from=None, restore=None):
+    def start(self, seq_id, params, prompt, n_keep=0, copy_from=None, restore=None, share=None):
         pass
 
     def release(self, seq_id, keep=0):

@@ -183,7 +183,7 @@ def nxt(t: int) -> int:
 class CycleTarget:
     """Verifies drafts against the cycle: accepts the draft prefix that continues it, then emits one token."""
 
-    def start(self, seq_id, params, prompt, n_keep=0, copy_from=None, restore=None):
+    def start(self, seq_id, params, prompt, n_keep=0, copy_from=None, restore=None, share=None):
         pass
 
     def release(self, seq_id, keep=False):

@@ -151,7 +151,7 @@ class RowTarget:
         self.scripts: dict[int, np.ndarray] = {}
         self.rounds = 0
 
-    def start(self, seq_id, params, prompt, n_keep=0, copy_from=None, restore=None):
+    def start(self, seq_id, params, prompt, n_keep=0, copy_from=None, restore=None, share=None):
         self.scripts[seq_id] = next(s for s in SCRIPTS.values() if np.array_equal(s[:PROMPT], prompt))
 
     def release(self, seq_id, keep=False):

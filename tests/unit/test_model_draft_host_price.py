@@ -37,7 +37,7 @@ class ScriptTarget:
     def __init__(self) -> None:
         self.scripts: dict[int, np.ndarray] = {}
 
-    def start(self, seq_id, params, prompt, n_keep=0, copy_from=None, restore=None):
+    def start(self, seq_id, params, prompt, n_keep=0, copy_from=None, restore=None, share=None):
         self.scripts[seq_id] = SCRIPTS[tuple(prompt[:8].tolist())]
 
     def release(self, seq_id, keep=False):

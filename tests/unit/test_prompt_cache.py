@@ -88,7 +88,7 @@ class RecordingTarget:
     def __init__(self) -> None:
         self.ops: list[tuple] = []
 
-    def start(self, seq_id, params, prompt, n_keep=0, copy_from=None, restore=None):
+    def start(self, seq_id, params, prompt, n_keep=0, copy_from=None, restore=None, share=None):
         self.ops.append(("start", seq_id, n_keep, copy_from, restore))
 
     def release(self, seq_id, keep=0):
