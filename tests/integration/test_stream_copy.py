@@ -30,6 +30,15 @@ def _next_logits(ctx: Context, seq: int, token: int, pos: int) -> np.ndarray:
     return ctx.decode()[0].copy()
 
 
+def _solo_next_logits(model, tokens: np.ndarray) -> np.ndarray:
+    """The next token's logits after `tokens` prefilled alone in a fresh context: the reference."""
+    ref = _ctx(model)
+    _prefill(ref, 0, tokens)
+    out = _next_logits(ref, 0, 11, len(tokens))
+    ref.close()
+    return out
+
+
 def _prompts(model) -> tuple[np.ndarray, np.ndarray]:
     a = model.tokenize("The three laws of motion are the foundation of classical mechanics, and")
     b = model.tokenize("Once upon a time, in a small village by the sea, there lived a fisherman who")
@@ -38,10 +47,7 @@ def _prompts(model) -> tuple[np.ndarray, np.ndarray]:
 
 def test_a_restore_into_the_source_of_a_pending_copy_leaves_the_copy_intact(smollm2):
     a, b = _prompts(smollm2)
-    ref = _ctx(smollm2)
-    _prefill(ref, 0, a)
-    want = _next_logits(ref, 0, 11, len(a))
-    ref.close()
+    want = _solo_next_logits(smollm2, a)
 
     ctx = _ctx(smollm2)
     _prefill(ctx, 2, b)
@@ -56,10 +62,7 @@ def test_a_restore_into_the_source_of_a_pending_copy_leaves_the_copy_intact(smol
 
 def test_a_save_of_a_pending_copy_holds_the_copied_cells(smollm2):
     a, _ = _prompts(smollm2)
-    ref = _ctx(smollm2)
-    _prefill(ref, 0, a)
-    want = _next_logits(ref, 0, 11, len(a))
-    ref.close()
+    want = _solo_next_logits(smollm2, a)
 
     ctx = _ctx(smollm2)
     _prefill(ctx, 0, a)
@@ -77,10 +80,7 @@ def test_a_settled_copy_keeps_the_solo_cell_layout(smollm2):
     """The copy's cut-back tail, then a prefill: bit-identical to a solo prefill of the same tokens."""
     a, _ = _prompts(smollm2)
     keep = len(a) - 5
-    ref = _ctx(smollm2)
-    _prefill(ref, 0, a)
-    want = _next_logits(ref, 0, 11, len(a))
-    ref.close()
+    want = _solo_next_logits(smollm2, a)
 
     ctx = _ctx(smollm2)
     _prefill(ctx, 0, a)
