@@ -47,10 +47,18 @@ class ConfigRun:
         st = engine.scheduler.stats
         self.before = (st.prefill_seconds, st.loaded_seconds, st.loaded_tokens, st.rounds, st.draft_seconds,
                        st.target_seconds, dict(st.stage_seconds), st.seq_rounds, *self._lookups(policy),
-                       st.rollback.to_dict(), st.failed_sequences)
+                       st.rollback.to_dict(), st.failed_sequences, self._trees(policy))
         self.policy = policy
         self.seqs = [engine.submit(r) for r in reqs]
         self.seconds = 0.0
+
+    @staticmethod
+    def _trees(policy: DraftPolicy) -> tuple[int, int, int, int, int]:
+        """(rounds with a draft, of them with a tree, trees, branches, trees that took a runner-up) so far."""
+        t = policy.trees
+        counters = t.counters.values()
+        return (t.rounds, t.tree_rounds, sum(c.drafts for c in counters), sum(c.branches for c in counters),
+                sum(sum(c.accepted_by_rank[1:]) for c in counters))
 
     @staticmethod
     def _lookups(policy: DraftPolicy) -> tuple[dict[str, float], dict[str, int]]:
@@ -86,6 +94,8 @@ class ConfigRun:
                          speculator_asks=_minus(self._lookups(self.policy)[1], before[9]),
                          rollback=_minus(st.rollback.to_dict(), before[10]),
                          failed=st.failed_sequences - before[11])
+        r.draft_rounds, r.tree_rounds, r.tree_drafts, r.tree_branches, r.runner_ups_taken = (
+            now - then for now, then in zip(self._trees(self.policy), before[12]))
         for s in self.seqs:
             r.sequences += 1 if s.generated else 0
             r.tokens += len(s.generated)

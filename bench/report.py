@@ -43,11 +43,19 @@ class ConfigResult:
     # a recurrent target's rollback work (engine/rollback.py RollbackStats, summed) and sequences that failed
     rollback: dict[str, float] = field(default_factory=dict)
     failed: int = 0
+    # draft trees (engine/policy/trees.py): rounds with a draft sent, of them rounds with a tree; trees sent,
+    # their runner-up branches, and trees whose accepted path left the main draft
+    draft_rounds: int = 0
+    tree_rounds: int = 0
+    tree_drafts: int = 0
+    tree_branches: int = 0
+    runner_ups_taken: int = 0
 
     def add(self, other: "ConfigResult") -> None:
         for k in ("tokens", "seconds", "prefill_seconds", "sequences", "loaded_seconds", "loaded_tokens", "drafts",
                   "drafted", "accepted", "mismatches", "tie_divergences", "identical", "compared", "steal_seconds",
-                  "rounds", "draft_seconds", "verify_seconds", "seq_rounds", "failed"):
+                  "rounds", "draft_seconds", "verify_seconds", "seq_rounds", "failed", "draft_rounds",
+                  "tree_rounds", "tree_drafts", "tree_branches", "runner_ups_taken"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         for k in ("stage_seconds", "speculator_seconds", "speculator_asks", "rollback"):
             mine, theirs = getattr(self, k), getattr(other, k)
@@ -164,7 +172,12 @@ class BenchReport:
                                               for k, v in sorted(r.speculator_seconds.items())
                                               if r.speculator_asks.get(k)}},
                 "by_speculator": {k: v.to_dict() for k, v in sorted(r.by_speculator.items())},
-                "failed_sequences": r.failed, "rollback": rollback_row(r.rollback, r.rounds)}
+                "failed_sequences": r.failed, "rollback": rollback_row(r.rollback, r.rounds),
+                # verify rows per round: each decoding sequence's own row and its draft rows (a tree's nodes)
+                "rows_per_round": (r.seq_rounds + r.drafted) / r.rounds if r.rounds else None,
+                "trees": {"tree_round_share": r.tree_rounds / r.draft_rounds if r.draft_rounds else 0.0,
+                          "tree_drafts": r.tree_drafts, "branches": r.tree_branches,
+                          "runner_ups_taken": r.runner_ups_taken}}
 
     def table(self) -> str:
         js = self.to_json()
@@ -174,7 +187,7 @@ class BenchReport:
             lines.append(f"\n== {cat} ==")
             lines.append(f"{'config':<34}{'tok/s':>8}{'speedup':>9}{'range' if spread else '':>12}{'e2e':>7}"
                          f"{'accept_len':>11}{'acc_rate':>9}{'mismatch':>9}{'ties':>6}{'round_ms':>9}{'draft':>7}"
-                         f"{'verify':>7}{'host':>6}")
+                         f"{'verify':>7}{'host':>6}{'rows':>6}{'trees':>6}")
             for cfg in self.configs:
                 entry = js["configs"][cfg]
                 row = entry["overall"] if cat == "overall" else entry["categories"][cat]
@@ -189,6 +202,7 @@ class BenchReport:
                     f"{row['mean_acceptance_length']:>11.2f}{row['acceptance_rate']:>9.2f}{mm!s:>9}{ties!s:>6}"
                     f"{_ms(row['round_ms']):>9}{_ms(row['draft_ms_per_round']):>7}{_ms(row['verify_ms_per_round']):>7}"
                     f"{_ms(row['round_stages']['host_ms_per_round'], 2):>6}"
+                    f"{_ms(row['rows_per_round']):>6}{_share(row['trees']['tree_round_share']):>6}"
                 )
         lines.extend(self.winner_lines(js))
         lines.extend(self.stage_lines(js))
@@ -295,6 +309,15 @@ def rollback_row(b: dict, rounds: int) -> dict:
 
 def _ms(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _share(v: float) -> str:
+    """A share as a whole percentage, '-' for none.
+
+    >>> _share(0.0), _share(0.416)
+    ('-', '42%')
+    """
+    return f"{100 * v:.0f}%" if v else "-"
 
 
 

@@ -487,6 +487,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "request class, `speculative.tune_class`, judging every setting side by side on shadow "
                         "look-ups that are never sent; /v1/stats `tuning` shows the choice) "
                         f"{d(ChainConfig, 'tune')}")
+    g.add_argument("--spec-trees", action=argparse.BooleanOptionalAction, default=S,
+                   help="send draft trees where they pay: the main draft plus the runner-ups its speculator holds "
+                        "(suffix, ngram_map_k4v), verified in one decode; requests opt out with "
+                        f"`speculative.tree: false` (docs/speculators.md) {d(ChainConfig, 'trees')}")
+    g.add_argument("--tree-branches", type=int, default=S, metavar="N",
+                   help="runner-up branches a draft tree may carry beside its main draft; each needs a sequence "
+                        f"id of the target's (slots x (1 + N)); 0: linear drafts {d(EngineConfig, 'tree_branches')}")
     g.add_argument("--rollback", choices=["auto", "snapshots", "checkpoint", "off"], default=S,
                    help=f"{ROLLBACK_HELP} {d(EngineConfig, 'rollback')}")
     g.add_argument("--rollback-snapshots", type=int, default=S, metavar="N",
@@ -799,6 +806,9 @@ def main(argv: list[str] | None = None) -> int:
         v = getattr(args, flag, None)
         if v is not None and v < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0, got {v}")
+    v = getattr(args, "tree_branches", None)
+    if v is not None and not 0 <= v <= 15:
+        parser.error(f"--tree-branches must be 0 to 15, got {v}")
     v = getattr(args, "queue_max_wait", None)
     if v is not None and not v > 0:
         parser.error(f"--queue-max-wait must be > 0 seconds, got {v}")

@@ -50,6 +50,8 @@ _FLAG_FIELDS = {
     "policy": ("engine", "chain", "policy"),
     "n_max": ("engine", "chain", "n_max"),
     "spec_tune": ("engine", "chain", "tune"),
+    "spec_trees": ("engine", "chain", "trees"),
+    "tree_branches": ("engine", "tree_branches"),
     "rollback": ("engine", "rollback"),
     "rollback_snapshots": ("engine", "rollback_snapshots"),
     # the model speculators' options (--draft-model, --mtp, --eagle3-model, ...), as their registry entries declare

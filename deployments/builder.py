@@ -85,10 +85,33 @@ def open_target(config: EngineConfig, model=None):
     # recurrent-state snapshots for llama.cpp's partial rollback (engine/rollback.py), asked for only where they
     # can serve: every decode writes them, drafted or not
     snapshots = wants_snapshots(model.memory_kind, config.rollback, config.slots, config.chain.enabled)
-    ctx = Context(model, n_ctx=config.n_ctx, n_seq_max=config.slots, n_batch=config.n_batch,
+    branches = tree_seqs(config, model.memory_kind)
+    ctx = Context(model, n_ctx=config.n_ctx, n_seq_max=config.slots + branches, n_batch=config.n_batch,
                   n_threads=config.threads, flash_attn=config.flash_attn_on, exact=config.exact,
-                  n_rs_seq=config.rollback_snapshots if snapshots else 0)
+                  n_rs_seq=config.rollback_snapshots if snapshots else 0,
+                  # exact mode's one slot keeps one KV stream with its branches in it (batch-invariant still)
+                  kv_unified=True if branches else None)
     return model, ctx
+
+
+def tree_seqs(config: EngineConfig, memory_kind: str) -> int:
+    """Sequence ids for draft trees' branches beyond the slots (engine/draft_tree.py): slots x tree_branches where
+    this layout verifies trees, else 0. A branch's rows carry several sequence ids at once, which llama.cpp allows
+    in one KV pool only: not exact mode's stream per slot, except with one slot, whose one stream the branches
+    share; a recurrent state cannot fork per branch; padded verifies would put pad rows among a tree's; only the
+    cost policy prices branches. (A server without a chain of its own keeps them for requests that name one.)
+
+    >>> tree_seqs(EngineConfig(slots=4), "attention"), tree_seqs(EngineConfig(slots=4, exact=True), "attention")
+    (12, 0)
+    >>> tree_seqs(EngineConfig(slots=1, exact=True), "attention")
+    3
+    >>> tree_seqs(EngineConfig(slots=4), "hybrid"), tree_seqs(EngineConfig(slots=100), "attention")
+    (0, 156)
+    """
+    if (config.tree_branches == 0 or (config.exact and config.slots > 1) or memory_kind != "attention"
+            or config.shape_buckets is not None or config.chain.policy != "cost"):
+        return 0
+    return min(config.slots * config.tree_branches, 256 - config.slots)
 
 
 def target_memory(config: EngineConfig, model, ctx) -> TargetMemory:
@@ -99,7 +122,8 @@ def target_memory(config: EngineConfig, model, ctx) -> TargetMemory:
     requested = "checkpoint" if config.rollback == "snapshots" and not config.chain.enabled else config.rollback
     mode = rollback_mode(model.memory_kind, requested, ctx.n_rs_seq, config.slots)
     return TargetMemory(model.memory_kind, mode, ctx.n_rs_seq if mode == "snapshots" else 0,
-                        can_shift=model.memory_kind == "attention" and ctx.can_shift)
+                        can_shift=model.memory_kind == "attention" and ctx.can_shift,
+                        tree_seqs=max(0, ctx.n_seq_max - config.slots) if mode == "trim" else 0)
 
 
 def target_runner(config: EngineConfig, model, ctx):
@@ -121,7 +145,9 @@ def target_runner(config: EngineConfig, model, ctx):
 
     return TargetRunner(ctx, record_margins=config.record_margins, verify_buckets=buckets,
                         rollback=StateRollback(memory.rollback, checkpoints),
-                        constraints=GrammarCompiler.of(model)), memory
+                        constraints=GrammarCompiler.of(model),
+                        branch_seqs=range(config.slots, config.slots + memory.tree_seqs),
+                        tree_replay=config.exact), memory
 
 
 def open_draft(config: EngineConfig, target, target_ctx):

@@ -52,6 +52,7 @@ class LocalEngine:
         n_max: int | None = None,
         ignore_eos: bool = False,
         cache_prompt: bool = True,
+        tree: bool = True,
     ) -> GenerationRequest:
         return GenerationRequest(
             prompt_tokens=self.prompt_tokens(prompt, messages),
@@ -62,6 +63,7 @@ class LocalEngine:
             n_max=n_max,
             ignore_eos=ignore_eos,
             cache_prompt=cache_prompt,
+            tree=tree,
         )
 
     def submit(self, req: GenerationRequest) -> Sequence:

@@ -27,6 +27,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     chain: tuple[str, ...] | None = None  # None: the engine's chain; () : no speculation
     n_max: int | None = None  # per-request draft cap (<= the chain's)
+    tree: bool = True  # False: linear drafts only (no draft trees: engine/draft_tree.py)
     ignore_eos: bool = False
     cache_prompt: bool = True  # may reuse a slot's cached KV of a common prefix (engine/prompt_cache.py)
     # tuning (engine/policy/tuning.py, ChainConfig.tune): the request's sequence class (None: configured parameters)

@@ -98,6 +98,8 @@ class TargetMemory:
     n_rs_seq: int = 0  # recurrent-state snapshots per sequence (snapshots mode)
     # positions can be shifted (llama_memory_can_shift: context shift); False for recurrent and hybrid memory
     can_shift: bool = True
+    # sequence ids beyond the slots for draft trees' branches (engine/draft_tree.py); 0: drafts stay linear
+    tree_seqs: int = 0
 
     @property
     def draft_cap(self) -> int | None:
@@ -175,6 +177,11 @@ class StateRollback:
         self._replay.pop(seq_id, None)
         if self.checkpoints is not None:
             self.checkpoints.drop(seq_id)
+
+    def replay_later(self, seq_id: int, pos0: int, tokens: np.ndarray) -> None:
+        """Committed tokens whose cells were dropped (a draft tree's accepted branch, where the cells must lie
+        in position order): the sequence's next verify decodes them again in front of its own rows."""
+        self._replay[seq_id] = (pos0, np.asarray(tokens, dtype=np.int32))
 
     def pending_rows(self, seq_id: int) -> int:
         """Rows seq_id's next verify replays in front of its own."""

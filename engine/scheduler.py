@@ -169,10 +169,12 @@ def step_items(decoding: list[Sequence], proposals: list[Proposal], chunks: list
     """The target's rows of one round: [last token + draft] per decoding sequence, then the prompt chunks."""
     items: list[StepItem] = []
     for s, prop in zip(decoding, proposals):
-        toks = np.empty(1 + len(prop.tokens), dtype=np.int32)
+        draft = prop.tokens if prop.tree is None else prop.tree.tokens
+        toks = np.empty(1 + len(draft), dtype=np.int32)
         toks[0] = s.last_token
-        toks[1:] = prop.tokens
-        items.append(StepItem(s.slot, toks, s.n_past, len(prop.tokens), True, needs_hidden(s), shift=s.take_shift()))
+        toks[1:] = draft
+        items.append(StepItem(s.slot, toks, s.n_past, len(draft), True, needs_hidden(s), shift=s.take_shift(),
+                              tree=prop.tree))
     for s, n in chunks:
         end = s.n_prefilled + n
         items.append(StepItem(s.slot, s.req.prompt_tokens[s.n_prefilled : end], s.n_prefilled, 0,
@@ -189,10 +191,12 @@ MAX_REPLAY_TO_DRAFT = 16
 
 
 def draft_requests(decoding: list[Sequence], disabled: set[str], n_ctx: int,
-                   buckets: tuple[int, ...] | None, cap: int | None = None) -> list[SeqDraftRequest]:
+                   buckets: tuple[int, ...] | None, cap: int | None = None,
+                   tree: Callable[[Sequence], bool] = lambda s: False) -> list[SeqDraftRequest]:
     """Each decoding sequence's draft request: its chain less the disabled speculators, and the most draft
     tokens its tokens left and context allow (with shape-stable verifies, at most the largest bucket's; at most
-    `cap`, the target's rollback limit; none while it replays more than MAX_REPLAY_TO_DRAFT rows)."""
+    `cap`, the target's rollback limit; none while it replays more than MAX_REPLAY_TO_DRAFT rows); `tree(s)`:
+    whether its draft may be a tree."""
     reqs = []
     for s in decoding:
         chain = tuple(n for n in s.chain if n not in disabled)
@@ -206,8 +210,19 @@ def draft_requests(decoding: list[Sequence], disabled: set[str], n_ctx: int,
         # model speculators' caches are by KV position: after a context shift they draft from the shifted tokens
         reqs.append(SeqDraftRequest(s.slot, chain, s.history_view(), n_max, s.tokens_left, s.req.tune_class,
                                     kv_history=s.kv_history() if s.shift_keep is not None else None,
-                                    replay_rows=s.replay_rows))
+                                    replay_rows=s.replay_rows, tree=tree(s)))
     return reqs
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens a and b share.
+
+    >>> common_prefix(np.array([1, 2, 3]), np.array([1, 2, 9, 4])), common_prefix(np.array([5]), np.array([6]))
+    (2, 0)
+    """
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
 
 
 def commit_round(verdict: Callable[[Proposal, int, int, np.ndarray], None], decoding: list[Sequence],
@@ -225,12 +240,16 @@ def commit_round(verdict: Callable[[Proposal, int, int, np.ndarray], None], deco
             continue
         s.replay_rows = res.n_replay
         n_drafted = len(prop.tokens)
+        # the main draft's tokens the target kept: a tree's accepted path may leave it for a runner-up
+        n_main = res.n_accepted if prop.tree is None else common_prefix(prop.tokens, res.tokens)
         try:
-            verdict(prop, n_drafted, res.n_accepted, res.tokens)
+            verdict(prop, n_drafted, n_main, res.tokens)
         except Exception:
             log.exception("speculator accept failed")
-        mirror(s, it.tokens[: 1 + res.n_accepted], it.pos0)
-        s.count_spec(prop.speculator, n_drafted, res.n_accepted)
+        committed = it.tokens[: 1 + res.n_accepted] if prop.tree is None else np.concatenate(
+            [it.tokens[:1], res.tokens[: res.n_accepted]])
+        mirror(s, committed, it.pos0)
+        s.count_spec(prop.speculator, prop.rows, res.n_accepted)
         s.n_past += 1 + res.n_accepted
         s.rounds += 1
         emit.append((s, res))
@@ -455,7 +474,9 @@ class Scheduler:
                  else sum(s.n_past for s in seqs) / len(seqs) if seqs else 0.0)
         base_rows = len(decoding) + n_prefill + replay
         clock.lap("plan")
-        proposals = self._draft(decoding, Room(budget - base_rows, base_rows, cells))
+        width = self.config.tree_branches if self.memory.tree_seqs else 0
+        proposals = self._draft(decoding, Room(budget - base_rows, base_rows, cells, tree_width=width,
+                                               tree_seqs=self.memory.tree_seqs))
         clock.lap("draft")
 
         items = step_items(decoding, proposals, chunks, self._needs_hidden)
@@ -485,7 +506,7 @@ class Scheduler:
                                                   sum(len(it.tokens) for it in items), n_prefill),
                              emitted if loaded and not prefilling else None, len(decoding))
         self.policy.observe(out.batch_sizes, out.decode_seconds, cells, n_prefill > 0, len(decoding),
-                            sum(len(p.tokens) for p in proposals), clock.total - clock.seconds.get("decode", 0.0),
+                            sum(p.rows for p in proposals), clock.total - clock.seconds.get("decode", 0.0),
                             emitted, out.rollback)
         return events
 
@@ -528,11 +549,18 @@ class Scheduler:
         if not any(s.chain for s in decoding):  # plain decoding: nothing to ask
             return [Proposal(s.slot, None) for s in decoding]
         buckets = self.config.shape_buckets
-        reqs = draft_requests(decoding, self.disabled_speculators, self.n_ctx, buckets, self.memory.draft_cap)
+        reqs = draft_requests(decoding, self.disabled_speculators, self.n_ctx, buckets, self.memory.draft_cap,
+                              self._tree_ok)
         if buckets is not None and room.base_rows == len(decoding):
             # a decode-only round is padded (target.verify_pads): drafts are priced by the shape the target runs
             room.rows = functools.partial(batch_rows, buckets=buckets, limit=self.config.n_batch)
         return self.policy.plan_round(reqs, room, self.disabled_speculators, self.stats)
+
+    def _tree_ok(self, s: Sequence) -> bool:
+        """Whether the sequence's draft may be a tree: the target has branch ids, the request allows it, no
+        hidden-state speculator reads its committed rows (a tree's rows are not one path), and it replays no rows
+        (a tree hangs off one committed row)."""
+        return bool(self.memory.tree_seqs and s.req.tree and not s.replay_rows and not self._needs_hidden(s))
 
     def _fail(self, s: Sequence, why: str) -> Event:
         """End a sequence the target could not go on with (rollback.py): slot and state freed, error out."""

@@ -7,6 +7,8 @@ Life of a sequence, seen by a speculator:
                                        sequence (prompt chunks, accepted
                                        tokens); model-free speculators ignore it
     draft([DraftRequest, ...])         propose up to n_max tokens per sequence
+    branches(seq_id, main, width)      runner-up continuations beside its last
+                                       draft, for a draft tree (optional)
     accept(seq_id, n_accepted, winner) how many of its last draft the target
                                        kept; winner=False if another speculator
                                        of the chain was chosen this round
@@ -120,6 +122,8 @@ class Speculator(ABC):
     name: str = "base"
     #: relative cost of drafting one token, in target-decode-steps (model-free ~0)
     cost_per_token: float = 0.0
+    #: whether `branches` can return runner-ups (a tree's other branches)
+    offers_branches: bool = False
 
     def __init__(self) -> None:
         self.stats = SpeculatorStats()
@@ -146,6 +150,18 @@ class Speculator(ABC):
             if len(d):
                 self.stats.drafts_generated += 1
             out.append(d)
+        self.stats.time_draft_s += time.perf_counter() - t0
+        return out
+
+    def branches(self, seq_id: int, main: np.ndarray, width: int) -> list:
+        """Up to `width` runner-up continuations (draft_tree.Branch), most likely first, that this speculator
+        holds beside `main`, its last draft for seq_id: the other branches of a draft tree. Asked right after
+        `draft`, in the same round; none where its last draft was not `main`. Speculators that hold one
+        continuation return none."""
+        if not self.offers_branches or width <= 0 or not len(main):
+            return []
+        t0 = time.perf_counter()
+        out = self._branches(seq_id, [int(t) for t in main], width)[:width]
         self.stats.time_draft_s += time.perf_counter() - t0
         return out
 
@@ -195,6 +211,9 @@ class Speculator(ABC):
 
     def _end(self, seq_id: int) -> None:
         pass
+
+    def _branches(self, seq_id: int, main: list[int], width: int) -> list:
+        return []
 
 
 def blame(e: Exception, name: str) -> None:

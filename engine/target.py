@@ -18,12 +18,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from .constraint import ConstraintError, ConstraintFactory, TokenConstraint
+from .draft_tree import DraftTree
 from .hidden_rows import pack_rows
 from .logprobs import TokenLogprobs, prompt_rows, token_logprobs
 from .rollback import RollbackStats, StateRollback
 from .sampling import SamplingParams
 from .target_calibration import DECODE_SIZES, calibrate_cost, measure_attention_cost, measure_decode_costs
 from .verify import verify_greedy, verify_sampled_coupled
+from .verify_tree import TreeVerdict, verify_tree_greedy, verify_tree_sampled
 from .verify_shape import padded_rows
 
 
@@ -55,6 +57,8 @@ class StepItem:
     # context shift (engine/context_shift.py) applied before these rows are decoded: (cells kept, cells discarded
     # after them); pos0 is already the shifted position
     shift: tuple[int, int] | None = None
+    # the draft as a tree (engine/draft_tree.py): its n_draft tokens are the tree's nodes; None: a linear draft
+    tree: DraftTree | None = None
 
     @property
     def n_commit(self) -> int:
@@ -73,6 +77,7 @@ class StepResult:
     logprobs: TokenLogprobs | None = None  # of `tokens`, where the request asked for them (SamplingParams.logprobs)
     # of the prompt tokens this chunk's rows predict (echo: SamplingParams.prompt_logprobs)
     prompt_logprobs: TokenLogprobs | None = None
+    branch: int = 0  # a tree's accepted branch (0: its main draft; draft_tree.DraftTree.leaves)
 
 
 @dataclass
@@ -206,6 +211,7 @@ class _Round:
     verify_seconds: float = 0.0
     sizes: list[int] = field(default_factory=list)  # tokens per llama_decode
     seqs: list[int] = field(default_factory=list)  # sequences per llama_decode
+    branch_ids: dict[int, list[int]] = field(default_factory=dict)  # a tree item's seq id -> each branch's seq id
 
 
 def _with_replay(it: StepItem, tokens: np.ndarray, pos0: int, n_replay: int) -> StepItem:
@@ -216,8 +222,17 @@ def _with_replay(it: StepItem, tokens: np.ndarray, pos0: int, n_replay: int) -> 
 class TargetRunner:
     def __init__(self, ctx: TargetContext, record_margins: bool = False,
                  verify_buckets: tuple[int, ...] | None = None, rollback: StateRollback | None = None,
-                 constraints: ConstraintFactory | None = None) -> None:
+                 constraints: ConstraintFactory | None = None, branch_seqs: range = range(0),
+                 tree_replay: bool = False) -> None:
         self.ctx = ctx
+        # sequence ids beyond the slots for draft trees' branches (engine/draft_tree.py), lent per round
+        self.branch_seqs = branch_seqs
+        # a tree's accepted runner-up is decoded again next round instead of having its cells handed over: a
+        # batch-invariant target needs a sequence's cells in position order (exact mode)
+        self.tree_replay = tree_replay
+        if len(branch_seqs) and (verify_buckets is not None or (rollback is not None and rollback.mode != "trim")):
+            raise ValueError("draft trees need a target trimmed by position and unpadded verifies")
+        self.tree_items = 0  # items verified as trees
         # builds a sequence's grammar state (specray.native.grammar.GrammarCompiler); None: grammars refused
         self.constraints = constraints
         # how rejected rows leave the sequence's memory (a KV cache: trimmed; a recurrent state: rollback.py)
@@ -370,9 +385,36 @@ class TargetRunner:
         pads = {} if self.verify_buckets is None else verify_pads(
             items, self.verify_buckets, self.ctx.n_batch, getattr(self.ctx, "n_ctx_seq", None))
         self.pad_rows += sum(pads.values())
+        items, branch_ids = self._lend_branch_ids(items)
         groups = pack_decodes(items, self.ctx.n_batch)
         hidden: list | None = [] if self.hidden_out is not None and any(it.hidden for it in items) else None
-        return _Round(order, groups, pads, results, before, hidden)
+        return _Round(order, groups, pads, results, before, hidden, branch_ids=branch_ids)
+
+    def _lend_branch_ids(self, items: list[StepItem]) -> tuple[list[StepItem], dict[int, list[int]]]:
+        """Each tree item's sequence ids, one per branch (its own for the main draft, spare ones for the
+        others), each spare one first made to see the sequence's cells (in one KV pool a copy is metadata only).
+        A tree the spare ids cannot cover, or one of a sequence that is not one committed row followed by its
+        draft, goes as its main draft alone."""
+        spare = list(self.branch_seqs)
+        out, lent = [], {}
+        for it in items:
+            tree = it.tree
+            if tree is None:
+                out.append(it)
+                continue
+            if tree.n_branches - 1 > len(spare) or it.n_commit != 1 or it.hidden:
+                main = tree.tokens[: tree.n_main]
+                out.append(StepItem(it.seq_id, np.concatenate([it.tokens[:1], main]), it.pos0, len(main),
+                                    it.sample, it.hidden, it.n_replay, it.shift))
+                continue
+            ids = [it.seq_id] + spare[: tree.n_branches - 1]
+            del spare[: tree.n_branches - 1]
+            for b in ids[1:]:
+                self.ctx.seq_rm(b, -1, -1)
+                self.ctx.seq_cp(it.seq_id, b, -1, -1)
+            lent[it.seq_id] = ids
+            out.append(it)
+        return out, lent
 
     def _decode(self, group: list[StepItem], rnd: _Round) -> tuple[np.ndarray, np.ndarray | None]:
         """One llama_decode of `group`'s rows (each item's pad rows after its own), counted. Returns its logits
@@ -387,6 +429,12 @@ class TargetRunner:
             n_logits = (it.n_draft + 1 + pad if it.sample else 0) + self._echo_rows(it)
             # pad token: the last real token repeated. Any valid id would do (its logits are never read, its
             # cells are removed in _verify); this one is valid for every vocabulary and costs no look-up
+            ids = rnd.branch_ids.get(it.seq_id)
+            if ids is not None:  # a tree: the root row on every branch, each node on the branches through it
+                tree = it.tree
+                pos = np.concatenate([[it.pos0], it.pos0 + 1 + tree.depths]).astype(np.int32)
+                batch.add_rows(it.tokens, pos, [[ids[b] for b in row] for row in tree.row_branches()])
+                continue
             toks = np.concatenate([it.tokens, np.full(pad, it.tokens[-1], dtype=np.int32)]) if pad else it.tokens
             batch.add_seq(it.seq_id, toks, it.pos0, n_logits)
         want_rows = rnd.hidden is not None and any(it.hidden for it in group)
@@ -418,7 +466,10 @@ class TargetRunner:
             pad = rnd.pads.get(it.seq_id, 0)
             echo = self._echo_rows(it)
             n_real = echo + (it.n_draft + 1 if it.sample else 0)
-            res = self._verify_item(it, logits[row : row + n_real], echo, pad)
+            if it.seq_id in rnd.branch_ids:
+                res = self._verify_tree(it, logits[row : row + n_real], rnd.branch_ids[it.seq_id])
+            else:
+                res = self._verify_item(it, logits[row : row + n_real], echo, pad)
             rnd.results[it.seq_id] = res
             if taps is not None and it.hidden and res.error is None:
                 skip, end = (it.n_replay, it.n_commit + res.n_accepted) if it.sample else (0, len(it.tokens))
@@ -472,6 +523,59 @@ class TargetRunner:
         lps = None if sess.params.logprobs is None else token_logprobs(rows[: n_acc + 1], out, sess.params.logprobs)
         return StepResult(it.seq_id, out, n_acc, margins, n_replay=self.rollback.pending_rows(it.seq_id),
                           logprobs=lps, prompt_logprobs=plp)
+
+    def _verify_tree(self, it: StepItem, rows: np.ndarray, ids: list[int]) -> StepResult:
+        """A tree item's result: the longest path the target takes (verify_tree), the accepted cells handed to
+        the sequence's own id and every branch id's cells dropped, and what it emits (as _verify_item)."""
+        sess = self.sessions[it.seq_id]
+        sess.push(it.tokens[:1])
+        tree = it.tree
+        masked = [] if self.record_margins and sess.constraint is not None else None
+        try:
+            if sess.params.greedy:
+                verdict = verify_tree_greedy(rows, tree, sess.window, sess.params, sess.constraint, masked)
+            else:
+                rngs = sess.position_rngs(it.pos0 + 1, int(tree.depths.max()) + 2)
+                verdict = verify_tree_sampled(rows, tree, sess.params, rngs, sess.window, sess.constraint)
+        except ConstraintError as e:
+            self._keep_tree_path(it, ids, TreeVerdict([], 0, 0))
+            return StepResult(it.seq_id, np.zeros(0, dtype=np.int32), error=str(e))
+        error = self._keep_tree_path(it, ids, verdict)
+        if error is not None:
+            return StepResult(it.seq_id, np.zeros(0, dtype=np.int32), error=error)
+        self.tree_items += 1
+        n_acc = verdict.n_accepted
+        out = np.empty(n_acc + 1, dtype=np.int32)
+        out[:n_acc] = tree.tokens[verdict.path]
+        out[n_acc] = verdict.next_token
+        sess.push(out[:n_acc])
+        own = rows[[0] + [1 + n for n in verdict.path]]  # each emitted token's row
+        margins = emitted_margins(own, masked) if self.record_margins else None
+        lps = None if sess.params.logprobs is None else token_logprobs(own, out, sess.params.logprobs)
+        return StepResult(it.seq_id, out, n_acc, margins, n_replay=self.rollback.pending_rows(it.seq_id),
+                          logprobs=lps, branch=verdict.branch)
+
+    def _keep_tree_path(self, it: StepItem, ids: list[int], verdict: TreeVerdict) -> str | None:
+        """The accepted path's cells become the sequence's own, the rest of the tree goes, and the branch ids
+        are left empty. The path lies on branch verdict.branch: the sequence's own id holds it already (the main
+        draft), or its cells are copied in from that branch's id (with `tree_replay`, only its part on the main
+        draft is kept, and the rest is replayed by the next verify)."""
+        seq, first = it.seq_id, it.pos0 + 1  # the first draft position
+        n = verdict.n_accepted
+        owner = ids[verdict.branch]
+        if owner != seq and self.tree_replay:  # keep the main draft's part, decode the rest again next round
+            on_main = next((i for i, node in enumerate(verdict.path) if node >= it.tree.n_main), n)
+            self.rollback.replay_later(seq, first + on_main, it.tree.tokens[verdict.path[on_main:]])
+            owner, n = seq, on_main
+        ok = self.ctx.seq_rm(seq, first + n if owner == seq else first, -1)
+        if owner != seq and n:
+            self.ctx.seq_cp(owner, seq, first, first + n)
+        for b in ids[1:]:
+            ok = self.ctx.seq_rm(b, -1, -1) and ok
+        if not ok:
+            return (f"sequence {seq}: the target refused to drop a draft tree's rejected cells (llama_memory_seq_rm "
+                    "returned false): its cache would hold tokens the target never committed")
+        return None
 
     def _finish(self, rnd: _Round) -> StepOutput:
         """The round's output: the results in the items' order, its decodes and their time, its verify time,

@@ -15,16 +15,21 @@ import numpy as np
 
 
 class Batch:
-    def __init__(self, capacity: int) -> None:
+    """`max_seqs`: the most sequence ids one row may carry (a draft tree's row shared by several branches:
+    `add_rows`); 1 for batches whose rows each belong to one sequence."""
+
+    def __init__(self, capacity: int, max_seqs: int = 1) -> None:
         self.capacity = capacity
+        self.max_seqs = max_seqs
         self.token = np.zeros(capacity, dtype=np.int32)
         self.pos = np.zeros(capacity, dtype=np.int32)
         self.n_seq_id = np.ones(capacity, dtype=np.int32)
-        self.seq_ids = np.zeros(capacity, dtype=np.int32)
+        self._ids = np.zeros((capacity, max_seqs), dtype=np.int32)  # row i's ids: _ids[i, :n_seq_id[i]]
+        self.seq_ids = self._ids[:, 0]  # each row's first id (a view)
         self.logits = np.zeros(capacity, dtype=np.int8)
-        base = self.seq_ids.ctypes.data
+        base, stride = self._ids.ctypes.data, 4 * max_seqs
         self._seq_ptrs = (ctypes.POINTER(llama_cpp.llama_seq_id) * capacity)(
-            *[ctypes.cast(base + 4 * i, ctypes.POINTER(llama_cpp.llama_seq_id)) for i in range(capacity)]
+            *[ctypes.cast(base + stride * i, ctypes.POINTER(llama_cpp.llama_seq_id)) for i in range(capacity)]
         )
         self.n_tokens = 0
         self.n_outputs = 0
@@ -50,11 +55,31 @@ class Batch:
         self.token[i : i + n] = tokens
         self.pos[i : i + n] = np.arange(pos0, pos0 + n, dtype=np.int32)
         self.seq_ids[i : i + n] = seq_id
+        self.n_seq_id[i : i + n] = 1
         self.logits[i : i + n] = 0
         if n_logits:
             self.logits[i + n - n_logits : i + n] = 1
         self.n_tokens += n
         self.n_outputs += n_logits
+        return i
+
+    def add_rows(self, tokens: np.ndarray, pos: np.ndarray, seqs: list[list[int]]) -> int:
+        """Append rows, row j at position pos[j] in every sequence of seqs[j] (its first id decides what it
+        attends: llama.cpp masks by a row's first sequence), all with logits. Returns the first row's index."""
+        n = len(tokens)
+        i = self.n_tokens
+        if i + n > self.capacity:
+            raise ValueError(f"batch overflow: {i + n} tokens > capacity {self.capacity}")
+        self.token[i : i + n] = tokens
+        self.pos[i : i + n] = pos
+        for j, ids in enumerate(seqs):
+            if not 0 < len(ids) <= self.max_seqs:
+                raise ValueError(f"a row carries 1 to {self.max_seqs} sequence ids, got {len(ids)}")
+            self._ids[i + j, : len(ids)] = ids
+            self.n_seq_id[i + j] = len(ids)
+        self.logits[i : i + n] = 1
+        self.n_tokens += n
+        self.n_outputs += n
         return i
 
     def as_struct(self) -> llama_cpp.llama_batch:

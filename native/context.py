@@ -127,7 +127,7 @@ class Context:
         self.mem = llama_cpp.llama_get_memory(self.ptr)
         # whether positions can be shifted (context shift): not for recurrent or hybrid memory, nor M-RoPE models
         self.can_shift = bool(llama_cpp.llama_memory_can_shift(self.mem))
-        self.batch = Batch(n_batch)
+        self.batch = Batch(n_batch, max_seqs=n_seq_max)
         # cross-stream copies llama.cpp has not made yet (seq_cp): destination -> source
         self._unsettled: dict[int, int] = {}
         self._settle_batch: Batch | None = None

@@ -156,7 +156,7 @@ class TargetService:
     def counters(self) -> dict:
         r = self.runner
         with self._lock:  # between rounds: the KV cache is consistent
-            kv = [self.ctx.seq_pos_max(i) + 1 for i in range(self.ctx.n_seq_max)]
+            kv = [self.ctx.seq_pos_max(i) + 1 for i in range(self.config.slots)]  # not the tree branches' ids
         return {
             "rounds": r.rounds,
             "multi_seq_decodes": r.multi_seq_decodes,

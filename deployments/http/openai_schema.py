@@ -12,7 +12,7 @@ the raw distribution's log-probabilities (engine/logprobs.py), `echo` the
 prompt's too; `presence_penalty`,
 `frequency_penalty` and `logit_bias` shape sampling as llama.cpp's samplers
 do (engine/sampling.py), with speculation on. Extensions:
-`speculative` ({"chain", "n_max", "enabled", "tune_class"}), `top_k`, `min_p`,
+`speculative` ({"chain", "n_max", "tree", "enabled", "tune_class"}), `top_k`, `min_p`,
 `repeat_penalty` (alias `repetition_penalty`), `ignore_eos`, `cache_prompt` (the prompt cache;
 reported as `usage.prompt_tokens_details.cached_tokens`), `context_shift` / `n_keep` / `n_discard`
 (llama-server's context shift: a generation that reaches the context discards old tokens and goes on).
@@ -53,6 +53,8 @@ class SpeculativeOptions(BaseModel):
     enabled: bool = Field(True, description="false: plain decoding for this request")
     chain: str | list[str] | None = Field(None, description="speculators in priority order ('ngram_mod,suffix')")
     n_max: int | None = Field(None, ge=0, le=256, description="draft tokens per round at most (<= the server's)")
+    tree: bool = Field(True, description="false: linear drafts only, no draft trees (runner-up branches verified "
+                       "beside the draft)")
     tune_class: str | None = Field(
         None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$",
         description="the request's class for online tuning of the speculators' parameters (a server with "
@@ -227,6 +229,7 @@ class _Common(BaseModel):
             stop=tuple(self.stops()),
             chain=None if chain is None else tuple(chain),
             n_max=spec.n_max if spec else None,
+            tree=spec.tree if spec else True,
             tune_class=spec.tune_class if spec else None,
             ignore_eos=self.ignore_eos,
             cache_prompt=self.cache_prompt,

@@ -170,6 +170,7 @@ class Admission:
             stop=stop,
             chain=None if chain is None else tuple(chain),
             n_max=n_max,
+            tree=request.tree,
             ignore_eos=bool(request.ignore_eos),
             cache_prompt=bool(request.cache_prompt),
             tune_class=request.tune_class or "default",

@@ -12,6 +12,11 @@ model's id, as vLLM's `model_name`), `arm`, and where said `position` or
     ray_specray_spec_decode_num_accepted_tokens_total     draft tokens accepted
     ray_specray_spec_decode_num_accepted_tokens_per_pos_total{position}
                                                           drafts with >= position+1 accepted
+    ray_specray_spec_decode_num_tree_drafts_total         drafts verified as trees (draft_tree.py)
+    ray_specray_spec_decode_num_tree_branches_total       their runner-up branches beside the main draft
+    ray_specray_spec_decode_num_tree_accepted_branch_total{rank}
+                                                          tree drafts whose accepted path lay on the branch
+                                                          of this rank (0: the main draft)
     ray_specray_requests_total{finish_reason}             finished requests (stop, length, cancelled, error)
     ray_specray_prompt_tokens_total, ray_specray_generation_tokens_total
     ray_specray_time_to_first_token_seconds               histogram: arrival at the replica -> first token
@@ -125,6 +130,12 @@ class EngineMetrics:
         self.accepted = C(p + "spec_decode_num_accepted_tokens", "draft tokens accepted", tag_keys=arm_tag)
         self.per_pos = C(p + "spec_decode_num_accepted_tokens_per_pos",
                          "drafts with at least position+1 tokens accepted", tag_keys=("model", "arm", "position"))
+        self.tree_drafts = C(p + "spec_decode_num_tree_drafts", "drafts verified as trees", tag_keys=arm_tag)
+        self.tree_branches = C(p + "spec_decode_num_tree_branches", "runner-up branches of tree drafts",
+                               tag_keys=arm_tag)
+        self.tree_ranks = C(p + "spec_decode_num_tree_accepted_branch",
+                            "tree drafts by the rank of the accepted branch (0: the main draft)",
+                            tag_keys=("model", "arm", "rank"))
         self.requests = C(p + "requests", "finished requests by finish reason",
                           tag_keys=("model", "arm", "finish_reason"))
         self.prompt_tokens = C(p + "prompt_tokens", "prompt tokens of finished requests", tag_keys=arm_tag)
@@ -145,6 +156,7 @@ class EngineMetrics:
         self.host_entries = G(p + "prefix_cache_host_entries", "prefixes held in host memory", tag_keys=arm_tag)
         self.slots_total.set(slots, tags=self.tags)
         self._seen = (0, 0, 0, [])  # spec totals already pushed
+        self._seen_trees = (0, 0, [])  # tree totals already pushed
         self._last_flush = 0.0
         self._finished_since_flush = False
 
@@ -166,16 +178,18 @@ class EngineMetrics:
         self._finished_since_flush = True
 
     def after_round(self, spec_stats: dict[str, Any], busy: int, waiting: int, idle: bool = False,
-                    host: dict | None = None) -> None:
+                    host: dict | None = None, trees: dict | None = None) -> None:
         """Push the spec-decode deltas and slot gauges, rate-limited (forced after a request ended or when
         the replica went idle, so the figures are exact once the traffic stops). `host`: the prompt cache's
-        host tier figures (HostTier.to_dict)."""
+        host tier figures (HostTier.to_dict); `trees`: the tree counters per speculator (TreeCounters.to_dict)."""
         now = time.monotonic()
         if not (idle or self._finished_since_flush or now - self._last_flush >= self.flush_interval_s):
             return
         self._last_flush = now
         self._finished_since_flush = False
         self.flush_spec(spec_stats)
+        if trees is not None:
+            self.flush_trees(trees)
         self.slots_total.set(self.slots, tags=self.tags)  # (set with the others: a gauge set only once at start
         self.slots_busy.set(busy, tags=self.tags)         # was seen exported as 0)
         self.waiting.set(waiting, tags=self.tags)
@@ -183,6 +197,28 @@ class EngineMetrics:
         if host is not None:
             self.host_bytes.set(host["bytes"], tags=self.tags)
             self.host_entries.set(host["entries"], tags=self.tags)
+
+    def flush_trees(self, trees: dict[str, dict]) -> None:
+        """Push the tree counters' deltas (summed over speculators; rebased where they went back)."""
+        drafts = sum(c["drafts"] for c in trees.values())
+        branches = sum(c["branches"] for c in trees.values())
+        ranks: list[int] = []
+        for c in trees.values():
+            for i, v in enumerate(c["accepted_by_rank"]):
+                ranks.extend([0] * (i + 1 - len(ranks)))
+                ranks[i] += v
+        d0, b0, r0 = self._seen_trees
+        if drafts < d0 or branches < b0:
+            d0, b0, r0 = 0, 0, []
+        if drafts > d0:
+            self.tree_drafts.inc(drafts - d0, tags=self.tags)
+        if branches > b0:
+            self.tree_branches.inc(branches - b0, tags=self.tags)
+        for i, v in enumerate(ranks):
+            old = r0[i] if i < len(r0) else 0
+            if v > old:
+                self.tree_ranks.inc(v - old, tags=self.tags | {"rank": str(i)})
+        self._seen_trees = (drafts, branches, ranks)
 
     def flush_spec(self, spec_stats: dict[str, Any]) -> None:
         drafts, tokens, accepted, per_pos = spec_totals(spec_stats)

@@ -56,6 +56,7 @@ class EngineRequest:
     stop: tuple[str, ...] = ()
     chain: tuple[str, ...] | None = None
     n_max: int | None = None
+    tree: bool = True  # False: linear drafts only
     tune_class: str | None = None  # None: the class "default"
     ignore_eos: bool = False
     cache_prompt: bool = True

@@ -62,6 +62,9 @@ def round_snapshot(core) -> dict:
         "tuning": policy["tuning"],
         # each speculator's acceptance estimate and calibration, and model speculators' exploring budgets
         "policy": {k: policy[k] for k in ("estimates", "model_explore_budget_s")},
+        # draft trees (engine/policy/trees.py): rounds that sent one, per speculator the trees, their branches,
+        # the accepted branch's rank, and each speculator's learnt branch factor
+        "trees": policy["trees"],
         "speculators": {k: asdict(v) for k, v in parts.chain.stats().items()},
         "cost_table": policy["cost_table"],
         "attention_ns_per_token_cell": policy["attention_ns_per_token_cell"],
@@ -118,6 +121,7 @@ def observe_round(core, idle: bool) -> None:
         return
     s = core.scheduler
     try:
-        obs.after_round(core.chain.stats(), len(s.active), len(s.queue), idle, s.prefix_cache.host.to_dict())
+        obs.after_round(core.chain.stats(), len(s.active), len(s.queue), idle, s.prefix_cache.host.to_dict(),
+                        s.policy.trees.counter_dicts())
     except Exception:
         log.exception("metrics update failed")

@@ -60,6 +60,7 @@ from .pricing import Pricing, judged_worth
 from .proposal import Proposal, SeqDraftRequest
 from .rollback_price import RollbackPrice
 from .round_price import RoundPricer
+from .trees import TreePlanner
 from .tuning import ParamTuner, make_tuner, tuned_look_up
 
 log = logging.getLogger("specray.policy")
@@ -76,6 +77,8 @@ class Room:
     base_rows: int
     cells: float | None = None
     rows: Callable[[list[int]], int] | None = None
+    tree_width: int = 0  # runner-up branches a sequence's draft may carry (draft trees; 0: linear drafts)
+    tree_seqs: int = 0  # branches the round may carry in all (the target's spare sequence ids)
 
 
 class DraftPolicy:
@@ -91,6 +94,7 @@ class DraftPolicy:
         self.estimates = ValueEstimates()
         self.gate = LookupGate()  # each speculator's look-ups: their host time, and whether its winnings pay
         self.models = ModelDrafts()
+        self.trees = TreePlanner()  # runner-up branches beside drafts (trees.py)
         self.tuner: ParamTuner | None = self._make_tuner()
         self._explore_rng = np.random.default_rng(seed)  # deterministic: runs stay reproducible
 
@@ -139,18 +143,42 @@ class DraftPolicy:
             props = [Proposal(r.seq_id, None) for r in requests]
         if stats is not None:
             stats.draft_seconds += time.perf_counter() - t0
+        cands: list = []
         if config.policy == "cost":
             fixed = self.rollback_price.fixed_list(price, room.base_rows, [r.replay_rows for r in requests])
-            lengths = plan_draft_lengths([p.prefix_probs for p in props], room.base_rows, price,
-                                         n_decoding=n_decoding, extra_seconds=fixed, rows=room.rows)
+            if room.tree_width > 0 and room.rows is None and config.trees:  # branches, priced as tokens are
+                cands = self._branch_candidates(props, requests, room, disabled)
+            lengths = plan_draft_lengths([p.prefix_probs for p in props] + [c[2] for c in cands], room.base_rows,
+                                         price, n_decoding=n_decoding,
+                                         extra_seconds=None if fixed is None else fixed + [0.0] * len(cands),
+                                         rows=room.rows)
             for p, k in zip(props, lengths):
                 if k == 0 and len(p.tokens) and config.explore and self._explore_rng.random() < config.explore:
                     k = 1
                 p.cut(k)
+            if cands:
+                self.trees.attach(props, cands, lengths[len(props):], room.tree_seqs)
+        if sum(p.rows for p in props) > room.free_rows:  # trees give way first, then drafts shrink alike
+            for p in props:
+                p.tree = None
         for p, k in zip(props, fit_to_room([len(p.tokens) for p in props], room.free_rows)):
             if k < len(p.tokens):
                 p.cut(k)
+        self.trees.round_sent(props)
         return props
+
+    def _branch_candidates(self, props: list[Proposal], requests: list[SeqDraftRequest], room: Room,
+                           disabled: set[str] | None) -> list:
+        """The runner-up branches beside the round's drafts (trees.py); a speculator that fails giving them is
+        disabled as one that fails drafting is, and the round's drafts stay linear."""
+        try:
+            return self.trees.candidates(props, requests, self.chain.speculator, room.tree_width, room.tree_seqs)
+        except Exception as e:
+            culprit = getattr(e, "speculator", None)
+            if culprit and disabled is not None:
+                disabled.add(culprit)
+            log.exception("speculator %r failed giving runner-up branches; disabled, drafts stay linear", culprit)
+            return []
 
     def round_price(self, base_rows: int, n_decoding: int, cells: float | None) -> Callable[[int], float]:
         """price(n): seconds of this round with n target rows (decode and host work), memoised for the round:
@@ -251,6 +279,8 @@ class DraftPolicy:
         them every asked speculator's whole draft is judged, sent or not (a draft the planner cut to
         nothing still learns from the one token every round emits); without, only the sent draft."""
         self.chain.accept(prop.seq_id, prop.asked, prop.speculator, n_drafted, n_accepted)
+        if prop.tree is not None:
+            self.trees.judge(prop, emitted)
         for name in prop.asked:
             winner = name == prop.speculator and n_drafted > 0
             if self.chain.is_model(name):
@@ -312,4 +342,5 @@ class DraftPolicy:
             "model_explore_budget_s": dict(self.models.explore_budget),
             "cost_table": self.cost.table(),
             "attention_ns_per_token_cell": self.cost.attn_seconds * 1e9,
+            "trees": self.trees.snapshot(),
         }

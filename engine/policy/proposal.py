@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..draft_tree import DraftTree
 from ..speculator import EMPTY_DRAFT, Speculator
 from ..speculators.draft_base import ModelSpeculator
 
@@ -41,8 +42,16 @@ class Proposal:
     # gate counts such a draft as winning nothing once its speculator is learnt: lookup_gate.py)
     worth: dict[str, float] = field(default_factory=dict)
     rows_price: dict[str, np.ndarray] = field(default_factory=dict)  # probes' verify rows in tokens (judged_worth)
+    # the draft as a tree (its main draft: `tokens`, then runner-up branches: engine/draft_tree.py); None: linear
+    tree: DraftTree | None = None
+
+    @property
+    def rows(self) -> int:
+        """Draft rows it sends: the tree's nodes, else its tokens."""
+        return len(self.tree) if self.tree is not None else len(self.tokens)
 
     def cut(self, n: int) -> None:
+        self.tree = None
         self.tokens = self.tokens[:n]
         self.prefix_probs = self.prefix_probs[:n]
         self.raw_probs = self.raw_probs[:n]
@@ -60,6 +69,7 @@ class SeqDraftRequest:
     tune_class: str | None = "default"  # its class for tuning (None: configured parameters, not tuned)
     kv_history: np.ndarray | None = None  # after a context shift: the tokens by KV position (+ the last one)
     replay_rows: int = 0  # rows the target replays in front of its own (a restored recurrent state: rollback.py)
+    tree: bool = False  # its draft may be a tree (the request allows it and its layout verifies one)
 
     def history_for(self, spec: Speculator) -> np.ndarray:
         """What `spec` drafts from: model speculators mirror the target's KV by position, so after a context

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from specray.engine.draft_tree import Branch
 from specray.engine.speculator import DraftRequest, Speculator
 
 from ._util import EMPTY_DRAFT, as_tokens
@@ -123,17 +124,44 @@ def ngram_map_k4v_draft(
     return h[j + n : j + n + k].copy(), (key, slot)
 
 
+def value_branches(index: NgramValueIndex, history: np.ndarray, key: bytes, slot: int) -> list[Branch]:
+    """The key's other values beside the drafted one (`slot`), each a branch where it leaves the drafted value,
+    most frequent first; a value's weight is its count over the drafted value's.
+
+    >>> ix = NgramValueIndex(n=1, m=2)
+    >>> h = np.array([7, 1, 2, 7, 1, 2, 7, 1, 2, 7, 1, 2, 7, 3, 4, 0, 7, 1, 5, 7], np.int32)
+    >>> d, (key, slot) = ngram_map_k4v_draft(ix, h)    # 4 x [1 2] >= 2 x (1 x [3 4] + 1 x [1 5])
+    >>> d.tolist(), [(b.at, b.tokens.tolist(), b.weight) for b in value_branches(ix, h, key, slot)]
+    ([1, 2], [(0, [3, 4], 0.25), (1, [5], 0.25)])
+    """
+    vals = index.values.get(key) or []
+    top = vals[slot][2]
+    n, m = index.n, index.m
+    main = history[vals[slot][1] + n : vals[slot][1] + n + m]
+    out = []
+    for i, v in enumerate(vals):
+        value = history[v[1] + n : v[1] + n + m]
+        same = np.flatnonzero(value[: len(main)] != main[: len(value)])
+        if i == slot or not same.size:
+            continue
+        out.append(Branch(int(same[0]), value[same[0] :].copy(), v[2] / top))
+    out.sort(key=lambda b: -b.weight)
+    return out
+
+
 @dataclass
 class _SeqState:
     index: NgramValueIndex
     n_accepted: dict[tuple[bytes, int], int] = field(default_factory=dict)
     last: tuple[bytes, int] | None = None
+    history: np.ndarray | None = None  # the last draft's history, for its runner-ups (same round only)
 
 
 class NgramMapK4vSpeculator(Speculator):
     """llama.cpp `ngram-map-k4v`: draft the dominant of up to 4 continuations of the key."""
 
     name = "ngram_map_k4v"
+    offers_branches = True
 
     def __init__(self, params: NgramMapK4vParams | None = None) -> None:
         super().__init__()
@@ -156,9 +184,21 @@ class NgramMapK4vSpeculator(Speculator):
         if not st.index.cursor.is_extension(h):
             st.n_accepted.clear()
         d, st.last = ngram_map_k4v_draft(st.index, h, st.n_accepted, self.params.min_hits)
+        st.history = h if len(d) else None
         if not len(d):
             st.last = None
         return d
+
+    def _branches(self, seq_id: int, main: list[int], width: int) -> list[Branch]:
+        st = self._seqs.get(seq_id)
+        if st is None or st.last is None or st.history is None:
+            return []
+        h, (key, slot) = st.history, st.last
+        st.history = None
+        v = st.index.values[key][slot]
+        if h[v[1] + st.index.n : v[1] + st.index.n + len(main)].tolist() != main:
+            return []
+        return value_branches(st.index, h, key, slot)
 
     def _accept(self, seq_id: int, n_drafted: int, n_accepted: int, winner: bool) -> None:
         st = self._seqs.get(seq_id)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from specray.engine.draft_tree import Branch
 from specray.engine.speculator import DraftRequest, Speculator
 
 from ._util import EMPTY_DRAFT, HistoryCursor, as_tokens
@@ -400,6 +401,39 @@ class SuffixTrie:
         return toks, probs
 
 
+    def runner_ups(self, k: int, obj, main: list[int], budget: int, p_min: float) -> list[Branch]:
+        """Beside the greedy walk from a state at depth k whose first tokens are `main`: at each of its nodes
+        with more than one child, the most frequent child other than the walk's, continued by its own greedy
+        walk; its weight is its count over the walk's child's. Most likely first.
+
+        >>> t = SuffixTrie(max_depth=16)
+        >>> t.extend(0, [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 7, 8, 1, 2, 3])
+        >>> k, state = t.active_states(0)[2]           # "1 2 3", seen 3 times before the end
+        >>> main, _ = t.walk(k, state, 4, 0.1); main
+        [4, 1, 2, 3]
+        >>> [(b.at, b.tokens.tolist(), b.weight) for b in t.runner_ups(k, state, main, 4, 0.1)]
+        [(0, [7, 8, 1, 2], 0.5)]
+        """
+        out: list[Branch] = []
+        for j, want in enumerate(main):
+            if type(obj) is not _Node:
+                break  # a single occurrence from here: one continuation
+            obj.fresh()
+            if obj.best != want or obj.bestc <= 0:
+                break
+            if obj.kids is not None:
+                t2, c2 = -1, 0
+                for t, ch in obj.kids.items():
+                    if t != want and (c := _count(ch)) > c2:
+                        t2, c2 = t, c
+                if c2 > 0 and budget - j - 1 >= 0:
+                    rest, _ = self.walk(k + j + 1, obj.kids[t2], budget - j - 1, p_min)
+                    out.append(Branch(j, np.array([t2] + rest, np.int32), c2 / obj.bestc))
+            obj = obj.one if obj.kids is None else obj.kids[want]
+        out.sort(key=lambda b: -b.weight)
+        return out
+
+
 @dataclass
 class Draft:
     tokens: list[int]
@@ -407,6 +441,9 @@ class Draft:
     score: float
     match_len: int
     source: str  # "request" or "global"
+    trie: "SuffixTrie | None" = None  # where it was walked, from which state (its runner-ups: SuffixTrie.runner_ups)
+    state: object = None
+    budget: int = 0
 
 
 def suffix_draft(
@@ -461,7 +498,7 @@ def suffix_draft(
         score = sum(probs)
         if score > best_score:
             best_score = score
-            best = Draft(toks, probs, score, k, source)
+            best = Draft(toks, probs, score, k, source, trie, state, budget)
     return best
 
 
@@ -480,6 +517,7 @@ class SuffixSpeculator(Speculator):
     """SuffixDecoding: per-request + global suffix tries, best path by summed probability."""
 
     name = "suffix"
+    offers_branches = True
 
     def __init__(self, params: SuffixParams | None = None) -> None:
         super().__init__()
@@ -493,6 +531,7 @@ class SuffixSpeculator(Speculator):
         self.last_confidence: dict[int, np.ndarray] = {}
         self.last_source: dict[int, str] = {}
         self.last_match_len: dict[int, int] = {}
+        self._walks: dict[int, Draft] = {}  # this round's chosen walk per sequence, for its runner-ups
 
     # ---- per-request state -------------------------------------------------
     def _sync(self, st: _ReqState, h: np.ndarray) -> None:
@@ -543,6 +582,7 @@ class SuffixSpeculator(Speculator):
         d = suffix_draft(
             cands, min(req.n_max, p.max_draft), p.min_match, p.p_min, p.max_spec_factor, p.max_spec_offset
         )
+        self._walks.pop(req.seq_id, None)
         if d is None:
             self.last_confidence[req.seq_id] = np.zeros(0)
             self.last_source.pop(req.seq_id, None)
@@ -550,7 +590,14 @@ class SuffixSpeculator(Speculator):
         self.last_confidence[req.seq_id] = np.array(d.probs)
         self.last_source[req.seq_id] = d.source
         self.last_match_len[req.seq_id] = d.match_len
+        self._walks[req.seq_id] = d
         return np.array(d.tokens, dtype=np.int32)
+
+    def _branches(self, seq_id: int, main: list[int], width: int) -> list[Branch]:
+        d = self._walks.pop(seq_id, None)
+        if d is None or d.tokens[: len(main)] != main:
+            return []
+        return d.trie.runner_ups(d.match_len, d.state, main, d.budget, self.params.p_min)
 
     def draft_context(self, seq_id: int) -> int:
         """Bucket of the last draft's match length (< 8, 8-11, 12-19, 20+ tokens): drafts after a longer match
@@ -568,6 +615,7 @@ class SuffixSpeculator(Speculator):
         self.last_confidence.pop(seq_id, None)
         self.last_source.pop(seq_id, None)
         self.last_match_len.pop(seq_id, None)
+        self._walks.pop(seq_id, None)
         if st is None:
             return
         seq = st.trie.seqs.get(0, [])

@@ -164,3 +164,18 @@ def test_spec_counters_are_pushed_as_deltas_and_survive_a_reset():
                          "accepted_per_pos": [1]}}, 0, 0, idle=True)  # speculators rebuilt: counts restart
     assert v[("specray_spec_decode_num_drafts", (("arm", "fast"), ("model", "smol")))] == 6
     assert spec_totals(stats) == (5, 20, 9, [4, 3, 2])
+
+
+def test_tree_counters_are_pushed_as_deltas_by_rank():
+    rec = _Recorder()
+    m = EngineMetrics("fast", slots=4, backend=rec, model="smol")
+    tags = (("arm", "fast"), ("model", "smol"))
+    trees = {"suffix": {"drafts": 3, "branches": 4, "accepted_by_rank": [2, 1]},
+             "ngram_map_k4v": {"drafts": 1, "branches": 1, "accepted_by_rank": [1]}}
+    m.after_round({}, busy=1, waiting=0, idle=True, trees=trees)
+    trees["suffix"] = {"drafts": 5, "branches": 7, "accepted_by_rank": [3, 1, 1]}
+    m.after_round({}, busy=0, waiting=0, idle=True, trees=trees)
+    v = rec.values
+    assert v[("specray_spec_decode_num_tree_drafts", tags)] == 6
+    assert v[("specray_spec_decode_num_tree_branches", tags)] == 8
+    assert [v[("specray_spec_decode_num_tree_accepted_branch", tags + (("rank", str(r)),))] for r in range(3)] == [4, 1, 1]

@@ -39,8 +39,8 @@ COMMON = {
     "stop": (["x", "y"], lambda r: r.stop == ("x", "y")),
     "seed": (42, lambda r: r.sampling.seed == 42),
     "n": (3, lambda r: r.n == 3),
-    "speculative": ({"chain": "suffix", "n_max": 3, "tune_class": "c1"},
-                    lambda r: (r.chain, r.n_max, r.tune_class) == (("suffix",), 3, "c1")),
+    "speculative": ({"chain": "suffix", "n_max": 3, "tune_class": "c1", "tree": False},
+                    lambda r: (r.chain, r.n_max, r.tune_class, r.tree) == (("suffix",), 3, "c1", False)),
     "ignore_eos": (True, lambda r: r.ignore_eos is True),
     "cache_prompt": (False, lambda r: r.cache_prompt is False),
     "context_shift": (True, lambda r: r.context_shift is True),
@@ -84,6 +84,7 @@ SPECULATIVE = {
     "chain": (["suffix", "ngram_mod"], lambda r: r.chain == ("suffix", "ngram_mod")),
     "n_max": (3, lambda r: r.n_max == 3),
     "tune_class": ("c1", lambda r: r.tune_class == "c1"),
+    "tree": (False, lambda r: r.tree is False),
 }
 MESSAGE = {  # a chat message's fields, as the chat template gets them
     "role": ("developer", lambda m: m["role"] == "system"),

@@ -1,0 +1,132 @@
+"""A draft tree verified in one decode, on the real model: each branch a sequence id of one KV pool, a node
+shared by branches one row carrying all their ids (engine/draft_tree.py, TargetRunner._verify_tree).
+
+The target runs with batch-invariant kernels over one KV pool, so a row's logits do not depend on what else the
+batch holds: a tree's rows are compared bit for bit with each branch's path decoded alone, and after the verify
+the sequence's cells must decode exactly as a prefill of the tokens it committed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specray.engine.draft_tree import DraftTree
+from specray.engine.sampling import SamplingParams
+from specray.engine.target import StepItem, TargetRunner
+from specray.native.context import Context
+
+pytestmark = pytest.mark.model
+
+PROMPT = "The three laws of motion are the foundation of classical mechanics. The first law says that"
+
+
+def _ctx(model, n_seq_max: int = 4) -> Context:
+    return Context(model, n_ctx=1024, n_seq_max=n_seq_max, n_batch=256, exact=True, kv_unified=True)
+
+
+def _greedy(model, tokens: np.ndarray, n: int) -> list[int]:
+    """The target's own greedy continuation of `tokens`, one token per decode, in a fresh context."""
+    ctx = _ctx(model, 1)
+    b = ctx.batch
+    b.clear(); b.add_seq(0, tokens, 0, 1)  # noqa: E702
+    out = [int(ctx.decode()[0].argmax())]
+    for i in range(n - 1):
+        b.clear(); b.add_seq(0, np.array([out[-1]], np.int32), len(tokens) + i, 1)  # noqa: E702
+        out.append(int(ctx.decode()[0].argmax()))
+    ctx.close()
+    return out
+
+
+def _path_rows(model, prefix: np.ndarray, root: int, path: list[int]) -> np.ndarray:
+    """Logits rows of [root] + path decoded as one linear draft after `prefix`, alone in a fresh context."""
+    ctx = _ctx(model, 1)
+    b = ctx.batch
+    b.clear(); b.add_seq(0, prefix, 0, 0); ctx.decode()  # noqa: E702
+    b.clear(); b.add_seq(0, np.array([root] + path, np.int32), len(prefix), len(path) + 1)  # noqa: E702
+    rows = ctx.decode().copy()
+    ctx.close()
+    return rows
+
+
+def test_each_branch_sees_only_its_own_path(smollm2):
+    tokens = smollm2.tokenize(PROMPT)
+    prefix, root = tokens[:-1], int(tokens[-1])
+    tree = DraftTree.build([11, 12, 13], [(0, [21, 22]), (1, [31])])
+    ctx = _ctx(smollm2)
+    b = ctx.batch
+    b.clear(); b.add_seq(0, prefix, 0, 0); ctx.decode()  # noqa: E702
+    ids = [0, 1, 2]
+    for s in ids[1:]:
+        ctx.seq_cp(0, s)
+    b.clear()
+    b.add_rows(np.concatenate([[root], tree.tokens]).astype(np.int32),
+               np.concatenate([[len(prefix)], len(prefix) + 1 + tree.depths]),
+               [[ids[x] for x in row] for row in tree.row_branches()])
+    rows = ctx.decode().copy()
+    ctx.close()
+    for leaf in tree.leaves:
+        path = tree.path(leaf)
+        want = _path_rows(smollm2, prefix, root, tree.tokens[path].tolist())
+        got = rows[[0] + [1 + n for n in path]]
+        assert np.array_equal(got, want), f"branch ending at node {leaf}: max diff {np.abs(got - want).max()}"
+
+
+@pytest.mark.parametrize("shape", ["runner_up_taken", "main_taken", "none_taken"])
+def test_the_accepted_path_becomes_the_sequences_own_cells(smollm2, shape):
+    tokens = smollm2.tokenize(PROMPT)
+    g = _greedy(smollm2, tokens, 12)  # g[0] is the token after the prompt
+    bad = (g[1] + 1) % 1000 + 5
+    tree, kept = {
+        # main takes g1, leaves it at depth 1; the runner-up at depth 1 goes on with g2 g3
+        "runner_up_taken": (DraftTree.build([g[1], bad, g[3]], [(1, [g[2], g[3], bad]), (0, [bad + 1])]), 3),
+        "main_taken": (DraftTree.build([g[1], g[2]], [(0, [bad, g[2]]), (1, [bad])]), 2),
+        "none_taken": (DraftTree.build([bad], [(0, [bad + 1, g[2]])]), 0),
+    }[shape]
+    ctx = _ctx(smollm2)
+    runner = TargetRunner(ctx, branch_seqs=range(1, 4))
+    runner.start(0, SamplingParams(), tokens)
+    first = runner.step([StepItem(0, tokens, 0)]).results[0]
+    assert first.tokens.tolist() == [g[0]]
+    n = len(tokens)
+    res = runner.step([StepItem(0, np.array([g[0], *tree.tokens], np.int32), n, len(tree), tree=tree)]).results[0]
+    assert res.error is None
+    assert res.tokens.tolist() == g[1 : kept + 2] and res.n_accepted == kept
+    assert res.branch == (1 if shape == "runner_up_taken" else 0)
+    assert runner.tree_items == 1
+    # the branch ids hold nothing, the sequence exactly its committed tokens
+    assert [ctx.seq_pos_max(s) for s in (1, 2, 3)] == [-1, -1, -1]
+    assert ctx.seq_pos_max(0) == n + kept
+    # and they decode as target-only decoding would: the next tokens, one per round
+    pos, last, out = n + kept + 1, int(res.tokens[-1]), []
+    for _ in range(12 - kept - 2):
+        r = runner.step([StepItem(0, np.array([last], np.int32), pos)]).results[0]
+        last = int(r.tokens[0])
+        out.append(last)
+        pos += 1
+    assert out == g[kept + 2 :]
+    ctx.close()
+
+
+def test_a_batch_invariant_target_replays_an_accepted_runner_up(smollm2):
+    """With tree_replay (exact mode) the runner-up's cells are not handed over: the next verify decodes them
+    again, so the sequence's cells lie in position order and decode bit for bit as a prefill of its tokens."""
+    tokens = smollm2.tokenize(PROMPT)
+    g = _greedy(smollm2, tokens, 8)
+    bad = (g[1] + 1) % 1000 + 5
+    tree = DraftTree.build([g[1], bad], [(1, [g[2], g[3]])])
+    ctx = _ctx(smollm2)
+    runner = TargetRunner(ctx, record_margins=True, branch_seqs=range(1, 4), tree_replay=True)
+    runner.start(0, SamplingParams(), tokens)
+    runner.step([StepItem(0, tokens, 0)])
+    n = len(tokens)
+    res = runner.step([StepItem(0, np.array([g[0], *tree.tokens], np.int32), n, len(tree), tree=tree)]).results[0]
+    assert res.tokens.tolist() == g[1:5] and res.n_replay == 2  # g2 g3 go again
+    assert ctx.seq_pos_max(0) == n + 1  # the root and g1 (the main draft's part) stay
+    # the next round: the two replayed rows in front of its own; the scheduler passes them as one item
+    nxt = runner.step([StepItem(0, np.array([g[4]], np.int32), n + 4)]).results[0]
+    assert nxt.tokens.tolist() == [g[5]] and nxt.n_replay == 0 and ctx.seq_pos_max(0) == n + 4
+    # the emitted token's margin is bit for bit a solo prefill's
+    want = _path_rows(smollm2, tokens, g[0], g[1:5])[-1]
+    top = np.sort(want)[-2:]
+    assert nxt.margins[0] == np.float32(top[1] - top[0])
+    ctx.close()
