@@ -238,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--spec-param", action="append", default=None, metavar="SPECULATOR.KEY=VALUE",
                        help="in-process: a speculator parameter every configuration starts from, repeatable (e.g. "
                             "--spec-param suffix.p_min=0.2). A configuration can carry its own: "
-                            "CHAIN/SPECULATOR.KEY=VALUE; CHAIN+tune tunes them online (ChainConfig.tune)")
+                            "CHAIN/SPECULATOR.KEY=VALUE; CHAIN+tune tunes them online (ChainConfig.tune); CHAIN+linear sends no draft "
+                            "trees (ChainConfig.trees)")
     bench.add_argument("--tune-sweep", action="store_true",
                        help="in-process: run each chain of --configs as configured, tuned online (CHAIN+tune), and at "
                             "every point of its speculators' tuning grids (one speculator at a time), so the tuned "

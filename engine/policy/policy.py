@@ -157,7 +157,7 @@ class DraftPolicy:
                     k = 1
                 p.cut(k)
             if cands:
-                self.trees.attach(props, cands, lengths[len(props):], room.tree_seqs)
+                self.trees.attach(props, cands, lengths[len(props):], room.tree_seqs, [r.n_max for r in requests])
         if sum(p.rows for p in props) > room.free_rows:  # trees give way first, then drafts shrink alike
             for p in props:
                 p.tree = None

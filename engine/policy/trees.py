@@ -149,20 +149,25 @@ class TreePlanner:
         out.sort(key=lambda c: -c[2][0])
         return out[:pool]
 
-    def attach(self, props, cands, lengths: list[int], pool: int) -> None:
+    def attach(self, props, cands, lengths: list[int], pool: int, limits: list[int]) -> None:
         """Give each proposal the branches the planner kept (`lengths`: tokens kept per candidate) whose
-        parent the main draft still holds, within `pool` branches in all."""
+        parent the main draft still holds, within `pool` branches in all and `limits[i]` nodes per tree (the
+        draft rows its sequence may send: the KV cells it was given room for)."""
         by_prop: dict[int, list[tuple[Branch, float]]] = {}
-        taken: dict[int, set[tuple[int, int]]] = {}  # per proposal: (depth, token) pairs its tree holds
+        taken: dict[int, set[tuple[int, int]]] = {}  # per proposal: (depth, first token) its tree holds
+        nodes: dict[int, int] = {}  # per proposal: its tree's nodes so far
         used = 0
         for (i, b, probs), n in zip(cands, lengths):
-            if n <= 0 or b.at > len(props[i].tokens) - 1 or used >= pool:
+            p = props[i]
+            if n <= 0 or b.at > len(p.tokens) - 1 or used >= pool:
                 continue
-            held = taken.setdefault(i, {(d, int(t)) for d, t in enumerate(props[i].tokens.tolist())})
-            if (b.at, int(b.tokens[0])) in held:  # the main draft's token there, or another branch's
+            held = taken.setdefault(i, set(enumerate(p.tokens.tolist())))
+            n = min(n, limits[i] - nodes.setdefault(i, len(p.tokens)))
+            if n <= 0 or (b.at, int(b.tokens[0])) in held:  # the main draft's token there, or another branch's
                 continue
             held.add((b.at, int(b.tokens[0])))
-            parent = 1.0 if b.at == 0 else float(props[i].prefix_probs[b.at - 1])
+            nodes[i] += n
+            parent = 1.0 if b.at == 0 else float(p.prefix_probs[b.at - 1])
             by_prop.setdefault(i, []).append((Branch(b.at, b.tokens[:n], b.weight), probs[0] / parent))
             used += 1
         for i, branches in by_prop.items():

@@ -36,6 +36,7 @@ from itertools import islice
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from specray.engine.draft_tree import Branch
 from specray.engine.speculator import DraftRequest, Speculator
 
 from ._util import EMPTY_DRAFT, HistoryCursor, as_tokens
@@ -325,16 +326,63 @@ def ngram_cache_draft(
     return np.array(out, dtype=np.int32) if out else EMPTY_DRAFT
 
 
+def _runner_up(table: dict, buf: bytes, avail: int, main_token: int) -> tuple[int, float] | None:
+    """(token, its count over main_token's) of the entry the lax context rule drafted main_token from (the
+    longest qualifying n-gram, as _try_primary), the most frequent other token; None where there is none."""
+    for size in range(min(NGRAM_MAX, avail), NGRAM_MIN - 1, -1):
+        e = table.get(buf[-size * _ISZ :])
+        if e is None or e[0] < MIN_SAMPLE_LAX[size - 1] or 100 * e[1] < MIN_PERCENT_LAX[size - 1] * e[0]:
+            continue
+        if e[2] != main_token or len(e[3]) < 2:
+            return None
+        tok, c = max(((t, c) for t, c in e[3].items() if t != main_token), key=lambda tc: tc[1])
+        return tok, c / e[1]
+    return None
+
+
+def ngram_cache_branches(history: np.ndarray, main, context: NgramCountTable, width: int,
+                         dynamic: NgramCountTable | None = None) -> list[Branch]:
+    """Runner-ups beside `main`, a draft of the context table: at each depth where the context table's entry
+    holds another next token, the most frequent one, continued by a draft of its own (no longer than the main
+    draft's rest); its weight is its count over the main token's. The `width` most likely, most likely first.
+
+    >>> h = np.array([5, 1, 2, 3, 9, 1, 2, 3, 7, 1, 2], np.int32)
+    >>> ctx = NgramCountTable(); ctx.update(h)
+    >>> main = ngram_cache_draft(h, 4, ctx); main.tolist()
+    [3, 9, 1, 2]
+    >>> [(b.at, b.tokens.tolist(), b.weight) for b in ngram_cache_branches(h, main, ctx, 2)]
+    [(1, [7, 1, 2], 1.0)]
+    """
+    h = as_tokens(history)
+    main = [int(t) for t in main]
+    buf = h[max(0, len(h) - NGRAM_MAX) :].tobytes()
+    alts: list[tuple[float, int, int]] = []  # (weight, depth, token)
+    for j, t in enumerate(main):
+        r = _runner_up(context.table, buf, len(h) + j, t)
+        if r is not None:
+            alts.append((r[1], j, r[0]))
+        buf = buf[-(NGRAM_MAX - 1) * _ISZ :] + int(t).to_bytes(_ISZ, sys.byteorder, signed=True)
+    alts.sort(key=lambda a: (-a[0], a[1]))
+    out = []
+    for w, j, tok in alts[:width]:
+        stem = np.concatenate([h, np.asarray(main[:j] + [tok], np.int32)])
+        rest = ngram_cache_draft(stem, len(main) - j - 1, context, dynamic)
+        out.append(Branch(j, np.concatenate([[tok], rest]).astype(np.int32), w))
+    return out
+
+
 @dataclass
 class _SeqState:
     context: NgramCountTable = field(default_factory=NgramCountTable)
     cursor: HistoryCursor = field(default_factory=HistoryCursor)
+    history: np.ndarray | None = None  # the last draft's history, for its runner-ups (same round only)
 
 
 class NgramCacheSpeculator(Speculator):
     """llama.cpp `ngram-cache`: context / dynamic / static n-gram count tables."""
 
     name = "ngram_cache"
+    offers_branches = True
 
     def __init__(self, params: NgramCacheParams | None = None) -> None:
         super().__init__()
@@ -364,7 +412,16 @@ class NgramCacheSpeculator(Speculator):
             st = self._seqs[req.seq_id] = _SeqState()
         h = as_tokens(req.history)
         self._sync(st, h)
-        return ngram_cache_draft(h, min(self.params.n_draft, req.n_max), st.context, self.dynamic, self.static)
+        d = ngram_cache_draft(h, min(self.params.n_draft, req.n_max), st.context, self.dynamic, self.static)
+        st.history = h if len(d) else None
+        return d
+
+    def _branches(self, seq_id: int, main: list[int], width: int) -> list[Branch]:
+        st = self._seqs.get(seq_id)
+        if st is None or st.history is None or len(self.static):  # static weighting: one guess, no runner-up
+            return []
+        h, st.history = st.history, None
+        return ngram_cache_branches(h, main, st.context, width, self.dynamic)
 
     def _end(self, seq_id: int) -> None:
         st = self._seqs.pop(seq_id, None)

@@ -159,7 +159,7 @@ def test_planner_attaches_kept_branches_and_learns_from_verdicts():
     b = [Branch(0, np.array([7, 8]), 0.8), Branch(1, np.array([2, 9]), 0.5), Branch(0, np.array([1]), 1.0)]
     cands = planner.candidates([prop], [_Req()], lambda name: _Spec(b), width=3, pool=8)
     assert [c[1].at for c in cands] == [0, 0, 1]
-    planner.attach([prop], cands, [1, 2, 1], pool=8)  # cands: [1] (dropped below), [7 8], [2 9]
+    planner.attach([prop], cands, [1, 2, 1], pool=8, limits=[8])  # cands: [1] (dropped below), [7 8], [2 9]
     # the branch repeating the main token (1 at depth 0) and the one repeating its own (2 at depth 1) are dropped
     assert prop.tree.tokens.tolist() == [1, 2, 7, 8] and prop.tree.n_branches == 2
     planner.round_sent([prop])
@@ -204,3 +204,41 @@ def test_the_target_gets_branch_ids_only_where_trees_can_be_verified():
     assert tree_seqs(EngineConfig(slots=4, chain=ChainConfig(policy="first")), "attention") == 0
     assert tree_seqs(EngineConfig(slots=4, verify_shape="bucketed"), "attention") == 0
     assert tree_seqs(EngineConfig(slots=4), "recurrent") == 0
+
+
+@pytest.mark.parametrize("name, params", [
+    ("suffix", {"min_match": 2, "p_min": 0.01}),
+    ("ngram_cache", {}),
+    ("ngram_map_k4v", {"size_n": 1, "size_m": 2}),
+])
+def test_speculators_give_runner_ups_beside_their_last_draft_only(name, params):
+    from specray.engine.speculator import DraftRequest
+    from specray.engine.speculators.registry import speculator_factory
+
+    spec = speculator_factory()(name, params)
+    # after "7 1" the history went on with 2 three times and with 3 once (k4v: 4 x [1 2], [3 4], [1 5])
+    h = np.array([7, 1, 2, 7, 1, 2, 7, 1, 2, 7, 1, 2, 7, 3, 4, 0, 7, 1, 5, 7, 1], np.int32)
+    if name == "ngram_map_k4v":
+        h = h[:-1]
+    spec.begin(0, h)
+    [d] = spec.draft([DraftRequest(0, h, 4)])
+    assert len(d) and spec.offers_branches
+    branches = spec.branches(0, d, 3)
+    assert branches, f"{name} drafted {d.tolist()} and held no runner-up"
+    for b in branches:
+        assert 0 <= b.at < len(d) and 0 < b.weight <= 1.0
+        assert int(b.tokens[0]) != int(d[b.at])  # it leaves the main draft where it starts
+    spec.draft([DraftRequest(0, h, 4)])
+    assert spec.branches(0, np.array([int(d[0]) + 1], np.int32), 3) == []  # not its last draft
+
+
+def test_a_tree_stays_within_the_draft_rows_its_sequence_may_send():
+    planner = TreePlanner()
+    prop = _Prop([1, 2], [0.5, 0.4])
+    b = [Branch(0, np.array([7, 8, 9]), 0.8), Branch(1, np.array([5]), 0.5)]
+    cands = planner.candidates([prop], [_Req()], lambda name: _Spec(b), width=3, pool=8)
+    planner.attach([prop], cands, [3, 1], pool=8, limits=[4])  # 2 main nodes + 2 of the first branch
+    assert prop.tree.tokens.tolist() == [1, 2, 7, 8]
+    prop = _Prop([1, 2], [0.5, 0.4])
+    planner.attach([prop], cands, [3, 1], pool=1, limits=[8])  # one spare sequence id: one branch
+    assert prop.tree.n_branches == 2
