@@ -160,7 +160,7 @@ class DraftPolicy:
                 self.trees.attach(props, cands, lengths[len(props):], room.tree_seqs, [r.n_max for r in requests])
         if sum(p.rows for p in props) > room.free_rows:  # trees give way first, then drafts shrink alike
             for p in props:
-                p.tree = None
+                self.trees.withdraw(p)
         for p, k in zip(props, fit_to_room([len(p.tokens) for p in props], room.free_rows)):
             if k < len(p.tokens):
                 p.cut(k)

@@ -177,6 +177,12 @@ class TreePlanner:
             props[i].tree = tree
             self._sent[props[i].seq_id] = [(k + 1, b.at, c) for k, (b, c) in enumerate(branches)]
 
+    def withdraw(self, prop) -> None:
+        """The proposal goes as its main draft alone (the batch has no room for its tree)."""
+        if prop.tree is not None:
+            prop.tree = None
+            self._sent.pop(prop.seq_id, None)
+
     def round_sent(self, props) -> None:
         drafting = [p for p in props if len(p.tokens)]
         if drafting:
