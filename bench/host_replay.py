@@ -92,6 +92,13 @@ class ReplayDecode:
         """The whole token stream (prompt, then output) the sequence in `seq_id` will produce."""
         self.truth[seq_id] = np.asarray(tokens)
 
+    def share(self, src: int, dst: int) -> None:
+        """Sequence `dst` sees `src`'s cells (a draft tree's branch id, copied from its slot each round): its
+        rows are that sequence's. A node off the recorded path gets a row no walk reads: a verify enters a
+        branch only where its token is the recorded one."""
+        if src in self.truth:
+            self.truth[dst] = self.truth[src]
+
     def __call__(self, batch) -> np.ndarray:
         spin(self.wait(batch.n_tokens))
         for r, c in self._hot:
@@ -117,13 +124,16 @@ class ReplayResult:
     compared: int = 0
     stages: dict = field(default_factory=dict)  # round_stages.breakdown of the replayed rounds
     rounds: int = 0
-    drafted: int = 0  # draft tokens sent to the target
+    drafted: int = 0  # draft rows sent to the target (a tree's nodes)
+    tree_share: float = 0.0  # of the rounds with a draft, those that sent a draft tree
+    runner_ups_taken: int = 0  # trees whose accepted path left the main draft
 
     def to_dict(self) -> dict:
         return {"config": self.config, "tokens": self.tokens, "seconds": self.seconds,
                 "tokens_per_s": self.tokens / self.seconds if self.seconds else None,
                 "identical": self.identical, "compared": self.compared, "rounds": self.rounds,
-                "drafted": self.drafted, **self.stages}
+                "drafted": self.drafted, "tree_round_share": self.tree_share,
+                "runner_ups_taken": self.runner_ups_taken, **self.stages}
 
 
 def replay_config(engine, name: str, requests: list, truth: list[np.ndarray], table: dict[int, float],
@@ -147,6 +157,14 @@ def replay_config(engine, name: str, requests: list, truth: list[np.ndarray], ta
 
     runner.start = start_expecting
     engine.ctx.decode = decode  # the instance attribute shadows the method: TargetRunner calls ctx.decode(batch)
+    seq_cp, slots = engine.ctx.seq_cp, engine.config.slots
+
+    def seq_cp_sharing(src, dst, p0=-1, p1=-1):
+        if dst >= slots:  # a tree's branch id (slot to slot copies are the prefix cache's, off in the bench)
+            decode.share(src, dst)
+        return seq_cp(src, dst, p0, p1)
+
+    engine.ctx.seq_cp = seq_cp_sharing
     engine.scheduler.cost = cost
     st = engine.scheduler.stats
     t0 = time.perf_counter()
@@ -164,6 +182,9 @@ def replay_config(engine, name: str, requests: list, truth: list[np.ndarray], ta
                         for s, r, t in zip(seqs, requests, truth))
     res.stages = breakdown(st.stage_seconds, st.rounds, st.seq_rounds)
     res.rounds, res.drafted = st.rounds, sum(s.spec_total.drafted for s in seqs)
+    trees = engine.scheduler.policy.trees.snapshot()
+    res.tree_share = trees["tree_round_share"]
+    res.runner_ups_taken = sum(sum(c["accepted_by_rank"][1:]) for c in trees["by_speculator"].values())
     return res
 
 
@@ -173,12 +194,13 @@ def table_text(results: list[ReplayResult], table: dict[int, float]) -> str:
     stages = [s for s in STAGES if s != "decode"]
     head = (f"== host replay: the target's decode replaced by a wait of "
             f"{', '.join(f'{n} rows {ms:g} ms' for n, ms in table.items())}; host ms per round by stage ==")
-    lines = [head, f"{'config':<38}{'tok/s':>8}{'same':>6}{'drafted':>8}{'rounds':>7}"
+    lines = [head, f"{'config':<38}{'tok/s':>8}{'same':>6}{'drafted':>8}{'rounds':>7}{'trees':>6}"
              + "".join(f"{s:>{max(9, len(s) + 1)}}" for s in stages) + f"{'host':>8}{'host/seq':>9}"]
     for r in results:
         ms = r.stages.get("ms_per_round", {})
         lines.append(f"{r.config:<38}{r.tokens / r.seconds if r.seconds else 0:>8.1f}"
                      f"{f'{r.identical}/{r.compared}':>6}{r.drafted:>8}{r.rounds:>7}"
+                     f"{f'{100 * r.tree_share:.0f}%' if r.tree_share else '-':>6}"
                      + "".join(f"{ms.get(s, 0.0):>{max(9, len(s) + 1)}.3f}" for s in stages)
                      + f"{r.stages.get('host_ms_per_round') or 0:>8.3f}{r.stages.get('host_ms_per_seq_round') or 0:>9.3f}")
     return "\n".join(lines)

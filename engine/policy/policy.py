@@ -55,7 +55,7 @@ from .choose import score_drafts
 from .estimates import CONTEXT_OWN_BUCKETS, ValueEstimates
 from .lookup_gate import LookupGate
 from .model_drafts import ModelDrafts
-from .planner import fit_to_room, plan_draft_lengths
+from .planner import fit_to_room, plan_draft_lengths, row_worth
 from .pricing import Pricing, judged_worth
 from .proposal import Proposal, SeqDraftRequest
 from .rollback_price import RollbackPrice
@@ -146,12 +146,15 @@ class DraftPolicy:
         cands: list = []
         if config.policy == "cost":
             fixed = self.rollback_price.fixed_list(price, room.base_rows, [r.replay_rows for r in requests])
+            lengths = plan_draft_lengths([p.prefix_probs for p in props], room.base_rows, price,
+                                         n_decoding=n_decoding, extra_seconds=fixed, rows=room.rows)
             if room.tree_width > 0 and room.rows is None and config.trees:  # branches, priced as tokens are
-                cands = self._branch_candidates(props, requests, room, disabled)
-            lengths = plan_draft_lengths([p.prefix_probs for p in props] + [c[2] for c in cands], room.base_rows,
-                                         price, n_decoding=n_decoding,
-                                         extra_seconds=None if fixed is None else fixed + [0.0] * len(cands),
-                                         rows=room.rows)
+                floor = row_worth([p.prefix_probs for p in props], lengths, room.base_rows, n_decoding, price, fixed)
+                cands = self._branch_candidates(props, requests, room, disabled, floor)
+                if cands:
+                    lengths = plan_draft_lengths([p.prefix_probs for p in props] + [c[2] for c in cands],
+                                                 room.base_rows, price, n_decoding=n_decoding,
+                                                 extra_seconds=None if fixed is None else fixed + [0.0] * len(cands))
             for p, k in zip(props, lengths):
                 if k == 0 and len(p.tokens) and config.explore and self._explore_rng.random() < config.explore:
                     k = 1
@@ -168,11 +171,13 @@ class DraftPolicy:
         return props
 
     def _branch_candidates(self, props: list[Proposal], requests: list[SeqDraftRequest], room: Room,
-                           disabled: set[str] | None) -> list:
-        """The runner-up branches beside the round's drafts (trees.py); a speculator that fails giving them is
-        disabled as one that fails drafting is, and the round's drafts stay linear."""
+                           disabled: set[str] | None, floor: float) -> list:
+        """The runner-up branches beside the round's drafts (trees.py) whose first token's chance reaches
+        `floor`; a speculator that fails giving them is disabled as one that fails drafting is, and the round's
+        drafts stay linear."""
         try:
-            return self.trees.candidates(props, requests, self.chain.speculator, room.tree_width, room.tree_seqs)
+            return self.trees.candidates(props, requests, self.chain.speculator, room.tree_width, room.tree_seqs,
+                                         floor)
         except Exception as e:
             culprit = getattr(e, "speculator", None)
             if culprit and disabled is not None:

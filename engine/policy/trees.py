@@ -53,6 +53,20 @@ def branch_probs(main: np.ndarray, branch: Branch, factor: float) -> np.ndarray:
     return out
 
 
+def room_left(main: np.ndarray) -> float:
+    """The most any branch's first token can be worth beside a draft with these prefix probabilities: what the
+    main token leaves at its depth, P(j - 1) - P(j), at best.
+
+    >>> room_left(np.array([0.9, 0.5, 0.45]))
+    0.4
+    """
+    before, best = 1.0, 0.0
+    for p in np.asarray(main, dtype=float).tolist():
+        best = max(best, before - p)
+        before = p
+    return best
+
+
 @dataclass
 class BranchCalibration:
     """Per speculator: the branch first tokens' predicted chance (c, given their parent was reached) against
@@ -125,16 +139,19 @@ class TreePlanner:
         # per proposal sent as a tree: each branch's first token's (branch index, predicted chance c)
         self._sent: dict[int, list[tuple[int, int, float]]] = {}
 
-    def candidates(self, props, requests, speculator, width: int, pool: int) -> list[tuple[int, Branch, np.ndarray]]:
+    def candidates(self, props, requests, speculator, width: int, pool: int,
+                   floor: float = 0.0) -> list[tuple[int, Branch, np.ndarray]]:
         """(proposal index, branch, prefix probabilities) of the runner-ups beside each proposal's draft:
-        `width` per sequence at most and `pool` in all (the target's spare sequence ids), most likely first.
+        `width` per sequence at most and `pool` in all (the target's spare sequence ids), most likely first, each
+        with a first token's chance of at least `floor` (planner.row_worth). A proposal none of whose branches
+        could reach it (what its main draft leaves at any depth is below it) is not asked.
         `speculator(name)` gives the chain's instance."""
         out: list[tuple[int, Branch, np.ndarray]] = []
         for i, (p, r) in enumerate(zip(props, requests)):
-            if p.speculator is None or not r.tree or not len(p.tokens):
+            if p.speculator is None or not r.tree or not len(p.tokens) or pool <= 0:
                 continue
             spec = speculator(p.speculator)
-            if not spec.offers_branches:
+            if not spec.offers_branches or room_left(p.prefix_probs) < max(floor, 1e-9):
                 continue
             f = self.calibration.factor(p.speculator)
             try:
@@ -144,7 +161,7 @@ class TreePlanner:
                 raise
             for b in branches:
                 probs = branch_probs(p.prefix_probs, b, f)
-                if len(probs) and probs[0] > 0.0:
+                if len(probs) and probs[0] > 0.0 and probs[0] >= floor:
                     out.append((i, b, probs))
         out.sort(key=lambda c: -c[2][0])
         return out[:pool]

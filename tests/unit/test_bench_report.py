@@ -250,3 +250,17 @@ def test_the_round_stages_are_summed_over_categories_and_shown_per_round():
     assert "== round stages (overall)" in table and "ngram_mod 0.020" in table
     line = next(ln for ln in table.splitlines() if ln.startswith("ngram_mod ") and "0.300" in ln)
     assert "10.000" in line and "0.150" in line
+
+
+def test_a_row_reports_verify_rows_per_round_and_the_share_of_rounds_with_a_tree():
+    report = BenchReport(model="m", configs=["none", "c+linear", "c"], categories=["a"])
+    tree = _run("c", 80)
+    tree.add(ConfigResult("c", rounds=10, seq_rounds=10, drafted=25, draft_rounds=8, tree_rounds=2, tree_drafts=2,
+                          tree_branches=3, runner_ups_taken=1))
+    report.results["a"] = {"none": _run("none", 80), "c+linear": _run("c+linear", 80), "c": tree}
+    row = report.to_json()["configs"]["c"]["overall"]
+    assert row["rows_per_round"] == pytest.approx(3.5)
+    assert row["trees"] == {"tree_round_share": 0.25, "tree_drafts": 2, "branches": 3, "runner_ups_taken": 1}
+    assert report.to_json()["configs"]["c+linear"]["overall"]["trees"]["tree_round_share"] == 0.0
+    lines = [ln for ln in report.table().splitlines() if ln.startswith("c ")]
+    assert lines and lines[0].rstrip().endswith("3.5   25%")

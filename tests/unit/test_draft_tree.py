@@ -242,3 +242,24 @@ def test_a_tree_stays_within_the_draft_rows_its_sequence_may_send():
     prop = _Prop([1, 2], [0.5, 0.4])
     planner.attach([prop], cands, [3, 1], pool=1, limits=[8])  # one spare sequence id: one branch
     assert prop.tree.n_branches == 2
+
+
+def test_the_policy_sends_a_tree_where_rows_are_nearly_free_and_none_where_they_are_dear():
+    from specray.engine.chain import Chain
+    from specray.engine.config import ChainConfig
+    from specray.engine.cost import DecodeCostModel
+    from specray.engine.policy import DraftPolicy, Room, SeqDraftRequest
+    from specray.engine.speculators.registry import speculator_factory
+
+    h = np.array([7, 1, 2, 7, 1, 2, 7, 1, 2, 7, 1, 2, 7, 3, 4, 0, 7, 1, 5, 7, 1], np.int32)
+    sent = {}
+    for label, table in (("cheap", {1: 0.010, 64: 0.0101}), ("dear", {1: 0.010, 2: 0.020, 64: 0.640})):
+        chain = Chain(ChainConfig(speculators=["suffix"], params={"suffix": {"min_match": 2, "p_min": 0.01}}),
+                      speculator_factory())
+        policy = DraftPolicy(chain, DecodeCostModel(table, learn=False))
+        chain.begin(0, ("suffix",), h)
+        room = Room(free_rows=64, base_rows=1, tree_width=3, tree_seqs=3)
+        [p] = policy.plan_round([SeqDraftRequest(0, ("suffix",), h, 4, tree=True)], room)
+        sent[label] = p
+    assert sent["cheap"].tree is not None and sent["cheap"].rows > len(sent["cheap"].tokens)
+    assert sent["dear"].tree is None
