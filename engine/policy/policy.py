@@ -150,7 +150,8 @@ class DraftPolicy:
                                          n_decoding=n_decoding, extra_seconds=fixed, rows=room.rows)
             if room.tree_width > 0 and room.rows is None and config.trees:  # branches, priced as tokens are
                 floor = row_worth([p.prefix_probs for p in props], lengths, room.base_rows, n_decoding, price, fixed)
-                cands = self._branch_candidates(props, requests, room, disabled, floor)
+                cands = self._branch_candidates(props, requests, room, disabled, floor,
+                                                price(room.base_rows) / n_decoding)
                 if cands:
                     lengths = plan_draft_lengths([p.prefix_probs for p in props] + [c[2] for c in cands],
                                                  room.base_rows, price, n_decoding=n_decoding,
@@ -171,13 +172,13 @@ class DraftPolicy:
         return props
 
     def _branch_candidates(self, props: list[Proposal], requests: list[SeqDraftRequest], room: Room,
-                           disabled: set[str] | None, floor: float) -> list:
+                           disabled: set[str] | None, floor: float, seconds_per_token: float) -> list:
         """The runner-up branches beside the round's drafts (trees.py) whose first token's chance reaches
-        `floor`; a speculator that fails giving them is disabled as one that fails drafting is, and the round's
-        drafts stay linear."""
+        `floor`, where their look-ups pay (a token is worth `seconds_per_token`); a speculator that fails giving
+        them is disabled as one that fails drafting is, and the round's drafts stay linear."""
         try:
             return self.trees.candidates(props, requests, self.chain.speculator, room.tree_width, room.tree_seqs,
-                                         floor)
+                                         floor, seconds_per_token)
         except Exception as e:
             culprit = getattr(e, "speculator", None)
             if culprit and disabled is not None:

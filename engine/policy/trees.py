@@ -20,6 +20,7 @@ their depth.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,6 +86,45 @@ class BranchCalibration:
 
 
 @dataclass
+class BranchGate:
+    """Per speculator: whether looking up its runner-ups pays for the host time the look-ups take, as the
+    look-up gate judges drafts (lookup_gate.py). Each look-up's seconds are counted, and each tree's tokens won
+    beyond its main draft (the accepted path's length past where it left the main draft, which a linear draft
+    would have lost); they pay while tokens won x seconds per token >= seconds spent. A speculator learns over
+    its first LEARN asks; past them, one that does not pay is asked one round in PROBE (so it is judged again
+    as the traffic changes).
+
+    >>> g = BranchGate()
+    >>> all(g.ask("s", 0.001) for _ in range(BranchGate.LEARN))   # learning: always asked
+    True
+    >>> g.spent("s", 0.002 * BranchGate.LEARN); g.won("s", 1)       # 2 ms a look-up, one token won in all
+    >>> sum(g.ask("s", 0.001) for _ in range(BranchGate.PROBE * 4))  # a token is worth 1 ms: probes only
+    4
+    """
+
+    LEARN = 64
+    PROBE = 16
+    seconds: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    asks: dict[str, int] = field(default_factory=dict)
+
+    def ask(self, name: str, seconds_per_token: float) -> bool:
+        n = self.asks[name] = self.asks.get(name, 0) + 1
+        if n <= self.LEARN or self.tokens.get(name, 0) * seconds_per_token >= self.seconds.get(name, 0.0):
+            return True
+        return n % self.PROBE == 0
+
+    def spent(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def won(self, name: str, tokens: int) -> None:
+        self.tokens[name] = self.tokens.get(name, 0) + tokens
+
+    def to_dict(self) -> dict:
+        return {"seconds": dict(self.seconds), "tokens_won": dict(self.tokens), "asks": dict(self.asks)}
+
+
+@dataclass
 class TreeCounters:
     """One speculator's trees: drafts sent as trees, their branches beside the main draft and nodes (rows), the
     accepted path's branch (by rank: 0 the main draft, 1 the first runner-up...) and accepted tokens."""
@@ -132,6 +172,7 @@ class TreePlanner:
 
     def __init__(self) -> None:
         self.calibration = BranchCalibration()
+        self.gate = BranchGate()
         self.counters: dict[str, TreeCounters] = {}
         self.rounds = 0  # rounds with >= 1 drafting sequence
         self.tree_rounds = 0  # rounds that sent >= 1 tree
@@ -139,26 +180,30 @@ class TreePlanner:
         # per proposal sent as a tree: each branch's first token's (branch index, predicted chance c)
         self._sent: dict[int, list[tuple[int, int, float]]] = {}
 
-    def candidates(self, props, requests, speculator, width: int, pool: int,
-                   floor: float = 0.0) -> list[tuple[int, Branch, np.ndarray]]:
+    def candidates(self, props, requests, speculator, width: int, pool: int, floor: float = 0.0,
+                   seconds_per_token: float = 0.0) -> list[tuple[int, Branch, np.ndarray]]:
         """(proposal index, branch, prefix probabilities) of the runner-ups beside each proposal's draft:
         `width` per sequence at most and `pool` in all (the target's spare sequence ids), most likely first, each
         with a first token's chance of at least `floor` (planner.row_worth). A proposal none of whose branches
-        could reach it (what its main draft leaves at any depth is below it) is not asked.
-        `speculator(name)` gives the chain's instance."""
+        could reach it (what its main draft leaves at any depth is below it) is not asked, nor one whose
+        speculator's runner-ups have not paid for their look-ups (BranchGate, a token worth
+        `seconds_per_token`). `speculator(name)` gives the chain's instance."""
         out: list[tuple[int, Branch, np.ndarray]] = []
         for i, (p, r) in enumerate(zip(props, requests)):
             if p.speculator is None or not r.tree or not len(p.tokens) or pool <= 0:
                 continue
             spec = speculator(p.speculator)
-            if not spec.offers_branches or room_left(p.prefix_probs) < max(floor, 1e-9):
+            if (not spec.offers_branches or room_left(p.prefix_probs) < max(floor, 1e-9)
+                    or not self.gate.ask(p.speculator, seconds_per_token)):
                 continue
             f = self.calibration.factor(p.speculator)
+            t0 = time.perf_counter()
             try:
                 branches = spec.branches(p.seq_id, p.tokens, width)
             except Exception as e:
                 blame(e, p.speculator)
                 raise
+            self.gate.spent(p.speculator, time.perf_counter() - t0)
             for b in branches:
                 probs = branch_probs(p.prefix_probs, b, f)
                 if len(probs) and probs[0] > 0.0 and probs[0] >= floor:
@@ -224,6 +269,8 @@ class TreePlanner:
         for branch, at, chance in sent or ():
             if main_kept >= at:  # its parent was reached: the target chose between the main token and it
                 self.calibration.observe(prop.speculator, chance, rank == branch and main_kept == at)
+        if rank > 0:  # a linear draft would have kept main_kept tokens
+            self.gate.won(prop.speculator, len(path) - main_kept)
 
     def counter_dicts(self) -> dict[str, dict]:
         return {k: v.to_dict() for k, v in self.counters.items()}
@@ -233,4 +280,5 @@ class TreePlanner:
                 "tree_round_share": self.tree_rounds / self.rounds if self.rounds else 0.0,
                 "sequence_drafts": self.sequence_drafts,
                 "by_speculator": {k: v.to_dict() for k, v in self.counters.items()},
-                "branch_factor": {k: float(self.calibration.factor(k)) for k in self.calibration.predicted}}
+                "branch_factor": {k: float(self.calibration.factor(k)) for k in self.calibration.predicted},
+                "branch_lookups": self.gate.to_dict()}
