@@ -30,12 +30,12 @@ def chain_of(name: str) -> list[str]:
 
     >>> chain_of("ngram_mod,suffix@bucketed"), chain_of("suffix/suffix.p_min=0.2"), chain_of("suffix+tune")
     (['ngram_mod', 'suffix'], ['suffix'], ['suffix'])
-    >>> chain_of("ngram_mod,suffix+linear")
+    >>> chain_of("ngram_mod,suffix+trees")
     ['ngram_mod', 'suffix']
     """
-    from .variants import linear_only, variant
+    from .variants import tree_mode, variant
 
-    return parse_chain(variant(linear_only(split_config(name)[0])[0])[0])
+    return parse_chain(variant(tree_mode(split_config(name)[0])[0])[0])
 
 
 def expand_configs(configs: list[str], verify_shape: str) -> list[str]:

@@ -3,7 +3,7 @@
     CHAIN/NAME.KEY=VALUE/...    CHAIN with those parameters (over --spec-param's), e.g. suffix/suffix.p_min=0.2
     CHAIN+tune                  CHAIN tuning its speculators' look-up parameters online (ChainConfig.tune),
                                 starting from --spec-param's
-    CHAIN+linear                CHAIN with linear drafts only (ChainConfig.trees off), beside CHAIN's trees
+    CHAIN+trees, CHAIN+linear   CHAIN with draft trees on or off (ChainConfig.trees; else its default, off)
 
 `specray bench --tune-sweep` turns each chain into: the chain as configured, `CHAIN+tune`, and one fixed
 configuration per point of each speculator's tuning grid (engine/policy/tuning.py), so the tuned run is measured
@@ -20,7 +20,7 @@ from specray.engine.config import ChainConfig, parse_chain
 from specray.engine.policy.tuning import DEFAULT_GRIDS, settings_of
 
 TUNE = "+tune"
-LINEAR = "+linear"
+TREE_SUFFIXES = {"+trees": True, "+linear": False}
 
 
 def _value(text: str) -> Any:
@@ -52,7 +52,7 @@ def parse_params(items: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def variant(label: str) -> tuple[str, dict[str, dict[str, Any]], bool]:
-    """A configuration's chain label (shape and `+linear` suffixes already split off), its own parameters, and
+    """A configuration's chain label (shape and tree suffixes already split off), its own parameters, and
     whether it tunes.
 
     >>> variant("ngram_mod,suffix/suffix.p_min=0.2")
@@ -67,24 +67,27 @@ def variant(label: str) -> tuple[str, dict[str, dict[str, Any]], bool]:
     return chain, parse_params(items), tune
 
 
-def linear_only(label: str) -> tuple[str, bool]:
-    """(the label without `+linear`, whether it asks for linear drafts only).
+def tree_mode(label: str) -> tuple[str, bool | None]:
+    """(the label without its tree suffix, trees on or off; None: the chain's default).
 
-    >>> linear_only("ngram_mod,suffix+linear"), linear_only("suffix+tune")
-    (('ngram_mod,suffix', True), ('suffix+tune', False))
+    >>> tree_mode("ngram_mod,suffix+trees"), tree_mode("suffix+linear"), tree_mode("suffix+tune")
+    (('ngram_mod,suffix', True), ('suffix', False), ('suffix+tune', None))
     """
-    return (label[: -len(LINEAR)], True) if label.endswith(LINEAR) else (label, False)
+    for suffix, on in TREE_SUFFIXES.items():
+        if label.endswith(suffix):
+            return label[: -len(suffix)], on
+    return label, None
 
 
 def chain_config(label: str, base: dict[str, dict[str, Any]], policy: str, n_max: int) -> ChainConfig:
     """The ChainConfig of a configuration: its chain, `base` parameters with its own over them, tuning, trees."""
-    label, linear = linear_only(label)
+    label, trees = tree_mode(label)
     chain, own, tune = variant(label)
     params = {k: dict(v) for k, v in base.items()}
     for name, p in own.items():
         params.setdefault(name, {}).update(p)
     return ChainConfig(speculators=parse_chain(chain), policy=policy, n_max=n_max, params=params, tune=tune,
-                       trees=not linear)
+                       **({} if trees is None else {"trees": trees}))
 
 
 def _label(chain: str, name: str, point: dict[str, Any]) -> str:

@@ -238,8 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--spec-param", action="append", default=None, metavar="SPECULATOR.KEY=VALUE",
                        help="in-process: a speculator parameter every configuration starts from, repeatable (e.g. "
                             "--spec-param suffix.p_min=0.2). A configuration can carry its own: "
-                            "CHAIN/SPECULATOR.KEY=VALUE; CHAIN+tune tunes them online (ChainConfig.tune); CHAIN+linear sends no draft "
-                            "trees (ChainConfig.trees)")
+                            "CHAIN/SPECULATOR.KEY=VALUE; CHAIN+tune tunes them online (ChainConfig.tune); CHAIN+trees sends draft trees "
+                            "(ChainConfig.trees), CHAIN+linear does not")
     bench.add_argument("--tune-sweep", action="store_true",
                        help="in-process: run each chain of --configs as configured, tuned online (CHAIN+tune), and at "
                             "every point of its speculators' tuning grids (one speculator at a time), so the tuned "
@@ -490,7 +490,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"{d(ChainConfig, 'tune')}")
     g.add_argument("--spec-trees", action=argparse.BooleanOptionalAction, default=S,
                    help="send draft trees where they pay: the main draft plus the runner-ups its speculator holds "
-                        "(suffix, ngram_map_k4v), verified in one decode; requests opt out with "
+                        "(suffix, ngram_map_k4v, ngram_cache), verified in one decode; requests opt out with "
                         f"`speculative.tree: false` (docs/speculators.md) {d(ChainConfig, 'trees')}")
     g.add_argument("--tree-branches", type=int, default=S, metavar="N",
                    help="runner-up branches a draft tree may carry beside its main draft; each needs a sequence "

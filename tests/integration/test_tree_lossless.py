@@ -28,10 +28,12 @@ MAX_TOKENS = 64
 def _engine(model, slots: int, exact: bool, tree_branches: int = 3) -> LocalEngine:
     cfg = EngineConfig(model="smollm2-135m", slots=slots, n_ctx=1024 * slots, exact=exact, record_margins=True,
                        calibrate=False, tree_branches=tree_branches,
-                       chain=ChainConfig(speculators=list(DEFAULT) + ["ngram_map_k4v"], params=PARAMS, n_max=8))
+                       chain=ChainConfig(speculators=list(DEFAULT) + ["ngram_map_k4v"], params=PARAMS, n_max=8,
+                                         trees=True))
     eng = LocalEngine(cfg, model=model)
     eng.scheduler.cost = DecodeCostModel({1: 0.010, 64: 0.0105}, learn=False)
     eng.scheduler.policy.pricer.host = HostCostModel(learn=False)
+    eng.scheduler.policy.trees.gate.LEARN = 1 << 30  # runner-ups always looked up, paying or not
     return eng
 
 
@@ -108,6 +110,16 @@ def test_four_slots_in_fast_mode_diverge_only_at_near_ties(smollm2, prompts):
     kinds = [classify_divergence(b.generated, s.generated, b.margins, tie_bound) for b, s in zip(base, spec)]
     print(f"\ntrees, fast mode, 4 slots: tie bound {tie_bound:.3f}, outcomes {kinds}, trees {_trees(eng)}")
     assert "mismatch" not in kinds
+    eng.close()
+
+
+def test_trees_are_off_unless_the_chain_asks_for_them(smollm2, prompts):
+    eng = LocalEngine(EngineConfig(slots=1, n_ctx=1024, calibrate=False,
+                                   chain=ChainConfig(params=PARAMS, n_max=8)), model=smollm2)
+    eng.scheduler.cost = DecodeCostModel({1: 0.010, 64: 0.0105}, learn=False)
+    assert eng.scheduler.memory.tree_seqs == 3  # the ids are there for a chain (an A/B arm) that turns them on
+    seqs = _run(eng, prompts[:2], DEFAULT)
+    assert eng.runner.tree_items == 0 and sum(s.spec_total.drafted for s in seqs) > 0
     eng.close()
 
 

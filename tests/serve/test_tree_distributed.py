@@ -22,7 +22,7 @@ MAX_TOKENS = 48
 
 def _config() -> EngineConfig:
     return EngineConfig(model="smollm2-135m", slots=1, n_ctx=2048, exact=True, calibrate=False,
-                        chain=ChainConfig(speculators=["suffix", "ngram_cache"], n_max=8,
+                        chain=ChainConfig(speculators=["suffix", "ngram_cache"], n_max=8, trees=True,
                                           params={"suffix": {"min_match": 1, "p_min": 0.01}}))
 
 
@@ -44,6 +44,7 @@ def test_trees_through_the_target_actor_are_target_only_output(ray_serve):
         assert parts.scheduler.memory.tree_seqs == cfg.tree_branches  # the actor's context has the branch ids
         parts.scheduler.cost = DecodeCostModel({1: 0.010, 64: 0.0105}, learn=False)
         parts.scheduler.policy.pricer.host = HostCostModel(learn=False)
+        parts.scheduler.policy.trees.gate.LEARN = 1 << 30  # runner-ups always looked up, paying or not
         seqs = parts.scheduler.run([_request(parts.model.chat_tokens([{"role": "user", "content": p}]))
                                     for p in prompts])
         trees = parts.scheduler.policy.snapshot()["trees"]

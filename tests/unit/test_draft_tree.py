@@ -192,8 +192,8 @@ def test_tree_flags_reach_the_engine_config():
     from specray.cli import main as cli
     from specray.cli.serve import flag_overrides
 
-    over = flag_overrides(cli.build_parser().parse_args(["serve", "--tree-branches", "2", "--no-spec-trees"]))
-    assert over["engine"]["tree_branches"] == 2 and over["engine"]["chain"]["trees"] is False
+    over = flag_overrides(cli.build_parser().parse_args(["serve", "--tree-branches", "2", "--spec-trees"]))
+    assert over["engine"]["tree_branches"] == 2 and over["engine"]["chain"]["trees"] is True
 
 
 def test_the_target_gets_branch_ids_only_where_trees_can_be_verified():
@@ -254,8 +254,8 @@ def test_the_policy_sends_a_tree_where_rows_are_nearly_free_and_none_where_they_
     h = np.array([7, 1, 2, 7, 1, 2, 7, 1, 2, 7, 1, 2, 7, 3, 4, 0, 7, 1, 5, 7, 1], np.int32)
     sent = {}
     for label, table in (("cheap", {1: 0.010, 64: 0.0101}), ("dear", {1: 0.010, 2: 0.020, 64: 0.640})):
-        chain = Chain(ChainConfig(speculators=["suffix"], params={"suffix": {"min_match": 2, "p_min": 0.01}}),
-                      speculator_factory())
+        chain = Chain(ChainConfig(speculators=["suffix"], params={"suffix": {"min_match": 2, "p_min": 0.01}},
+                                  trees=True), speculator_factory())
         policy = DraftPolicy(chain, DecodeCostModel(table, learn=False))
         chain.begin(0, ("suffix",), h)
         room = Room(free_rows=64, base_rows=1, tree_width=3, tree_seqs=3)
