@@ -41,7 +41,7 @@ from .prompts import BenchPrompt, default_prompts_path, load_prompts, prompt_gra
 from .report import BenchReport, ConfigResult, write_json
 from .round_profile import RoundProfiler
 from .shapes import chain_of, expand_configs, split_config
-from .variants import TUNE, chain_config, held_out_winners, parse_params, sweep_configs
+from .variants import TUNE, chain_config, held_out_winners, parse_params, sweep_configs, tree_mode
 
 __all__ = ["BenchPrompt", "BenchReport", "ConfigResult", "classify_divergence", "cpu_steal_seconds",
            "default_prompts_path", "divergence_margin", "load_prompts", "main_bench", "measure_batch_variance",
@@ -114,7 +114,9 @@ def run_bench(
                        **({"verify_buckets": tuple(verify_buckets)} if verify_buckets else {}),
                        # each configuration runs the same prompts: none may find them in the prompt cache
                        prompt_cache=False,
-                       chain=ChainConfig(speculators=[], policy=policy, n_max=n_max),
+                       # the target gets branch ids where a configuration sends draft trees (CHAIN+trees)
+                       chain=ChainConfig(speculators=[], policy=policy, n_max=n_max,
+                                         trees=any(tree_mode(split_config(c)[0])[1] for c in configs)),
                        # `draft`: the whole draft config (its load options too); else the model and cross_vocab
                        draft=draft or DraftModelConfig(model=draft_model, cross_vocab=cross_vocab),
                        hidden=hidden or HiddenStateConfig())

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specray.engine.chain import Chain
-from specray.engine.config import EngineConfig
+from specray.engine.config import ChainConfig, EngineConfig
 from specray.engine.cost import DecodeCostModel
 from specray.engine.rollback import StateRollback, TargetMemory, rollback_mode, wants_snapshots
 from specray.engine.scheduler import Scheduler
@@ -96,20 +96,23 @@ def open_target(config: EngineConfig, model=None):
 
 def tree_seqs(config: EngineConfig, memory_kind: str) -> int:
     """Sequence ids for draft trees' branches beyond the slots (engine/draft_tree.py): slots x tree_branches where
-    this layout verifies trees, else 0. A branch's rows carry several sequence ids at once, which llama.cpp allows
-    in one KV pool only: not exact mode's stream per slot, except with one slot, whose one stream the branches
-    share; a recurrent state cannot fork per branch; padded verifies would put pad rows among a tree's; only the
-    cost policy prices branches. (A server without a chain of its own keeps them for requests that name one.)
+    the chain sends trees (ChainConfig.trees) and this layout verifies them, else 0. A branch's rows carry several
+    sequence ids at once, which llama.cpp allows in one KV pool only: not exact mode's stream per slot, except
+    with one slot, whose one stream the branches share; a recurrent state cannot fork per branch; padded verifies
+    would put pad rows among a tree's; only the cost policy prices branches.
 
-    >>> tree_seqs(EngineConfig(slots=4), "attention"), tree_seqs(EngineConfig(slots=4, exact=True), "attention")
+    >>> on = ChainConfig(trees=True)
+    >>> tree_seqs(EngineConfig(slots=4, chain=on), "attention"), tree_seqs(EngineConfig(slots=4), "attention")
     (12, 0)
-    >>> tree_seqs(EngineConfig(slots=1, exact=True), "attention")
+    >>> tree_seqs(EngineConfig(slots=4, exact=True, chain=on), "attention")
+    0
+    >>> tree_seqs(EngineConfig(slots=1, exact=True, chain=on), "attention")
     3
-    >>> tree_seqs(EngineConfig(slots=4), "hybrid"), tree_seqs(EngineConfig(slots=100), "attention")
+    >>> tree_seqs(EngineConfig(slots=4, chain=on), "hybrid"), tree_seqs(EngineConfig(slots=100, chain=on), "attention")
     (0, 156)
     """
-    if (config.tree_branches == 0 or (config.exact and config.slots > 1) or memory_kind != "attention"
-            or config.shape_buckets is not None or config.chain.policy != "cost"):
+    if (config.tree_branches == 0 or not config.chain.trees or (config.exact and config.slots > 1)
+            or memory_kind != "attention" or config.shape_buckets is not None or config.chain.policy != "cost"):
         return 0
     return min(config.slots * config.tree_branches, 256 - config.slots)
 

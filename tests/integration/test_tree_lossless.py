@@ -117,15 +117,16 @@ def test_trees_are_off_unless_the_chain_asks_for_them(smollm2, prompts):
     eng = LocalEngine(EngineConfig(slots=1, n_ctx=1024, calibrate=False,
                                    chain=ChainConfig(params=PARAMS, n_max=8)), model=smollm2)
     eng.scheduler.cost = DecodeCostModel({1: 0.010, 64: 0.0105}, learn=False)
-    assert eng.scheduler.memory.tree_seqs == 3  # the ids are there for a chain (an A/B arm) that turns them on
+    assert eng.scheduler.memory.tree_seqs == 0 and eng.ctx.n_seq_max == 1  # the context is as without trees
     seqs = _run(eng, prompts[:2], DEFAULT)
     assert eng.runner.tree_items == 0 and sum(s.spec_total.drafted for s in seqs) > 0
     eng.close()
 
 
 def test_no_trees_where_the_layout_cannot_verify_them(smollm2):
-    for cfg in (EngineConfig(slots=2, exact=True, calibrate=False), EngineConfig(slots=2, calibrate=False,
-                                                                                 tree_branches=0)):
+    on = ChainConfig(trees=True)
+    for cfg in (EngineConfig(slots=2, exact=True, calibrate=False, chain=on),
+                EngineConfig(slots=2, calibrate=False, tree_branches=0, chain=on)):
         eng = LocalEngine(cfg, model=smollm2)
         assert eng.scheduler.memory.tree_seqs == 0 and eng.ctx.n_seq_max == 2
         eng.close()

@@ -200,10 +200,12 @@ def test_the_target_gets_branch_ids_only_where_trees_can_be_verified():
     from specray.deployments.builder import tree_seqs
     from specray.engine.config import ChainConfig, EngineConfig
 
-    assert tree_seqs(EngineConfig(slots=4, tree_branches=2), "attention") == 8
-    assert tree_seqs(EngineConfig(slots=4, chain=ChainConfig(policy="first")), "attention") == 0
-    assert tree_seqs(EngineConfig(slots=4, verify_shape="bucketed"), "attention") == 0
-    assert tree_seqs(EngineConfig(slots=4), "recurrent") == 0
+    on = ChainConfig(trees=True)
+    assert tree_seqs(EngineConfig(slots=4, tree_branches=2, chain=on), "attention") == 8
+    assert tree_seqs(EngineConfig(slots=4, tree_branches=2), "attention") == 0  # the chain sends none
+    assert tree_seqs(EngineConfig(slots=4, chain=ChainConfig(policy="first", trees=True)), "attention") == 0
+    assert tree_seqs(EngineConfig(slots=4, verify_shape="bucketed", chain=on), "attention") == 0
+    assert tree_seqs(EngineConfig(slots=4, chain=on), "recurrent") == 0
 
 
 @pytest.mark.parametrize("name, params", [
