@@ -19,8 +19,6 @@ unified KV cache, and a node on several branches is one row carrying all their i
 [[0, 1, 2], [3, 4], [0, 1, 5]]
 >>> t.row_branches()     # root row, then each node: the branches (0 = main) it lies on
 [[0, 1, 2], [0, 2], [0, 2], [0], [1], [1], [2]]
->>> t.keep([True, True, False, True, False, False]).tokens.tolist()   # a branch node kept only with its parent
-[5, 6, 9]
 """
 
 from __future__ import annotations
@@ -134,18 +132,3 @@ class DraftTree:
     def child_of(self) -> dict[tuple[int, int], int]:
         """(parent, token) -> node."""
         return {(int(p), int(t)): i for i, (p, t) in enumerate(zip(self.parents.tolist(), self.tokens.tolist()))}
-
-    def keep(self, mask) -> "DraftTree":
-        """The tree of the nodes in `mask` whose every ancestor is kept too (indices renumbered, order kept)."""
-        new_index: dict[int, int] = {}
-        toks, parents = [], []
-        n_main = 0
-        for i, (t, p) in enumerate(zip(self.tokens.tolist(), self.parents.tolist())):
-            if not mask[i] or (p >= 0 and p not in new_index):
-                continue
-            new_index[i] = len(toks)
-            toks.append(t)
-            parents.append(-1 if p < 0 else new_index[p])
-            if i < self.n_main and i == n_main:
-                n_main += 1
-        return DraftTree(np.asarray(toks, dtype=np.int32), np.asarray(parents, dtype=np.int32), n_main)

@@ -32,12 +32,6 @@ def test_build_drops_branches_it_cannot_place():
     assert DraftTree.linear([7, 8]).is_linear and DraftTree.linear([]).leaves == []
 
 
-def test_keep_prunes_descendants_of_dropped_nodes():
-    t = DraftTree.build([1, 2, 3], [(0, [4, 5]), (1, [6])])
-    k = t.keep([True, False, True, True, True, True])  # main's 2 goes, so does its child 3; 6 hangs off 1
-    assert k.tokens.tolist() == [1, 4, 5, 6] and k.n_main == 1 and k.parents.tolist() == [-1, -1, 1, 0]
-
-
 def test_greedy_tree_takes_the_longest_path_of_argmaxes():
     t = DraftTree.build([1, 2, 3], [(0, [4, 5]), (2, [5])])
     want = {(): 1, (1,): 2, (1, 2): 5, (1, 2, 5): 4}
