@@ -50,6 +50,8 @@ class ArmConfig(BaseModel):
         default_factory=dict, description="per-speculator parameters, merged over engine.chain.params")
     policy: Policy | None = Field(None, description="draft selection policy (None = engine.chain's)")
     n_max: int | None = Field(None, ge=0, le=256, description="draft tokens per round at most (None = engine's)")
+    trees: bool | None = Field(None, description="send draft trees (ChainConfig.trees; None = engine.chain's): "
+                               "an arm with trees beside one without compares the two on the same traffic")
     num_replicas: int | None = Field(None, ge=1, description="engine replicas of this arm (None = num_replicas)")
     autoscaling: dict[str, Any] | None = Field(
         None, description="Serve autoscaling_config of this arm's deployment (None = the config's `autoscaling`)")
@@ -78,6 +80,8 @@ class ArmConfig(BaseModel):
             d["policy"] = self.policy
         if self.n_max is not None:
             d["n_max"] = self.n_max
+        if self.trees is not None:
+            d["trees"] = self.trees
         return ChainConfig.model_validate(d)
 
 

@@ -259,3 +259,14 @@ def test_the_policy_sends_a_tree_where_rows_are_nearly_free_and_none_where_they_
         sent[label] = p
     assert sent["cheap"].tree is not None and sent["cheap"].rows > len(sent["cheap"].tokens)
     assert sent["dear"].tree is None
+
+
+def test_an_ab_arm_turns_trees_on_for_its_own_engine():
+    from specray.deployments.ab.arms import ArmConfig
+    from specray.deployments.builder import tree_seqs
+    from specray.engine.config import ChainConfig, EngineConfig
+
+    base = ChainConfig()
+    arm = ArmConfig(name="trees", trees=True).chain_config(base)
+    assert arm.trees and not ArmConfig(name="linear").chain_config(base).trees
+    assert tree_seqs(EngineConfig(slots=4, chain=arm), "attention") == 12
