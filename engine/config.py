@@ -58,8 +58,8 @@ class ChainConfig(BaseModel):
     trees: bool = Field(
         False, description="send draft trees where they pay: the main draft plus runner-up branches its "
         "speculator holds (suffix, ngram_map_k4v, ngram_cache), verified in one decode (the cost policy only; the "
-        "engine's tree_branches sizes them). Off by default (docs/benchmarks.md says why); an A/B arm can compare "
-        "the two")
+        "engine's tree_branches sizes them). Off by default, and not for production: docs/speculators.md "
+        "'Draft trees' has a known defect of their verify rows")
     tune: bool = Field(
         False,
         description="tune each model-free speculator's look-up parameters online (engine/policy/tuning.py): a "

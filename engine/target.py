@@ -549,9 +549,12 @@ class TargetRunner:
         out[:n_acc] = tree.tokens[verdict.path]
         out[n_acc] = verdict.next_token
         sess.push(out[:n_acc])
-        own = rows[[0] + [1 + n for n in verdict.path]]  # each emitted token's row
-        margins = emitted_margins(own, masked) if self.record_margins else None
-        lps = None if sess.params.logprobs is None else token_logprobs(own, out, sess.params.logprobs)
+        margins = lps = None
+        if self.record_margins or sess.params.logprobs is not None:
+            # each emitted token's row: a copy of whole vocabulary rows, so only where something reads them
+            own = rows[[0] + [1 + n for n in verdict.path]]
+            margins = emitted_margins(own, masked) if self.record_margins else None
+            lps = None if sess.params.logprobs is None else token_logprobs(own, out, sess.params.logprobs)
         return StepResult(it.seq_id, out, n_acc, margins, n_replay=self.rollback.pending_rows(it.seq_id),
                           logprobs=lps, branch=verdict.branch)
 
