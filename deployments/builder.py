@@ -88,30 +88,29 @@ def open_target(config: EngineConfig, model=None):
     branches = tree_seqs(config, model.memory_kind)
     ctx = Context(model, n_ctx=config.n_ctx, n_seq_max=config.slots + branches, n_batch=config.n_batch,
                   n_threads=config.threads, flash_attn=config.flash_attn_on, exact=config.exact,
-                  n_rs_seq=config.rollback_snapshots if snapshots else 0,
-                  # exact mode's one slot keeps one KV stream with its branches in it (batch-invariant still)
-                  kv_unified=True if branches else None)
+                  n_rs_seq=config.rollback_snapshots if snapshots else 0)
     return model, ctx
 
 
 def tree_seqs(config: EngineConfig, memory_kind: str) -> int:
     """Sequence ids for draft trees' branches beyond the slots (engine/draft_tree.py): slots x tree_branches where
     the chain sends trees (ChainConfig.trees) and this layout verifies them, else 0. A branch's rows carry several
-    sequence ids at once, which llama.cpp allows in one KV pool only: not exact mode's stream per slot, except
-    with one slot, whose one stream the branches share; a recurrent state cannot fork per branch; padded verifies
-    would put pad rows among a tree's; only the cost policy prices branches.
+    sequence ids at once, which llama.cpp allows in one KV pool only (not exact mode's stream per slot); without
+    flash attention a branch's rows can come out wrong where another branch's rows precede them (see
+    tests/integration/test_tree_verify.py); a recurrent state cannot fork per branch; padded verifies would put
+    pad rows among a tree's; only the cost policy prices branches.
 
     >>> on = ChainConfig(trees=True)
     >>> tree_seqs(EngineConfig(slots=4, chain=on), "attention"), tree_seqs(EngineConfig(slots=4), "attention")
     (12, 0)
-    >>> tree_seqs(EngineConfig(slots=4, exact=True, chain=on), "attention")
+    >>> tree_seqs(EngineConfig(slots=1, exact=True, chain=on), "attention")   # exact mode: flash attention off
     0
-    >>> tree_seqs(EngineConfig(slots=1, exact=True, chain=on), "attention")
-    3
+    >>> tree_seqs(EngineConfig(slots=4, flash_attn=False, chain=on), "attention")
+    0
     >>> tree_seqs(EngineConfig(slots=4, chain=on), "hybrid"), tree_seqs(EngineConfig(slots=100, chain=on), "attention")
     (0, 156)
     """
-    if (config.tree_branches == 0 or not config.chain.trees or (config.exact and config.slots > 1)
+    if (config.tree_branches == 0 or not config.chain.trees or config.exact or not config.flash_attn_on
             or memory_kind != "attention" or config.shape_buckets is not None or config.chain.policy != "cost"):
         return 0
     return min(config.slots * config.tree_branches, 256 - config.slots)
@@ -149,8 +148,7 @@ def target_runner(config: EngineConfig, model, ctx):
     return TargetRunner(ctx, record_margins=config.record_margins, verify_buckets=buckets,
                         rollback=StateRollback(memory.rollback, checkpoints),
                         constraints=GrammarCompiler.of(model),
-                        branch_seqs=range(config.slots, config.slots + memory.tree_seqs),
-                        tree_replay=config.exact), memory
+                        branch_seqs=range(config.slots, config.slots + memory.tree_seqs)), memory
 
 
 def open_draft(config: EngineConfig, target, target_ctx):

@@ -178,11 +178,6 @@ class StateRollback:
         if self.checkpoints is not None:
             self.checkpoints.drop(seq_id)
 
-    def replay_later(self, seq_id: int, pos0: int, tokens: np.ndarray) -> None:
-        """Committed tokens whose cells were dropped (a draft tree's accepted branch, where the cells must lie
-        in position order): the sequence's next verify decodes them again in front of its own rows."""
-        self._replay[seq_id] = (pos0, np.asarray(tokens, dtype=np.int32))
-
     def pending_rows(self, seq_id: int) -> int:
         """Rows seq_id's next verify replays in front of its own."""
         r = self._replay.get(seq_id)

@@ -222,14 +222,10 @@ def _with_replay(it: StepItem, tokens: np.ndarray, pos0: int, n_replay: int) -> 
 class TargetRunner:
     def __init__(self, ctx: TargetContext, record_margins: bool = False,
                  verify_buckets: tuple[int, ...] | None = None, rollback: StateRollback | None = None,
-                 constraints: ConstraintFactory | None = None, branch_seqs: range = range(0),
-                 tree_replay: bool = False) -> None:
+                 constraints: ConstraintFactory | None = None, branch_seqs: range = range(0)) -> None:
         self.ctx = ctx
         # sequence ids beyond the slots for draft trees' branches (engine/draft_tree.py), lent per round
         self.branch_seqs = branch_seqs
-        # a tree's accepted runner-up is decoded again next round instead of having its cells handed over: a
-        # batch-invariant target needs a sequence's cells in position order (exact mode)
-        self.tree_replay = tree_replay
         if len(branch_seqs) and (verify_buckets is not None or (rollback is not None and rollback.mode != "trim")):
             raise ValueError("draft trees need a target trimmed by position and unpadded verifies")
         self.tree_items = 0  # items verified as trees
@@ -555,21 +551,15 @@ class TargetRunner:
             own = rows[[0] + [1 + n for n in verdict.path]]
             margins = emitted_margins(own, masked) if self.record_margins else None
             lps = None if sess.params.logprobs is None else token_logprobs(own, out, sess.params.logprobs)
-        return StepResult(it.seq_id, out, n_acc, margins, n_replay=self.rollback.pending_rows(it.seq_id),
-                          logprobs=lps, branch=verdict.branch)
+        return StepResult(it.seq_id, out, n_acc, margins, logprobs=lps, branch=verdict.branch)
 
     def _keep_tree_path(self, it: StepItem, ids: list[int], verdict: TreeVerdict) -> str | None:
         """The accepted path's cells become the sequence's own, the rest of the tree goes, and the branch ids
         are left empty. The path lies on branch verdict.branch: the sequence's own id holds it already (the main
-        draft), or its cells are copied in from that branch's id (with `tree_replay`, only its part on the main
-        draft is kept, and the rest is replayed by the next verify)."""
+        draft), or its cells are copied in from that branch's id."""
         seq, first = it.seq_id, it.pos0 + 1  # the first draft position
         n = verdict.n_accepted
         owner = ids[verdict.branch]
-        if owner != seq and self.tree_replay:  # keep the main draft's part, decode the rest again next round
-            on_main = next((i for i, node in enumerate(verdict.path) if node >= it.tree.n_main), n)
-            self.rollback.replay_later(seq, first + on_main, it.tree.tokens[verdict.path[on_main:]])
-            owner, n = seq, on_main
         ok = self.ctx.seq_rm(seq, first + n if owner == seq else first, -1)
         if owner != seq and n:
             self.ctx.seq_cp(owner, seq, first, first + n)

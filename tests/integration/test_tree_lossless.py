@@ -1,12 +1,14 @@
 """Draft trees on real prompts: greedy and seeded sampled output equal target-only output.
 
-Exact mode with one slot keeps its one KV stream with the branches in it (deployments/builder.tree_seqs), so
-its output must be token-identical; with four slots the fast mode's trees may diverge only at measured
-near-ties. Verify rows are priced nearly free and the host work left unpriced: this CPU's own prices (and even
+Trees run with flash attention over one KV pool (deployments/builder.tree_seqs), so not in exact mode. With one
+slot or four, the output may then diverge from target-only output only at measured near-ties (fast mode's
+kernels are not batch-invariant, and a tree leaves a sequence's cells out of position order). Seeded sampling's distribution with trees is tested in
+tests/unit/test_draft_tree.py. Verify rows are priced nearly free and the host work left unpriced: this CPU's own prices (and even
 a GPU's table) send few drafts and fewer branches, so the tests would prove little."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from specray.bench.run import classify_divergence, measure_batch_variance, measure_layout_variance
@@ -14,7 +16,6 @@ from specray.deployments.local_engine import LocalEngine
 from specray.engine.config import ChainConfig, EngineConfig
 from specray.engine.cost import DecodeCostModel
 from specray.engine.policy.host_cost import HostCostModel
-from specray.engine.sampling import SamplingParams
 
 from ..conftest import spec_bench_prompts
 
@@ -53,49 +54,56 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def exact1(smollm2):
-    eng = _engine(smollm2, slots=1, exact=True)
+def one_slot(smollm2):  # one slot, flash attention (as trees run)
+    eng = _engine(smollm2, slots=1, exact=False)
     assert eng.scheduler.memory.tree_seqs == 3 and eng.ctx.kv_unified
     yield eng
     eng.close()
 
 
+def layout_variance(model, prefix: np.ndarray) -> float:
+    """How far logits drift with where a sequence's KV cells lie (bench.run.measure_layout_variance), measured
+    with two slots of this configuration: a runner-up's accepted cells lie after the main draft's rejected
+    ones, so a tree leaves even a lone sequence's cells out of position order, as other slots' cells do."""
+    probe = _engine(model, slots=2, exact=False)
+    try:
+        return measure_layout_variance(probe, prefix)
+    finally:
+        probe.close()
+
+
 @pytest.fixture(scope="module")
-def exact1_baseline(exact1, prompts):
-    return [s.generated for s in _run(exact1, prompts, ())]
+def one_slot_baseline(one_slot, prompts, smollm2):
+    """Target-only output (with its margins) and the near-tie bound of this engine: twice the larger of its
+    batch variance and the cell layout's (layout_variance)."""
+    prefix = one_slot.prompt_tokens(messages=[{"role": "user", "content": prompts[0]}])
+    variance = max(measure_batch_variance(one_slot, prefix), layout_variance(smollm2, prefix))
+    print(f"\ntrees, one slot: batch/layout variance {variance:.3f}")
+    return _run(one_slot, prompts, ()), 2.0 * variance
 
 
 # ngram_map_k4v's runner-ups (its other values) are tested in tests/unit/test_draft_tree.py: on these prompts
 # its key rarely holds a second value it drafts beside, and then at a calibrated chance too small to send
 @pytest.mark.parametrize("chain", [("suffix",), DEFAULT], ids=["suffix", "default"])
-def test_trees_are_token_identical_in_exact_mode(exact1, prompts, exact1_baseline, chain):
-    before, ranks_before = exact1.runner.tree_items, _taken_runner_ups(exact1)
-    seqs = _run(exact1, prompts, chain)
-    for i, s in enumerate(seqs):
-        assert s.generated == exact1_baseline[i], f"prompt {i} diverged under {chain} with trees"
-    assert exact1.runner.tree_items > before, f"{chain} sent no tree: the test would prove nothing"
-    # the target took a runner-up at least once: the branch's path decoded on, replayed (exact mode)
-    assert _taken_runner_ups(exact1) > ranks_before, _trees(exact1)
+def test_trees_at_one_slot_diverge_only_at_near_ties(one_slot, prompts, one_slot_baseline, chain):
+    before, ranks_before = one_slot.runner.tree_items, _taken_runner_ups(one_slot)
+    base, tie_bound = one_slot_baseline
+    seqs = _run(one_slot, prompts, chain)
+    kinds = [classify_divergence(b.generated, s.generated, b.margins, tie_bound) for b, s in zip(base, seqs)]
+    assert "mismatch" not in kinds, kinds
+    assert one_slot.runner.tree_items > before, f"{chain} sent no tree: the test would prove nothing"
+    # the target took a runner-up at least once: the branch's cells became the sequence's and it decoded on
+    assert _taken_runner_ups(one_slot) > ranks_before, _trees(one_slot)
 
 
 def _taken_runner_ups(engine: LocalEngine) -> int:
     return sum(sum(c["accepted_by_rank"][1:]) for c in _trees(engine)["by_speculator"].values())
 
 
-def test_seeded_sampling_with_trees_is_the_target_only_output(exact1, prompts):
-    sp = SamplingParams(temperature=0.8, seed=11)
-    plain = _run(exact1, prompts[:4], (), sampling=sp)
-    before = exact1.runner.tree_items
-    spec = _run(exact1, prompts[:4], DEFAULT, sampling=sp)
-    assert [s.generated for s in spec] == [s.generated for s in plain]
-    assert exact1.runner.tree_items > before
-
-
-def test_a_request_can_turn_trees_off(exact1, prompts, exact1_baseline):
-    before = exact1.runner.tree_items
-    seqs = _run(exact1, prompts[:2], ("suffix",), tree=False)
-    assert exact1.runner.tree_items == before
-    assert [s.generated for s in seqs] == exact1_baseline[:2]
+def test_a_request_can_turn_trees_off(one_slot, prompts, one_slot_baseline):
+    before = one_slot.runner.tree_items
+    seqs = _run(one_slot, prompts[:2], ("suffix",), tree=False)
+    assert one_slot.runner.tree_items == before
     assert sum(s.spec_total.drafted for s in seqs) > 0
 
 
@@ -126,6 +134,7 @@ def test_trees_are_off_unless_the_chain_asks_for_them(smollm2, prompts):
 def test_no_trees_where_the_layout_cannot_verify_them(smollm2):
     on = ChainConfig(trees=True)
     for cfg in (EngineConfig(slots=2, exact=True, calibrate=False, chain=on),
+                EngineConfig(slots=2, calibrate=False, flash_attn=False, chain=on),
                 EngineConfig(slots=2, calibrate=False, tree_branches=0, chain=on)):
         eng = LocalEngine(cfg, model=smollm2)
         assert eng.scheduler.memory.tree_seqs == 0 and eng.ctx.n_seq_max == 2

@@ -1,9 +1,10 @@
 """A draft tree verified in one decode, on the real model: each branch a sequence id of one KV pool, a node
 shared by branches one row carrying all their ids (engine/draft_tree.py, TargetRunner._verify_tree).
 
-The target runs with batch-invariant kernels over one KV pool, so a row's logits do not depend on what else the
-batch holds: a tree's rows are compared bit for bit with each branch's path decoded alone, and after the verify
-the sequence's cells must decode exactly as a prefill of the tokens it committed."""
+The target runs as trees run, over one KV pool with flash attention; a tree's rows are compared bit for bit with
+each branch's path decoded alone (these few-row batches come out the same here), and after the verify the
+sequence's cells must decode as target-only decoding would. Without flash attention a branch's rows can come
+out wrong (the xfail test below), which is why trees need it (deployments/builder.tree_seqs)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ pytestmark = pytest.mark.model
 PROMPT = "The three laws of motion are the foundation of classical mechanics. The first law says that"
 
 
-def _ctx(model, n_seq_max: int = 4) -> Context:
-    return Context(model, n_ctx=1024, n_seq_max=n_seq_max, n_batch=256, exact=True, kv_unified=True)
+def _ctx(model, n_seq_max: int = 4, flash_attn: bool = True) -> Context:
+    return Context(model, n_ctx=1024, n_seq_max=n_seq_max, n_batch=256, flash_attn=flash_attn, kv_unified=True,
+                   n_threads=2)
 
 
 def _greedy(model, tokens: np.ndarray, n: int) -> list[int]:
@@ -37,9 +39,9 @@ def _greedy(model, tokens: np.ndarray, n: int) -> list[int]:
     return out
 
 
-def _path_rows(model, prefix: np.ndarray, root: int, path: list[int]) -> np.ndarray:
+def _path_rows(model, prefix: np.ndarray, root: int, path: list[int], flash_attn: bool = True) -> np.ndarray:
     """Logits rows of [root] + path decoded as one linear draft after `prefix`, alone in a fresh context."""
-    ctx = _ctx(model, 1)
+    ctx = _ctx(model, 1, flash_attn)
     b = ctx.batch
     b.clear(); b.add_seq(0, prefix, 0, 0); ctx.decode()  # noqa: E702
     b.clear(); b.add_seq(0, np.array([root] + path, np.int32), len(prefix), len(path) + 1)  # noqa: E702
@@ -107,45 +109,22 @@ def test_the_accepted_path_becomes_the_sequences_own_cells(smollm2, shape):
     ctx.close()
 
 
-def test_a_batch_invariant_target_replays_an_accepted_runner_up(smollm2):
-    """With tree_replay (exact mode) the runner-up's cells are not handed over: the next verify decodes them
-    again, so the sequence's cells lie in position order and decode bit for bit as a prefill of its tokens."""
-    tokens = smollm2.tokenize(PROMPT)
-    g = _greedy(smollm2, tokens, 8)
-    bad = (g[1] + 1) % 1000 + 5
-    tree = DraftTree.build([g[1], bad], [(1, [g[2], g[3]])])
-    ctx = _ctx(smollm2)
-    runner = TargetRunner(ctx, record_margins=True, branch_seqs=range(1, 4), tree_replay=True)
-    runner.start(0, SamplingParams(), tokens)
-    runner.step([StepItem(0, tokens, 0)])
-    n = len(tokens)
-    res = runner.step([StepItem(0, np.array([g[0], *tree.tokens], np.int32), n, len(tree), tree=tree)]).results[0]
-    assert res.tokens.tolist() == g[1:5] and res.n_replay == 2  # g2 g3 go again
-    assert ctx.seq_pos_max(0) == n + 1  # the root and g1 (the main draft's part) stay
-    # the next round: the two replayed rows in front of its own; the scheduler passes them as one item
-    nxt = runner.step([StepItem(0, np.array([g[4]], np.int32), n + 4)]).results[0]
-    assert nxt.tokens.tolist() == [g[5]] and nxt.n_replay == 0 and ctx.seq_pos_max(0) == n + 4
-    # the emitted token's margin is bit for bit a solo prefill's
-    want = _path_rows(smollm2, tokens, g[0], g[1:5])[-1]
-    top = np.sort(want)[-2:]
-    assert nxt.margins[0] == np.float32(top[1] - top[0])
-    ctx.close()
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "known defect: a branch's rows that follow another branch's own rows at the same positions in the batch can "
-    "differ from the branch's path decoded alone (here by up to 0.79 in a logit), though the masks should "
-    "isolate them; the cause in the batch/KV handling is not found yet"))
-def test_a_runner_ups_rows_after_a_siblings_rows_are_its_path_decoded_alone(smollm2):
+@pytest.mark.parametrize("flash_attn", [
+    True,
+    pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=(
+        "without flash attention a branch's rows that follow another branch's own rows at the same positions "
+        "differ from its path decoded alone, though the masks should isolate them (llama.cpp's non-flash "
+        "attention path; the cause is not found): trees need flash attention"))),
+], ids=["fa_on", "fa_off"])
+def test_a_runner_ups_rows_after_a_siblings_rows_are_its_path_decoded_alone(smollm2, flash_attn):
     """The tree's main draft leaves the target's continuation at depth 1 and the runner-up holds it: the
     runner-up's rows come after the main draft's in the batch. They must equal the target's continuation decoded
-    alone, bit for bit (batch-invariant kernels), as `test_each_branch_sees_only_its_own_path` finds for other
-    shapes."""
+    alone, bit for bit."""
     tokens = smollm2.tokenize(PROMPT)
     g = _greedy(smollm2, tokens, 5)
     bad = (g[1] + 1) % 1000 + 5
     tree = DraftTree.build([g[1], bad], [(1, [g[2], g[3]])])
-    ctx = _ctx(smollm2)
+    ctx = _ctx(smollm2, 2, flash_attn)
     b = ctx.batch
     b.clear(); b.add_seq(0, tokens, 0, 0); ctx.decode()  # noqa: E702
     ctx.seq_cp(0, 1)
@@ -156,5 +135,5 @@ def test_a_runner_ups_rows_after_a_siblings_rows_are_its_path_decoded_alone(smol
     rows = ctx.decode().copy()
     ctx.close()
     path = tree.path(tree.leaves[1])
-    want = _path_rows(smollm2, tokens, g[0], tree.tokens[path].tolist())
+    want = _path_rows(smollm2, tokens, g[0], tree.tokens[path].tolist(), flash_attn)
     assert np.array_equal(rows[[0] + [1 + n for n in path]], want)

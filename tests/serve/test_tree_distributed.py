@@ -1,8 +1,8 @@
 """Draft trees with the target in its own Ray actor (distributed mode): the trees travel in the round's step
 items, the actor lends its branch ids, and the output is target-only output.
 
-Exact mode with one slot (its one KV stream holds the branches: deployments/builder.tree_seqs), so the answers
-must be token-identical to the same prompts decoded in-process without speculation. Verify rows are priced
+One slot with flash attention (as trees run: deployments/builder.tree_seqs); the answers may differ from the same
+prompts decoded in-process without speculation only at measured near-ties (fast mode is not batch-invariant). Verify rows are priced
 nearly free so that trees are sent (as in tests/integration/test_tree_lossless.py)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ MAX_TOKENS = 48
 
 
 def _config() -> EngineConfig:
-    return EngineConfig(model="smollm2-135m", slots=1, n_ctx=2048, exact=True, calibrate=False,
+    return EngineConfig(model="smollm2-135m", slots=1, n_ctx=2048, calibrate=False, record_margins=True,
                         chain=ChainConfig(speculators=["suffix", "ngram_cache"], n_max=8, trees=True,
                                           params={"suffix": {"min_match": 1, "p_min": 0.01}}))
 
@@ -54,12 +54,19 @@ def test_trees_through_the_target_actor_are_target_only_output(ray_serve):
     assert trees["tree_rounds"] > 0, trees
     assert sum(sum(c["accepted_by_rank"][1:]) for c in trees["by_speculator"].values()) > 0, trees
 
+    from specray.bench.run import classify_divergence, measure_batch_variance
+
+    from ..integration.test_tree_lossless import layout_variance
+
     ref = LocalEngine(cfg)
     try:
+        prefix = seqs[0].req.prompt_tokens
+        tie_bound = 2.0 * max(measure_batch_variance(ref, prefix), layout_variance(ref.model, prefix))
         want = ref.run([_request(s.req.prompt_tokens, chain=()) for s in seqs])
     finally:
         ref.close()
-    assert [s.generated for s in seqs] == [s.generated for s in want]
+    kinds = [classify_divergence(w.generated, s.generated, w.margins, tie_bound) for w, s in zip(want, seqs)]
+    assert "mismatch" not in kinds, kinds
 
 
 def _request(tokens, chain=None):
