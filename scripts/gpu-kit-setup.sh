@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# On the GPU machine, in the checkout: takes one part of scripts/gpu-kit.sh's kit (a folder pN) into the kit
+# folder ($SPECRAY_KIT, default /tmp/specray-kit, which outlives a device call while the machine stays warm);
+# once a group's parts are all there, checks their hash and unpacks them. When the core group is in, installs
+# its wheels (no index, no build), lays out llama_cpp over the prebuilt libraries, exposes the checkout as the
+# `specray` namespace and writes $SPECRAY_KIT/env.sh. Nothing is compiled: a few seconds.
+#
+#   bash scripts/gpu-kit-setup.sh .gpu/p1     # every part, in any order; then:
+#   source /tmp/specray-kit/env.sh && OUT=/some/dir bash scripts/gpu-measure.sh
+#
+# env.sh sets PY, PYTHONPATH (the kit's packages first), LD_LIBRARY_PATH (cuBLAS where the machine has it),
+# LLAMA_SERVER and SPECRAY_GPU_MODELS. Exit status 3: parts are still missing (which, on stderr).
+set -euo pipefail
+part=${1:?usage: gpu-kit-setup.sh PART_FOLDER}
+REPO=$PWD
+KIT=${SPECRAY_KIT:-/tmp/specray-kit}
+PY=${PY:-python3}
+t0=$(date +%s)
+[[ -f "$part/KIT" ]] || { echo "gpu-kit-setup.sh: $part has no KIT file: not a part of scripts/gpu-kit.sh's kit" >&2; exit 2; }
+read -r group pieces sum < "$part/KIT"
+mkdir -p "$KIT/parts/$group"
+cp "$part"/"$group".tar.xz.* "$KIT/parts/$group/"
+have=$(ls "$KIT/parts/$group" | wc -l)
+if (( have < pieces )); then
+    echo "gpu-kit-setup.sh: $group: $have of $pieces parts here; send the others" >&2
+    exit 3
+fi
+cat "$KIT/parts/$group"/"$group".tar.xz.* > "$KIT/$group.tar.xz"
+echo "$sum  $KIT/$group.tar.xz" | sha256sum -c --quiet - || { echo "gpu-kit-setup.sh: $group: hash mismatch, send its parts again" >&2; rm -rf "$KIT/parts/$group" "$KIT/$group.tar.xz"; exit 1; }
+if command -v xz >/dev/null; then
+    xz -dc "$KIT/$group.tar.xz" | tar -xf - -C "$KIT"
+else
+    "$PY" -c 'import lzma, sys, tarfile; tarfile.open(fileobj=lzma.open(sys.argv[1])).extractall(sys.argv[2])' "$KIT/$group.tar.xz" "$KIT"
+fi
+rm -rf "$KIT/parts/$group" "$KIT/$group.tar.xz"
+echo "gpu-kit-setup.sh: $group unpacked in $(( $(date +%s) - t0 )) s" >&2
+
+site=$KIT/site
+case $group in
+    core)
+        mkdir -p "$site"
+        if ls "$KIT"/core/whl/*.whl >/dev/null 2>&1; then
+            "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$KIT"/core/whl/*.whl
+        fi
+        # llama_cpp loads its libraries from llama_cpp/lib: the kit's build, all from that one folder
+        rm -rf "$site/llama_cpp" && cp -r "$KIT/core/llama_cpp" "$site/llama_cpp"
+        mkdir -p "$site/llama_cpp/lib" && cp -P "$KIT"/core/lib/* "$site/llama_cpp/lib/"
+        # the checkout as the `specray` namespace: pyproject's package-dir mapping, without installing
+        rm -rf "$KIT/pkg" && mkdir -p "$KIT/pkg/specray" && touch "$KIT/pkg/specray/__init__.py"
+        "$PY" - "$REPO" "$KIT/pkg/specray" <<'PY'
+import os, re, sys
+repo, dest = sys.argv[1], sys.argv[2]
+text = open(os.path.join(repo, "pyproject.toml")).read()
+block = text.split("[tool.setuptools.package-dir]", 1)[1].split("\n[", 1)[0]
+for pkg, d in re.findall(r'^"?([\w.]+)"?\s*=\s*"([^"]+)"', block, re.M):
+    parts = pkg.split(".")
+    if parts[0] == "specray" and len(parts) == 2:
+        os.symlink(os.path.join(repo, d), os.path.join(dest, parts[1]))
+PY
+        ;;
+    ray)
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$KIT"/ray/whl/*.whl ;;
+esac
+
+# cuBLAS: the libraries were linked against libcublas.so.13; the machine's own (its CUDA toolkit, or the
+# nvidia wheels torch brings) is put on the loader's path
+cublas=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib $("$PY" -c 'import glob, site; print(" ".join(glob.glob(p + "/nvidia/cu*/lib") + glob.glob(p + "/nvidia/cublas/lib") for p in site.getsitepackages()))' 2>/dev/null | tr -d "[]',"); do
+    [[ -e "$d/libcublas.so.13" ]] && { cublas=$d; break; }
+done
+models=$(ls -d "$KIT"/*/models 2>/dev/null | tr '\n' ' ')
+cat > "$KIT/env.sh" <<EOS
+export PY=$PY PYTHONUNBUFFERED=1
+export PYTHONPATH=$KIT/pkg:$site\${PYTHONPATH:+:\$PYTHONPATH}
+export LD_LIBRARY_PATH=${cublas:+$cublas:}\${LD_LIBRARY_PATH:-}
+export LLAMA_SERVER=$( [[ -x "$KIT/core/bin/llama-server" ]] && echo "$KIT/core/bin/llama-server")
+export SPECRAY_GPU_MODELS=$KIT/models
+EOS
+# one models folder for every group's models
+mkdir -p "$KIT/models" && for m in $models; do [[ "$m" == "$KIT/models" ]] || ln -sf "$m"/*.gguf "$KIT/models/"; done
+[[ -f "$KIT/core/BUILD" ]] || { echo "gpu-kit-setup.sh: the core part is still missing" >&2; exit 3; }
+# shellcheck disable=SC1091
+source "$KIT/env.sh"
+"$PY" -c 'import llama_cpp; llama_cpp.llama_backend_init(); print("llama_cpp", llama_cpp.__version__, "gpu offload:", llama_cpp.llama_supports_gpu_offload())'
+echo "gpu-kit-setup.sh: ready in $(( $(date +%s) - t0 )) s (cuBLAS: ${cublas:-not found}); source $KIT/env.sh" >&2
