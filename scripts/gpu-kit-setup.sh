@@ -8,7 +8,8 @@
 #   bash scripts/gpu-kit-setup.sh .gpu/p1     # every part, in any order; then:
 #   source /tmp/specray-kit/env.sh && OUT=/some/dir bash scripts/gpu-measure.sh
 #
-# env.sh sets PY, PYTHONPATH (the kit's packages first), LD_LIBRARY_PATH (cuBLAS where the machine has it),
+# env.sh sets PY, PYTHONPATH (the kit's packages first), LD_LIBRARY_PATH (CUDA's runtime and cuBLAS where the
+# machine has them),
 # LLAMA_SERVER and SPECRAY_GPU_MODELS. Exit status 3: parts are still missing (which, on stderr).
 set -euo pipefail
 part=${1:?usage: gpu-kit-setup.sh PART_FOLDER}
@@ -45,9 +46,14 @@ case $group in
         # llama_cpp loads its libraries from llama_cpp/lib: the kit's build, all from that one folder
         rm -rf "$site/llama_cpp" && cp -r "$KIT/core/llama_cpp" "$site/llama_cpp"
         mkdir -p "$site/llama_cpp/lib" && cp -P "$KIT"/core/lib/* "$site/llama_cpp/lib/"
-        # the checkout as the `specray` namespace: pyproject's package-dir mapping, without installing
-        rm -rf "$KIT/pkg" && mkdir -p "$KIT/pkg/specray" && touch "$KIT/pkg/specray/__init__.py"
-        "$PY" - "$REPO" "$KIT/pkg/specray" <<'PY'
+        ;;
+esac
+[[ -f "$KIT/core/BUILD" ]] || { echo "gpu-kit-setup.sh: the core part is still missing" >&2; exit 3; }
+
+# the checkout as the `specray` namespace (pyproject's package-dir mapping, without installing), made again on
+# every call: a later call's checkout may be elsewhere
+rm -rf "$KIT/pkg" && mkdir -p "$KIT/pkg/specray" && touch "$KIT/pkg/specray/__init__.py"
+"$PY" - "$REPO" "$KIT/pkg/specray" <<'PY'
 import os, re, sys
 repo, dest = sys.argv[1], sys.argv[2]
 text = open(os.path.join(repo, "pyproject.toml")).read()
@@ -57,29 +63,29 @@ for pkg, d in re.findall(r'^"?([\w.]+)"?\s*=\s*"([^"]+)"', block, re.M):
     if parts[0] == "specray" and len(parts) == 2:
         os.symlink(os.path.join(repo, d), os.path.join(dest, parts[1]))
 PY
-        ;;
-    ray)
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$KIT"/ray/whl/*.whl ;;
-esac
 
-# cuBLAS: the libraries were linked against libcublas.so.13; the machine's own (its CUDA toolkit, or the
-# nvidia wheels torch brings) is put on the loader's path
-cublas=""
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib $("$PY" -c 'import glob, site; print(" ".join(glob.glob(p + "/nvidia/cu*/lib") + glob.glob(p + "/nvidia/cublas/lib") for p in site.getsitepackages()))' 2>/dev/null | tr -d "[]',"); do
-    [[ -e "$d/libcublas.so.13" ]] && { cublas=$d; break; }
+# CUDA's runtime and cuBLAS: the libraries were linked against libcudart.so.13 and libcublas.so.13; the machine's
+# own (its CUDA toolkit, or the nvidia wheels torch brings) go on the loader's path
+cuda_dirs=""
+candidates="/usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib $("$PY" -c 'import glob, site; print(" ".join(d for p in site.getsitepackages() for d in glob.glob(p + "/nvidia/cu*/lib") + glob.glob(p + "/nvidia/*/lib")))' 2>/dev/null)"
+for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13; do
+    for d in $candidates; do
+        [[ -e "$d/$lib" ]] || continue
+        [[ ":$cuda_dirs:" == *":$d:"* ]] || cuda_dirs=${cuda_dirs:+$cuda_dirs:}$d
+        break
+    done
 done
 models=$(ls -d "$KIT"/*/models 2>/dev/null | tr '\n' ' ')
 cat > "$KIT/env.sh" <<EOS
 export PY=$PY PYTHONUNBUFFERED=1
-export PYTHONPATH=$KIT/pkg:$site\${PYTHONPATH:+:\$PYTHONPATH}
-export LD_LIBRARY_PATH=${cublas:+$cublas:}\${LD_LIBRARY_PATH:-}
+export PYTHONPATH=$KIT/pkg:$site$( [[ -d "$KIT/ray/site" ]] && echo ":$KIT/ray/site")\${PYTHONPATH:+:\$PYTHONPATH}
+export LD_LIBRARY_PATH=${cuda_dirs:+$cuda_dirs:}\${LD_LIBRARY_PATH:-}
 export LLAMA_SERVER=$( [[ -x "$KIT/core/bin/llama-server" ]] && echo "$KIT/core/bin/llama-server")
 export SPECRAY_GPU_MODELS=$KIT/models
 EOS
 # one models folder for every group's models
 mkdir -p "$KIT/models" && for m in $models; do [[ "$m" == "$KIT/models" ]] || ln -sf "$m"/*.gguf "$KIT/models/"; done
-[[ -f "$KIT/core/BUILD" ]] || { echo "gpu-kit-setup.sh: the core part is still missing" >&2; exit 3; }
 # shellcheck disable=SC1091
 source "$KIT/env.sh"
 "$PY" -c 'import llama_cpp; llama_cpp.llama_backend_init(); print("llama_cpp", llama_cpp.__version__, "gpu offload:", llama_cpp.llama_supports_gpu_offload())'
-echo "gpu-kit-setup.sh: ready in $(( $(date +%s) - t0 )) s (cuBLAS: ${cublas:-not found}); source $KIT/env.sh" >&2
+echo "gpu-kit-setup.sh: ready in $(( $(date +%s) - t0 )) s (CUDA libraries from: ${cuda_dirs:-none found}); source $KIT/env.sh" >&2

@@ -89,12 +89,15 @@ if (( gemma )); then
         "$stage/gemma/models/gemma3-270m.gguf"
 fi
 if (( ray )); then
-    mkdir -p "$stage/ray/whl"
+    # installed here for Python 3.12 (binary wheels only, so nothing runs), then trimmed: Java's jar, the
+    # dashboard's source maps and what the image has already; the set-up only unpacks it
     ver=$("$PY" -c 'import ray; print(ray.__version__)')
-    pip312 -d "$stage/ray/whl" "ray[serve]==$ver"
-    # what the image has already
-    rm -f "$stage"/ray/whl/{numpy,uvloop,PyYAML,Jinja2,MarkupSafe}-*.whl
-    progress "ray: $(du -sh "$stage/ray/whl" | cut -f1) of wheels"
+    "$PY" -m pip install -q --no-compile --target "$stage/ray/site" --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 "ray[serve]==$ver"
+    (cd "$stage/ray/site" && rm -rf ray/jars numpy numpy-* numpy.libs uvloop uvloop-* yaml PyYAML-* _yaml jinja2 \
+        Jinja2-* jinja2-* markupsafe MarkupSafe-* bin && find . -name '*.js.map' -delete)
+    progress "ray: $(du -sh "$stage/ray/site" | cut -f1) installed"
 fi
 
 # 4. one archive per group (core, then the optional ones), cut into parts of at most part_bytes
