@@ -46,6 +46,8 @@ case $group in
         # llama_cpp loads its libraries from llama_cpp/lib: the kit's build, all from that one folder
         rm -rf "$site/llama_cpp" && cp -r "$KIT/core/llama_cpp" "$site/llama_cpp"
         mkdir -p "$site/llama_cpp/lib" && cp -P "$KIT"/core/lib/* "$site/llama_cpp/lib/"
+        # llama-server beside those libraries: its RUNPATH is $ORIGIN, and it runs on the very same ones
+        [[ -x "$KIT/core/bin/llama-server" ]] && cp "$KIT/core/bin/llama-server" "$site/llama_cpp/lib/"
         ;;
 esac
 [[ -f "$KIT/core/BUILD" ]] || { echo "gpu-kit-setup.sh: the core part is still missing" >&2; exit 3; }
@@ -80,7 +82,7 @@ cat > "$KIT/env.sh" <<EOS
 export PY=$PY PYTHONUNBUFFERED=1
 export PYTHONPATH=$KIT/pkg:$site$( [[ -d "$KIT/ray/site" ]] && echo ":$KIT/ray/site")\${PYTHONPATH:+:\$PYTHONPATH}
 export LD_LIBRARY_PATH=${cuda_dirs:+$cuda_dirs:}\${LD_LIBRARY_PATH:-}
-export LLAMA_SERVER=$( [[ -x "$KIT/core/bin/llama-server" ]] && echo "$KIT/core/bin/llama-server")
+export LLAMA_SERVER=$( [[ -x "$site/llama_cpp/lib/llama-server" ]] && echo "$site/llama_cpp/lib/llama-server")
 export SPECRAY_GPU_MODELS=$KIT/models
 EOS
 # one models folder for every group's models

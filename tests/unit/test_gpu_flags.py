@@ -51,3 +51,21 @@ def test_cuda_on_names_what_is_missing_and_takes_an_architecture_without_a_gpu()
 def test_setup_sh_takes_cuda_and_cpu_and_names_a_bad_option():
     out = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--gpu"], capture_output=True, text=True)
     assert out.returncode == 2 and "unknown option '--gpu'" in out.stderr and "--cuda" in out.stderr
+
+
+def kit_build(**env: str) -> subprocess.CompletedProcess:
+    """scripts/gpu-kit-build.sh with `env`; the checks below fail before any download or compile."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SPECRAY_CUDA", "SPECRAY_NVCC"))}
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu-kit-build.sh")], env=base | env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_kit_build_names_a_missing_nvcc_and_a_bad_architecture(tmp_path):
+    missing = kit_build(SPECRAY_NVCC=str(tmp_path / "nvcc"))
+    assert missing.returncode == 2 and "nvcc not found" in missing.stderr
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0'\n")
+    fake.chmod(0o755)
+    bad = kit_build(SPECRAY_NVCC=str(fake), SPECRAY_CUDA_ARCH="sm90", SPECRAY_CUDA_CACHE=str(tmp_path / "cache"))
+    assert bad.returncode == 2 and "SPECRAY_CUDA_ARCH must be like 90-real" in bad.stderr and "'sm90'" in bad.stderr
+    assert not (tmp_path / "cache").exists()  # nothing was fetched
