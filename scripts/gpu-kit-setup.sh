@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, in the checkout: takes one part of scripts/gpu-kit.sh's kit (a folder pN) into the kit
 # folder ($SPECRAY_KIT, default /tmp/specray-kit, which outlives a device call while the machine stays warm);
-# once a group's parts are all there, checks their hash and unpacks them. When the core group is in, installs
+# once a group's parts are all there, checks their hash and unpacks them. When the core group is in, unzips
 # its wheels (no index, no build), lays out llama_cpp over the prebuilt libraries, exposes the checkout as the
 # `specray` namespace and writes $SPECRAY_KIT/env.sh. Nothing is compiled: a few seconds.
 #
@@ -40,9 +40,9 @@ site=$KIT/site
 case $group in
     core)
         mkdir -p "$site"
-        if ls "$KIT"/core/whl/*.whl >/dev/null 2>&1; then
-            "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$KIT"/core/whl/*.whl
-        fi
+        # the wheels unzipped into one folder: an install with --target, without pip's checks of this Python
+        "$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' "$site" \
+            $(ls "$KIT"/core/whl/*.whl 2>/dev/null)
         # llama_cpp loads its libraries from llama_cpp/lib: the kit's build, all from that one folder
         rm -rf "$site/llama_cpp" && cp -r "$KIT/core/llama_cpp" "$site/llama_cpp"
         mkdir -p "$site/llama_cpp/lib" && cp -P "$KIT"/core/lib/* "$site/llama_cpp/lib/"
