@@ -119,6 +119,10 @@ for group in core gemma ray; do
 done
 progress "$n part(s) in $out:"
 for d in "$out"/p*; do echo "  $d $(du -sb "$d" | awk '{printf "%.1f MiB", $1 / 1048576}') ($(cut -d' ' -f1 "$d/KIT"))" >&2; done
+case "$(cd "$out" && pwd)/" in
+    "$ROOT"/*) ;;
+    *) echo "gpu-kit.sh: $out is outside the checkout; a device call carries paths inside it: move the part folders there" >&2 ;;
+esac
 cat >&2 <<EOF
 On the GPU machine, one device call per part, back to back (it keeps what earlier calls unpacked while warm):
   run(carry=["$out/p1"], command="bash scripts/gpu-kit-setup.sh $out/p1")
