@@ -49,6 +49,11 @@ part_bytes=$(( ${PART_MIB:-60} * 1024 * 1024 ))
 (( part_bytes > budget )) && part_bytes=$budget
 (( part_bytes > 0 )) || { echo "gpu-kit.sh: the checkout ($checkout bytes) leaves no room for a part" >&2; exit 2; }
 
+# --out is emptied first: only a folder that is new, empty, or holds an earlier kit's part folders
+if [[ -e "$out" ]] && [[ -n "$(ls -A "$out" | grep -v -E '^p[0-9]+$' || true)" ]]; then
+    echo "gpu-kit.sh: --out $out holds other files than an earlier kit's part folders (p1, p2, ...); name a new folder" >&2
+    exit 2
+fi
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/core/lib" "$stage/core/bin" "$stage/core/models" "$stage/core/whl"

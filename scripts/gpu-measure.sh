@@ -55,6 +55,7 @@ has_ray() { "$PY" -c 'import ray' 2>/dev/null; }
 per() { echo $(( $1 < PER_MAX ? $1 : PER_MAX )); }  # prompts per category, capped by PER_MAX
 # seconds left of the run's budget; `budget NAME NEED` says whether step NAME runs (not in SKIP, NEED seconds left)
 left() { echo $(( END - $(date +%s) )); }
+limit() { local l; l=$(left); echo $(( l > 1 ? l : 1 )); }  # a command's timeout: what is left, never 0 (no limit)
 budget() {
   local k
   for k in ${SKIP:-}; do [[ "$1" == "$k"* ]] && { log "$1: skipped (SKIP=$k)"; return 1; }; done
@@ -101,15 +102,15 @@ synth_step() {  # the synthetic 1.5B target: write it once, then its verify cost
   mkdir -p "$(dirname "$f")" && df -h "$(dirname "$f")" > "$OUT/synth_disk.txt" 2>&1
   if [ ! -f "$f" ]; then
     log "synth: writing $f (${SYNTH_PARAMS:-1.5B}, ${SYNTH_TYPE:-q8_0}; 1.5B: ~1.6 GB q8_0, 3 GB f16)"
-    timeout "$(left)" "${SPEC[@]}" synth-model --params "${SYNTH_PARAMS:-1.5B}" --type "${SYNTH_TYPE:-q8_0}" --vocab-from "$M" --out "$f" > "$OUT/synth_write.txt" 2>&1
+    timeout "$(limit)" "${SPEC[@]}" synth-model --params "${SYNTH_PARAMS:-1.5B}" --type "${SYNTH_TYPE:-q8_0}" --vocab-from "$M" --out "$f" > "$OUT/synth_write.txt" 2>&1
     log "synth: written, rc $?: $(tail -1 "$OUT/synth_write.txt")"
   fi
-  timeout "$(left)" "${SPEC[@]}" cost-curve --model "$f" --max-k 16 --threads "$THREADS" --json "$OUT/synth_curve.json" > "$OUT/synth_curve.txt" 2>&1
+  timeout "$(limit)" "${SPEC[@]}" cost-curve --model "$f" --max-k 16 --threads "$THREADS" --json "$OUT/synth_curve.json" > "$OUT/synth_curve.txt" 2>&1
   log "synth: cost curve (SYNTHETIC) rc $?: $(tail -16 "$OUT/synth_curve.txt" | awk '{printf "%s:%s ", $1, $3}')"
   for s in 1 4; do  # host time per round on a realistic step (acceptance on random weights means nothing)
     budget "synth" 30 || return
     log "synth: bench (SYNTHETIC) slots $s"
-    timeout "$(left)" "${SPEC[@]}" bench --model "$f" --threads "$THREADS" --slots $s --per-category 1 --categories "$CATS" --max-tokens "$(( MAX_TOKENS < 64 ? MAX_TOKENS : 64 ))" \
+    timeout "$(limit)" "${SPEC[@]}" bench --model "$f" --threads "$THREADS" --slots $s --per-category 1 --categories "$CATS" --max-tokens "$(( MAX_TOKENS < 64 ? MAX_TOKENS : 64 ))" \
       --configs none ngram_mod,suffix,ngram_cache --no-llama-baseline --json "$OUT/synth_bench_s$s.json" \
       > "$OUT/synth_bench_s$s.txt" 2> "$OUT/synth_bench_s$s.err"
     log "synth: bench slots $s: rc $?"
@@ -119,13 +120,13 @@ synth_step() {  # the synthetic 1.5B target: write it once, then its verify cost
 hidden_step() {  # MTP and EAGLE-3 (synthetic) with target and companion actors sharing one GPU, per transport
   budget hidden 60 || return
   # CUDA IPC between two processes with the real CUDA runtime (skips, saying why, where it cannot run)
-  PYTHONPATH="$PRELOAD${PYTHONPATH:+:$PYTHONPATH}" timeout "$(left)" "$PY" -m pytest -q -rs -p no:cacheprovider \
+  PYTHONPATH="$PRELOAD${PYTHONPATH:+:$PYTHONPATH}" timeout "$(limit)" "$PY" -m pytest -q -rs -p no:cacheprovider \
     tests/unit/test_hidden_transport.py > "$OUT/hidden_tests.txt" 2>&1
   log "hidden rows: transport tests: $(tail -1 "$OUT/hidden_tests.txt")"
   has_ray || { log "hidden rows: skipped, no Ray on this machine (scripts/gpu-kit.sh --ray)"; return; }
   budget hidden 120 || return
   # Ray's actors import numpy before llama.cpp: preload llama_cpp in every process, as spec() does here
-  PYTHONPATH="$PRELOAD${PYTHONPATH:+:$PYTHONPATH}" timeout "$(left)" "$PY" -m specray.bench.hidden --target "$M" \
+  PYTHONPATH="$PRELOAD${PYTHONPATH:+:$PYTHONPATH}" timeout "$(limit)" "$PY" -m specray.bench.hidden --target "$M" \
     --gpus 0.5 --kinds mtp eagle3 --seqs 1 8 --transports object_store inline cuda_ipc --max-tokens 64 \
     --json "$OUT/hidden.json" > "$OUT/hidden.txt" 2> "$OUT/hidden.err"
   log "hidden rows: rc $?: $(grep -c -E '^(mtp|eagle3) ' "$OUT/hidden.txt") rows"
@@ -135,7 +136,7 @@ hop_step() {  # distributed over HTTP, plain decoding: actor call vs compiled gr
   has_ray || { log "hop: skipped, no Ray on this machine (scripts/gpu-kit.sh --ray)"; return; }
   budget hop 120 || return
   log "hop: actor vs compiled target hop"
-  PYTHONPATH="$PRELOAD${PYTHONPATH:+:$PYTHONPATH}" timeout 540 "$PY" -c \
+  PYTHONPATH="$PRELOAD${PYTHONPATH:+:$PYTHONPATH}" timeout "$(limit)" "$PY" -c \
     'import sys, llama_cpp; llama_cpp.llama_backend_init(); from specray.cli.main import main; sys.exit(main())' bench --http \
     --serve-modes distributed --target-hops actor,compiled --model "$M" --threads "$THREADS" --spec none \
     --streams 1 4 8 --num-prompts 8 --max-tokens "$MAX_TOKENS" --json "$OUT/hop.json" > "$OUT/hop.txt" 2> "$OUT/hop.err"
@@ -143,7 +144,7 @@ hop_step() {  # distributed over HTTP, plain decoding: actor call vs compiled gr
   # the companion's round calls: a draft model (the target itself, every round drafting: --policy first)
   budget hop 120 || return
   log "hop: actor vs compiled companion hop"
-  PYTHONPATH="$PRELOAD${PYTHONPATH:+:$PYTHONPATH}" timeout 540 "$PY" -c \
+  PYTHONPATH="$PRELOAD${PYTHONPATH:+:$PYTHONPATH}" timeout "$(limit)" "$PY" -c \
     'import sys, llama_cpp; llama_cpp.llama_backend_init(); from specray.cli.main import main; sys.exit(main())' bench --http \
     --serve-modes distributed --target-hops compiled --companion-hops actor,compiled --model "$M" --threads "$THREADS" \
     --spec draft --draft-model "$M" --policy first --n-max 3 --streams 1 4 --num-prompts 8 --max-tokens "$MAX_TOKENS" \
@@ -166,7 +167,7 @@ bench() {  # bench NAME SLOTS PER_CATEGORY [extra flags]; the model is $BM (defa
   local name=$1 slots=$2 per; per=$(per "$3"); shift 3
   budget "$name" 30 || return
   log "bench $name: slots $slots, $(basename "${BM:-$M}")"
-  timeout "$(left)" "${SPEC[@]}" bench --model "${BM:-$M}" --threads "$THREADS" --slots "$slots" --per-category "$per" --categories "$CATS" \
+  timeout "$(limit)" "${SPEC[@]}" bench --model "${BM:-$M}" --threads "$THREADS" --slots "$slots" --per-category "$per" --categories "$CATS" \
     --max-tokens "$MAX_TOKENS" --json "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err"
   log "bench $name: rc $?"
 }
@@ -182,7 +183,7 @@ lls() {  # lls NAME NP [llama-server flags]: llama-server from the same sources,
     sleep 0.5
   done
   log "llama-server $name ($*)"
-  timeout "$(left)" "${SPEC[@]}" bench --url http://127.0.0.1:8090 --no-in-process --streams 1 "$np" --categories "$CATS" --per-category "$(per 3)" \
+  timeout "$(limit)" "${SPEC[@]}" bench --url http://127.0.0.1:8090 --no-in-process --streams 1 "$np" --categories "$CATS" --per-category "$(per 3)" \
     --num-prompts 18 --max-tokens "$MAX_TOKENS" --json "$OUT/$name.json" > "$OUT/$name.txt" 2> "$OUT/$name.err"
   log "llama-server $name: rc $?"
   kill "$pid"; wait "$pid" 2>/dev/null
@@ -218,7 +219,7 @@ budget imports 60 && imports_step
 # 2. one slot: plain vs the default chain vs ngram_mod, exact shapes vs shape-stable (bucketed) verifies
 bench s1 1 3 --configs "${CONFIGS[@]}" --verify-shape both
 # 3. the GPU tests (offload, import order, lossless speculation with both verify shapes)
-budget gpu_tests 30 && log "gpu tests" && SPECRAY_TEST_MODEL=$M timeout "$(left)" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu -s > "$OUT/gpu_tests.txt" 2>&1
+budget gpu_tests 30 && log "gpu tests" && SPECRAY_TEST_MODEL=$M timeout "$(limit)" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu -s > "$OUT/gpu_tests.txt" 2>&1
 [ -f "$OUT/gpu_tests.txt" ] && log "gpu tests: $(tail -1 "$OUT/gpu_tests.txt")"
 
 # 4. llama-server, plain and with its ngram-mod drafts

@@ -113,6 +113,10 @@ def test_measure_script_skips_what_its_budget_cannot_hold(kit):
         assert f"{step}: skipped, " in progress and "left of the run's budget" in progress, step
 
 
-def test_pack_names_a_bad_flag():
+def test_pack_names_a_bad_flag_and_empties_no_folder_but_its_own(tmp_path):
     bad = sh("scripts/gpu-kit.sh", "--gpus")
     assert bad.returncode == 2 and "unknown option '--gpus'" in bad.stderr
+    keep = tmp_path / "notes.txt"
+    keep.write_text("mine")
+    refused = sh("scripts/gpu-kit.sh", "--cpu", "--out", str(tmp_path))
+    assert refused.returncode == 2 and "name a new folder" in refused.stderr and keep.read_text() == "mine"
