@@ -7,7 +7,10 @@ emission (detokenising, finishing) and delivery to the listeners. Every
 second of `Scheduler.step` is in exactly one stage, so the stages add up to
 the round; everything but `decode` is host work, the part that does not shrink
 when the target runs on a faster device (on a GPU, where a small model's decode
-is short, it is much of every token's time).
+is short, it is much of every token's time). The bench's own instrumentation
+inside the target call (top-2 margins, EngineConfig.record_margins) is timed
+apart, as `instrument`: no server does that work, so the round's time, its host
+time and the bench's speeds leave it out.
 
 >>> clock = RoundClock(t0=0.0)
 >>> clock.lap("admit", 0.001); clock.lap("draft", 0.004)
@@ -25,6 +28,8 @@ import time
 
 #: every stage a round may report, in the order a round runs them
 STAGES = ("admit", "plan", "draft", "build", "decode", "verify", "target_rest", "accept", "emit", "deliver")
+#: the bench's instrumentation inside the target call (record_margins): timed, but in no stage
+INSTRUMENT = "instrument"
 
 
 class RoundClock:
@@ -41,21 +46,36 @@ class RoundClock:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self.t
         self.t = now
 
-    def split_target(self, now: float | None, decode: float, verify: float) -> None:
-        """Charge the target call (since the last stamp) to its llama_decode, its verification and the rest
-        (batch filling, rollback, a remote target's hop and row transport): the rest never goes negative, a
-        remote target's own clocks may run a little ahead of the caller's."""
+    def split_target(self, now: float | None, decode: float, verify: float, instrument: float = 0.0) -> None:
+        """Charge the target call (since the last stamp) to its llama_decode, its verification, the bench's
+        instrumentation (`instrument`, not a stage: INSTRUMENT) and the rest (batch filling, rollback, a remote
+        target's hop and row transport): the rest never goes negative, a remote target's own clocks may run a
+        little ahead of the caller's.
+
+        >>> clock = RoundClock(t0=0.0)
+        >>> clock.split_target(0.010, decode=0.006, verify=0.001, instrument=0.002)
+        >>> {k: round(v * 1e3, 3) for k, v in clock.seconds.items()}, round(clock.work * 1e3, 3)
+        ({'decode': 6.0, 'verify': 1.0, 'instrument': 2.0, 'target_rest': 1.0}, 8.0)
+        """
         now = time.perf_counter() if now is None else now
         wall = now - self.t
         decode = min(max(0.0, decode), wall)
         verify = min(max(0.0, verify), wall - decode)
-        for k, v in (("decode", decode), ("verify", verify), ("target_rest", wall - decode - verify)):
-            self.seconds[k] = self.seconds.get(k, 0.0) + v
+        instrument = min(max(0.0, instrument), wall - decode - verify)
+        for k, v in (("decode", decode), ("verify", verify), (INSTRUMENT, instrument),
+                     ("target_rest", wall - decode - verify - instrument)):
+            if v or k != INSTRUMENT:
+                self.seconds[k] = self.seconds.get(k, 0.0) + v
         self.t = now
 
     @property
     def total(self) -> float:
         return self.t - self.t0
+
+    @property
+    def work(self) -> float:
+        """The round's time less the bench's instrumentation: what a server's round would have taken."""
+        return self.total - self.seconds.get(INSTRUMENT, 0.0)
 
 
 def breakdown(stage_seconds: dict[str, float], rounds: int, seq_rounds: int) -> dict:
@@ -67,7 +87,7 @@ def breakdown(stage_seconds: dict[str, float], rounds: int, seq_rounds: int) -> 
     ({'draft': 0.3, 'decode': 8.0, 'accept': 0.1}, 0.4, 0.2)
     """
     ms = {k: 1e3 * stage_seconds[k] / rounds for k in STAGES if k in stage_seconds} if rounds else {}
-    host = sum(v for k, v in stage_seconds.items() if k != "decode")
+    host = sum(v for k, v in stage_seconds.items() if k in STAGES and k != "decode")
     return {"ms_per_round": ms,
             "host_ms_per_round": 1e3 * host / rounds if rounds else None,
             "host_ms_per_seq_round": 1e3 * host / seq_rounds if seq_rounds else None}

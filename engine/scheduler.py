@@ -37,7 +37,7 @@ from .prompt_cache import idle_budget
 from .prompt_share import fork_plan, link
 from .request import GenerationRequest, Sequence, SeqState, admission_plan
 from .rollback import RollbackStats, TargetMemory
-from .round_stages import RoundClock
+from .round_stages import INSTRUMENT, RoundClock
 from .target import StepItem, StepOutput, StepResult
 from .verify_shape import batch_rows, max_draft
 
@@ -100,16 +100,20 @@ class RoundStats:
     failed_sequences: int = 0  # sequences ended with an error by the target (a state it could not roll back)
     shared_prompts: int = 0  # sequences that copied a sibling's prompt cells instead of prefilling (n > 1)
     context_shifts: int = 0  # sequences that reached their context and discarded old cells (context_shift.py)
+    # the bench's instrumentation inside rounds (record_margins: round_stages.INSTRUMENT), in no stage
+    instrument_seconds: float = 0.0
 
     def add_round(self, clock: RoundClock, prefill_share: float, loaded_tokens: int | None, n_decoding: int) -> None:
         """One round's stamps, `prefill_share` of its time on prompt rows; loaded_tokens: what it emitted if every
         slot was generating (None otherwise)."""
-        seconds = clock.total
+        seconds = clock.work  # the bench's instrumentation is no round's work: kept apart
+        self.instrument_seconds += clock.total - seconds
         self.rounds += 1
         self.seq_rounds += n_decoding
         self.round_seconds += seconds
         for k, v in clock.seconds.items():
-            self.stage_seconds[k] = self.stage_seconds.get(k, 0.0) + v
+            if k != INSTRUMENT:
+                self.stage_seconds[k] = self.stage_seconds.get(k, 0.0) + v
         self.prefill_seconds += seconds * prefill_share
         if loaded_tokens is not None:
             self.loaded_seconds += seconds
@@ -482,7 +486,7 @@ class Scheduler:
         items = step_items(decoding, proposals, chunks, self._needs_hidden)
         clock.lap("build")
         out = self.target.step(items)
-        clock.split_target(None, out.decode_seconds, out.verify_seconds)
+        clock.split_target(None, out.decode_seconds, out.verify_seconds, out.instrument_seconds)
         if out.hidden is not None:  # before _mirror: process() pairs each commit with its rows
             try:
                 self.chain.hidden(out.hidden)
@@ -506,7 +510,7 @@ class Scheduler:
                                                   sum(len(it.tokens) for it in items), n_prefill),
                              emitted if loaded and not prefilling else None, len(decoding))
         self.policy.observe(out.batch_sizes, out.decode_seconds, cells, n_prefill > 0, len(decoding),
-                            sum(p.rows for p in proposals), clock.total - clock.seconds.get("decode", 0.0),
+                            sum(p.rows for p in proposals), clock.work - clock.seconds.get("decode", 0.0),
                             emitted, out.rollback)
         return events
 

@@ -90,6 +90,8 @@ class StepOutput:
     seqs_per_decode: list[int] = field(default_factory=list)
     # host time of verification: reading the logits rows, accepting or sampling, rolling back rejected rows
     verify_seconds: float = 0.0
+    # the bench's instrumentation in the verification (record_margins' top-2 margins), left out of verify_seconds
+    instrument_seconds: float = 0.0
     # hidden rows of the committed tokens of items with hidden=True (engine/hidden_rows.py HiddenRows); in the
     # target actor, replaced by its transport's handle (deployments/actors/row_transport.py)
     hidden: Any = None
@@ -209,6 +211,7 @@ class _Round:
     hidden: list | None  # (seq_id, pos0, tokens, rows) of committed tokens, where a speculator wants them
     decode_seconds: float = 0.0
     verify_seconds: float = 0.0
+    instrument_seconds: float = 0.0  # record_margins' margins, within verify_seconds until _finish
     sizes: list[int] = field(default_factory=list)  # tokens per llama_decode
     seqs: list[int] = field(default_factory=list)  # sequences per llama_decode
     branch_ids: dict[int, list[int]] = field(default_factory=dict)  # a tree item's seq id -> each branch's seq id
@@ -237,6 +240,7 @@ class TargetRunner:
             raise ValueError("shape-stable verifies pad every verify with rows that are then rejected: a recurrent "
                              "target would roll its state back every round (use verify_shape exact)")
         self.record_margins = record_margins
+        self.instrument_seconds = 0.0  # time in record_margins' margins so far (StepOutput.instrument_seconds)
         # shape-stable verifies (EngineConfig.shape_buckets): decode-only rounds padded to a bucket; None: off
         self.verify_buckets = verify_buckets
         self.pad_rows = 0  # pad rows decoded (and removed again) so far
@@ -360,11 +364,13 @@ class TargetRunner:
         A sequence that cannot go on (its context cannot shift, its state cannot be rolled back, its grammar
         has no allowed token) gets a result with `error` and no tokens; the others are unaffected."""
         rnd = self._prepare(items)
+        instrument0 = self.instrument_seconds
         for group in rnd.groups:
             logits, taps = self._decode(group, rnd)
             t0 = time.perf_counter()
             self._verify(group, logits, taps, rnd)
             rnd.verify_seconds += time.perf_counter() - t0
+        rnd.instrument_seconds = self.instrument_seconds - instrument0
         return self._finish(rnd)
 
     def _prepare(self, items: list[StepItem]) -> _Round:
@@ -514,7 +520,7 @@ class TargetRunner:
         out = np.empty(n_acc + 1, dtype=np.int32)
         out[:n_acc] = draft[:n_acc]
         out[n_acc] = verdict.next_token
-        margins = emitted_margins(rows[: n_acc + 1], masked) if self.record_margins else None
+        margins = self._margins(rows[: n_acc + 1], masked) if self.record_margins else None
         # each emitted token's own row: what target-only decoding would have reported for it
         lps = None if sess.params.logprobs is None else token_logprobs(rows[: n_acc + 1], out, sess.params.logprobs)
         return StepResult(it.seq_id, out, n_acc, margins, n_replay=self.rollback.pending_rows(it.seq_id),
@@ -549,9 +555,17 @@ class TargetRunner:
         if self.record_margins or sess.params.logprobs is not None:
             # each emitted token's row: a copy of whole vocabulary rows, so only where something reads them
             own = rows[[0] + [1 + n for n in verdict.path]]
-            margins = emitted_margins(own, masked) if self.record_margins else None
+            margins = self._margins(own, masked) if self.record_margins else None
             lps = None if sess.params.logprobs is None else token_logprobs(own, out, sess.params.logprobs)
         return StepResult(it.seq_id, out, n_acc, margins, logprobs=lps, branch=verdict.branch)
+
+    def _margins(self, rows: np.ndarray, masked: list | None) -> np.ndarray:
+        """emitted_margins, timed as the bench's instrumentation (instrument_seconds): no server computes them, so
+        the round's host time leaves them out (round_stages.INSTRUMENT)."""
+        t0 = time.perf_counter()
+        margins = emitted_margins(rows, masked)
+        self.instrument_seconds += time.perf_counter() - t0
+        return margins
 
     def _keep_tree_path(self, it: StepItem, ids: list[int], verdict: TreeVerdict) -> str | None:
         """The accepted path's cells become the sequence's own, the rest of the tree goes, and the branch ids
@@ -575,7 +589,9 @@ class TargetRunner:
         its rollback work (a recurrent target) and the committed tokens' hidden rows, packed (HiddenRows)."""
         self.rounds += 1
         out = StepOutput([rnd.results[seq_id] for seq_id in rnd.order], rnd.decode_seconds, sum(rnd.sizes),
-                         len(rnd.groups), rnd.sizes, rnd.seqs, verify_seconds=rnd.verify_seconds)
+                         len(rnd.groups), rnd.sizes, rnd.seqs,
+                         verify_seconds=rnd.verify_seconds - rnd.instrument_seconds,
+                         instrument_seconds=rnd.instrument_seconds)
         out.stashed, out.restored = self.take_host_report()
         if rnd.rollback_before is not None:
             out.rollback = self.rollback.stats.minus(rnd.rollback_before)
