@@ -75,10 +75,10 @@ tar -C "$pkg" --exclude=lib --exclude=__pycache__ -cf - . | (mkdir -p "$stage/co
 progress "llama.cpp: $(du -sh "$stage/core/lib" | cut -f1) of libraries, llama-server $( [[ -f "$stage/core/bin/llama-server" ]] && echo yes || echo no)"
 
 # 2. Python 3.12 wheels the GPU image lacks (it has numpy, pyyaml, jinja2, torch, pytest, uvloop)
-pip312() {
-    "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "$@"
-}
+# what pip may take for the GPU image's Python: binary wheels for CPython 3.12 on x86-64 Linux
+PY312=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+pip312() { "$PY" -m pip download -q "${PY312[@]}" "$@"; }
 if (( wheels )); then
     pip312 --no-deps -d "$stage/core/whl" pydantic==2.12.5 pydantic-core==2.41.5 annotated-types typing-inspection \
         typing-extensions diskcache gguf httpx httpcore h11 anyio idna certifi sniffio
@@ -97,9 +97,7 @@ if (( ray )); then
     # installed here for Python 3.12 (binary wheels only, so nothing runs), then trimmed: Java's jar, the
     # dashboard's source maps and what the image has already; the set-up only unpacks it
     ver=$("$PY" -c 'import ray; print(ray.__version__)')
-    "$PY" -m pip install -q --no-compile --target "$stage/ray/site" --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 "ray[serve]==$ver"
+    "$PY" -m pip install -q --no-compile --target "$stage/ray/site" "${PY312[@]}" "ray[serve]==$ver"
     (cd "$stage/ray/site" && rm -rf ray/jars numpy numpy-* numpy.libs uvloop uvloop-* yaml PyYAML-* _yaml jinja2 \
         Jinja2-* jinja2-* markupsafe MarkupSafe-* bin && find . -name '*.js.map' -delete)
     progress "ray: $(du -sh "$stage/ray/site" | cut -f1) installed"

@@ -41,12 +41,10 @@ def kit(tmp_path_factory) -> dict:
     folders = sorted(parts.iterdir())
     early = sh("scripts/gpu-kit-setup.sh", str(folders[-1]), env=env)  # a part alone: the others are awaited
     setups = [sh("scripts/gpu-kit-setup.sh", str(f), env=env) for f in folders[:-1]]
-    kit_env = dict(os.environ)
-    for line in (home / "env.sh").read_text().splitlines():  # `export A=... B=...`, values without spaces
-        for pair in line.removeprefix("export ").split():
-            key, _, value = pair.partition("=")
-            kit_env[key] = os.path.expandvars(value.replace("${PYTHONPATH:+:$PYTHONPATH}", "")
-                                              .replace("${LD_LIBRARY_PATH:-}", os.environ.get("LD_LIBRARY_PATH", "")))
+    # the environment a shell has after `source env.sh`, as the device call's command has it
+    sourced = subprocess.run(["bash", "-c", 'source "$1" && env -0', "bash", str(home / "env.sh")],
+                             capture_output=True, check=True).stdout.decode()
+    kit_env = dict(item.split("=", 1) for item in sourced.split("\0") if "=" in item)
     return {"parts": folders, "packed": packed, "early": early, "setups": setups, "home": home, "env": kit_env,
             "base": base}
 
