@@ -82,3 +82,29 @@ def test_an_injected_h100_decode_table_drafts_where_acceptance_pays_and_not_else
     accepted = sum(s.spec_total.accepted for s in high) / max(1, sum(s.spec_total.drafted for s in high))
     assert accepted > 0.6
     assert high[1].generated == plain.generated  # and lossless
+
+
+def test_the_bench_times_a_configuration_without_its_tie_check(smollm2):
+    # the bench's margins (record_margins) are computed, and its run's seconds are the rounds' work without them
+    from specray.bench.lockstep import ConfigRun
+
+    eng = LocalEngine(EngineConfig(slots=2, n_ctx=2048, calibrate=False, record_margins=True), model=smollm2)
+    try:
+        prompts = [eng.prompt_tokens(None, [{"role": "user", "content": q}]) for q in spec_bench_prompts(2)]
+        run = ConfigRun(eng, eng.scheduler.policy, "ngram_mod,suffix,ngram_cache", prompts, 32)
+        wall = 0.0
+        while True:
+            t0 = time.perf_counter()
+            more = run.step()
+            wall += time.perf_counter() - t0
+            if not more:
+                break
+        st = eng.scheduler.stats
+        result, seqs = run.result(0.0)
+    finally:
+        eng.close()
+    assert all(s.margins for s in seqs)  # the tie check has its margins
+    assert st.instrument_seconds > 0
+    # within a quarter of the margins' time: a run that counted them would miss by all of it
+    assert run.seconds == pytest.approx(wall - st.instrument_seconds, abs=st.instrument_seconds / 4)
+    assert st.round_seconds <= run.seconds
