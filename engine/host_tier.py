@@ -7,6 +7,9 @@ whose prompt shares a long prefix with it has them written back into its slot (`
 prefills only the rest. The bytes stay with the target (TargetRunner's stash, in the target actor when it is
 one); this index, in the scheduler, knows what each entry holds and decides.
 
+The entries' tokens are indexed in a radix tree (engine/radix_index.py): the longest match, the entries a new
+save supersedes and whether one already covers a prefix are each one walk, however many entries there are.
+
 It is bounded: entries are dropped least recently used first beyond `budget_bytes`, and an entry whose
 tokens are a prefix of a newer one's is dropped as the newer one is saved (a conversation's next turn holds
 all of its last one). Restoring is priced against prefilling: the measured seconds per byte of restores so far
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .prompt_cache import common_prefix
+from .radix_index import RadixIndex
 
 #: seconds per byte a restore is priced at before one has been timed (a host memcpy of a few GB/s)
 FIRST_GUESS_SECONDS_PER_BYTE = 1.0 / 2e9
@@ -59,6 +62,7 @@ class HostTier:
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = max(0, int(budget_bytes))
         self.entries: dict[int, HostEntry] = {}
+        self.index = RadixIndex()  # the entries' tokens, by key
         self.bytes = 0
         self.stats = HostTierStats()
         self._tick = 0
@@ -79,19 +83,18 @@ class HostTier:
         `over_budget` next and drop what it names."""
         self._tick += 1
         tokens = np.array(tokens, dtype=np.int32)
-        gone = [k for k, e in self.entries.items()
-                if len(e.tokens) <= len(tokens) and common_prefix(e.tokens, tokens) == len(e.tokens)]
+        gone = [k for k in self.index.prefixes_of(tokens) if k != key]
         for k in gone:
             self.remove(k)
         self.entries[key] = HostEntry(tokens, int(nbytes), self._tick)
+        self.index.insert(key, tokens)
         self.bytes += int(nbytes)
         self.stats.saves += 1
         return gone
 
     def covers(self, tokens: np.ndarray) -> bool:
         """Whether an entry already holds all of `tokens` (saving them again would add nothing)."""
-        return any(len(e.tokens) >= len(tokens) and common_prefix(e.tokens, tokens) == len(tokens)
-                   for e in self.entries.values())
+        return self.index.covers(tokens)
 
     def over_budget(self) -> list[int]:
         """Keys to drop, least recently used first, until the entries fit the budget."""
@@ -118,21 +121,15 @@ class HostTier:
 
     def remove(self, key: int) -> None:
         e = self.entries.pop(key, None)
+        self.index.remove(key)
         if e is not None:
             self.bytes -= e.nbytes
             self.stats.evictions += 1
 
     def best(self, prompt: np.ndarray, limit: int | None = None) -> tuple[int | None, int]:
-        """(key, tokens shared with `prompt`, at most `limit`) of the entry sharing the longest prefix; (None, 0)
-        when none shares any."""
-        best, n = None, 0
-        for k, e in self.entries.items():
-            m = common_prefix(e.tokens, prompt)
-            if limit is not None:
-                m = min(m, limit)
-            if m > n:
-                best, n = k, m
-        return best, n
+        """(key, tokens shared with `prompt`, at most `limit`) of the entry sharing the longest prefix, of those
+        the one holding the fewest tokens (the cheapest restore); (None, 0) when none shares any."""
+        return self.index.longest(prompt if limit is None else prompt[:limit])
 
     def restore_price(self, key: int) -> float:
         """Seconds a restore of entry `key` is expected to take (the measured rate, else the first guess)."""
@@ -158,6 +155,7 @@ class HostTier:
         """Forget every entry (the target's stash is gone or must be emptied); returns their keys."""
         keys = list(self.entries)
         self.entries.clear()
+        self.index = RadixIndex()
         self.bytes = 0
         return keys
 
