@@ -86,6 +86,7 @@ class ReplayDecode:
         self.buf = np.zeros((n_batch, n_vocab), dtype=np.float32)
         self.truth: dict[int, np.ndarray] = {}
         self._hot: list[tuple[int, int]] = []  # cells set to 1 by the last call, zeroed by the next
+        self._until = 0.0  # when the launched decode's time is up
         self.decodes = 0
 
     def expect(self, seq_id: int, tokens: np.ndarray) -> None:
@@ -100,7 +101,12 @@ class ReplayDecode:
             self.truth[dst] = self.truth[src]
 
     def __call__(self, batch) -> np.ndarray:
-        spin(self.wait(batch.n_tokens))
+        self.launch(batch)
+        return self.logits(len(self._hot))
+
+    def launch(self, batch) -> None:
+        """Context.launch: the decode starts (a GPU's returns once queued); `logits` waits out its time."""
+        self._until = time.perf_counter() + self.wait(batch.n_tokens)
         for r, c in self._hot:
             self.buf[r, c] = 0.0
         self._hot.clear()
@@ -112,7 +118,12 @@ class ReplayDecode:
             self.buf[r, c] = 1.0
             self._hot.append((r, c))
         self.decodes += 1
-        return self.buf[: len(rows)]
+
+    def logits(self, n_outputs: int) -> np.ndarray:
+        """Context.logits: busy-waits until the launched decode's time is up (a host thread waiting on its
+        GPU stream), then its rows."""
+        spin(self._until - time.perf_counter())
+        return self.buf[:n_outputs]
 
 
 @dataclass
@@ -156,7 +167,10 @@ def replay_config(engine, name: str, requests: list, truth: list[np.ndarray], ta
         return start(seq_id, params, prompt, *rest, **named)
 
     runner.start = start_expecting
-    engine.ctx.decode = decode  # the instance attribute shadows the method: TargetRunner calls ctx.decode(batch)
+    # instance attributes shadow the methods: TargetRunner calls ctx.decode(batch), or launch then logits
+    engine.ctx.decode, engine.ctx.launch, engine.ctx.logits = decode, decode.launch, decode.logits
+    if engine.scheduler.overlap:  # a GPU's decode returns once queued: the overlapped work runs on this thread
+        engine.scheduler.use_overlap(decode_blocks=False)
     seq_cp, slots = engine.ctx.seq_cp, engine.config.slots
 
     def seq_cp_sharing(src, dst, p0=-1, p1=-1):

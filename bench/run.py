@@ -40,7 +40,7 @@ from .progress import Progress
 from .prompts import BenchPrompt, default_prompts_path, load_prompts, prompt_grammar
 from .report import BenchReport, ConfigResult, write_json
 from .round_profile import RoundProfiler
-from .shapes import chain_of, expand_configs, split_config
+from .shapes import chain_of, expand_configs, overlap_of, split_config
 from .variants import TUNE, chain_config, held_out_winners, parse_params, sweep_configs, tree_mode
 
 __all__ = ["BenchPrompt", "BenchReport", "ConfigResult", "classify_divergence", "cpu_steal_seconds",
@@ -141,12 +141,13 @@ def run_bench(
     # where drafts are made (engine/rollback.py), so `none` runs on the plain context a plain server has
     recurrent = engine.model.memory_kind != "attention"
 
-    def kind(c: str) -> tuple[str, bool]:
-        return shapes[c], recurrent and bool(chain_of(c))
+    def kind(c: str) -> tuple[str, bool, bool]:
+        return shapes[c], recurrent and bool(chain_of(c)), overlap_of(c)[1]
 
-    def new_engine(shape: str, drafts: bool) -> LocalEngine:
+    def new_engine(shape: str, drafts: bool, overlap: bool) -> LocalEngine:
         chain_cfg = cfg.chain.model_copy(update={"speculators": ["ngram_mod"] if drafts else []})
-        e = LocalEngine(cfg.model_copy(update={"calibrate": False, "verify_shape": shape, "chain": chain_cfg}),
+        e = LocalEngine(cfg.model_copy(update={"calibrate": False, "verify_shape": shape, "chain": chain_cfg,
+                                               "overlap": overlap}),
                         model=engine.model)
         e.scheduler.cost = engine.scheduler.cost.copy()
         if engine.hidden_heads is not None and e.hidden_heads is not None:
@@ -159,11 +160,11 @@ def run_bench(
 
     shapes = {c: split_config(c)[1] for c in configs}
     if order == "lockstep":
-        engines = {c: engine if i == 0 and kind(c) == ("exact", False) else new_engine(*kind(c))
+        engines = {c: engine if i == 0 and kind(c) == ("exact", False, False) else new_engine(*kind(c))
                    for i, c in enumerate(configs)}
     else:
-        by_kind = {("exact", False): engine}
-        for k in set(map(kind, configs)) - {("exact", False)}:
+        by_kind = {("exact", False, False): engine}
+        for k in set(map(kind, configs)) - {("exact", False, False)}:
             by_kind[k] = new_engine(*k)
         engines = {c: by_kind[kind(c)] for c in configs}
     # each configuration's own chain: its parameters (--spec-param, then its own: variants.py), tuning or not
@@ -305,7 +306,7 @@ def _host_replay_report(engine: LocalEngine, cfg: EngineConfig, configs: list[st
 
         def config_engine(c: str) -> LocalEngine:
             chain, shape = split_config(c)
-            return LocalEngine(cfg.model_copy(update={
+            return LocalEngine(cfg.model_copy(update={"overlap": overlap_of(c)[1],
                 # margins are the timed bench's instrumentation (ties), not a server's work
                 "calibrate": False, "verify_shape": shape, "record_margins": False,
                 "chain": chain_config(chain, spec_params or {}, cfg.chain.policy, cfg.chain.n_max)}),

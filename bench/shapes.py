@@ -12,14 +12,26 @@ from specray.engine.config import parse_chain
 
 SHAPES = ("exact", "bucketed", "both")
 SUFFIX = "@bucketed"
+#: a configuration `CHAIN@overlap` runs CHAIN with overlapped rounds (EngineConfig.overlap), on its own engine
+OVERLAP = "@overlap"
+
+
+def overlap_of(name: str) -> tuple[str, bool]:
+    """A bench configuration without its overlap suffix, and whether it runs overlapped rounds.
+
+    >>> overlap_of("ngram_mod,suffix@bucketed@overlap"), overlap_of("none")
+    (('ngram_mod,suffix@bucketed', True), ('none', False))
+    """
+    return (name[: -len(OVERLAP)], True) if name.endswith(OVERLAP) else (name, False)
 
 
 def split_config(name: str) -> tuple[str, str]:
     """A bench configuration's chain label and verify shape.
 
-    >>> split_config("ngram_mod,suffix@bucketed"), split_config("suffix")
+    >>> split_config("ngram_mod,suffix@bucketed"), split_config("suffix@overlap")
     (('ngram_mod,suffix', 'bucketed'), ('suffix', 'exact'))
     """
+    name = overlap_of(name)[0]
     if name.endswith(SUFFIX):
         return name[: -len(SUFFIX)], "bucketed"
     return name, "exact"
@@ -44,18 +56,19 @@ def expand_configs(configs: list[str], verify_shape: str) -> list[str]:
 
     >>> expand_configs(["none", "ngram_mod,suffix"], "both")
     ['none', 'ngram_mod,suffix', 'ngram_mod,suffix@bucketed']
-    >>> expand_configs(["none", "suffix"], "bucketed")
-    ['none', 'suffix@bucketed']
+    >>> expand_configs(["none", "suffix", "suffix@overlap"], "bucketed")
+    ['none', 'suffix@bucketed', 'suffix@bucketed@overlap']
     """
     if verify_shape not in SHAPES:
         raise ValueError(f"verify_shape must be one of {', '.join(SHAPES)}, got {verify_shape!r}")
     out: list[str] = []
     for c in configs:
-        if c == "none" or c.endswith(SUFFIX) or verify_shape == "exact":
-            names = [c]
+        base, overlap = overlap_of(c)
+        if base == "none" or base.endswith(SUFFIX) or verify_shape == "exact":
+            names = [base]
         elif verify_shape == "bucketed":
-            names = [c + SUFFIX]
+            names = [base + SUFFIX]
         else:
-            names = [c, c + SUFFIX]
-        out.extend(n for n in names if n not in out)
+            names = [base, base + SUFFIX]
+        out.extend(n + OVERLAP * overlap for n in names if n + OVERLAP * overlap not in out)
     return out

@@ -239,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="in-process: a speculator parameter every configuration starts from, repeatable (e.g. "
                             "--spec-param suffix.p_min=0.2). A configuration can carry its own: "
                             "CHAIN/SPECULATOR.KEY=VALUE; CHAIN+tune tunes them online (ChainConfig.tune); CHAIN+trees sends draft trees "
-                            "(ChainConfig.trees), CHAIN+linear does not")
+                            "(ChainConfig.trees), CHAIN+linear does not; CHAIN@overlap runs overlapped rounds "
+                            "(engine.overlap: the last round's text and events made while the target decodes)")
     bench.add_argument("--tune-sweep", action="store_true",
                        help="in-process: run each chain of --configs as configured, tuned online (CHAIN+tune), and at "
                             "every point of its speculators' tuning grids (one speculator at a time), so the tuned "
@@ -470,6 +471,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--queue-max-wait", type=float, default=S, metavar="SECONDS",
                    help="with --queue-order cached, a request that has waited this long goes ahead of any that "
                         f"has not {d(EngineConfig, 'queue_max_wait_s')}")
+    g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=S,
+                   help="overlapped rounds: the last round's text and events are made and delivered, and "
+                        "model-free speculators set up new sequences and merge finished ones, while the "
+                        "target decodes (on a GPU, behind the device's work; on CPU on a helper thread, which "
+                        "gains little: the decode's threads hold the cores; with a target actor, while it decodes) "
+                        f"(default: {'on' if EngineConfig().overlap else 'off'})")
     g.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=S,
                    help="a generation that reaches its context discards old tokens and goes on (llama-server's "
                         "--context-shift; requests may set context_shift, n_keep, n_discard themselves) "

@@ -44,6 +44,7 @@ _FLAG_FIELDS = {
     "prefill_budget": ("engine", "prefill_budget"),
     "queue_order": ("engine", "queue_order"),
     "queue_max_wait": ("engine", "queue_max_wait_s"),
+    "overlap": ("engine", "overlap"),
     "context_shift": ("engine", "context_shift"),
     "verify_shape": ("engine", "verify_shape"),
     "verify_buckets": ("engine", "verify_buckets"),

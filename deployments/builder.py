@@ -63,6 +63,8 @@ class EngineParts:
             self.draft_model.close()
         if self.hidden_heads is not None:
             self.hidden_heads.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
         if self.ctx is not None:
             self.ctx.close()
 
@@ -270,6 +272,10 @@ def _build_local(config: EngineConfig, model) -> EngineParts:
     except BaseException:  # a setting this target refuses (context_shift on a recurrent model): nothing leaks
         parts.close()
         raise
+    if config.overlap:
+        # a GPU's llama_decode returns once the graph is queued; the CPU backend's only when done: there the
+        # overlapped work goes to a helper thread while the round thread decodes
+        parts.scheduler.use_overlap(decode_blocks=model.n_gpu_layers == 0)
     return parts
 
 
@@ -303,5 +309,7 @@ def _build_remote(config: EngineConfig, actors, step_timeout_s: float | None, ta
     scheduler = Scheduler(config, remote, model, chain, info["n_ctx_seq"], cost,
                           shared_cells=info["n_ctx"] if info["kv_unified"] else None, memory=memory,
                           constraints=GrammarCompiler.of(model), host_cache_bytes=_host_tier(config, memory))
+    if config.overlap:  # the actor call returns at once: the overlapped work runs while the actor decodes
+        scheduler.use_overlap(decode_blocks=False)
     return EngineParts(config, model, chain, scheduler, info["n_ctx"], info["n_ctx_seq"], factory, remote=remote,
                        actors=actors)

@@ -349,6 +349,13 @@ class EngineConfig(BaseModel):
     queue_max_wait_s: float = Field(
         20.0, gt=0, description="with queue_order cached: a request that has waited this long goes ahead of any "
         "that has not, in arrival order, so none waits forever behind shorter prompts")
+    overlap: bool = Field(
+        False, description="overlapped rounds: the host work of a round that needs no result of it (the last "
+        "round's text decoded, its events made and delivered; model-free speculators' set-up of new sequences "
+        "and merge of finished ones) runs while the target decodes. A GPU's decode "
+        "returns once queued, so that work is hidden behind the device's; on CPU the decode runs on a thread of "
+        "its own, which exercises the overlap but gains little (the decode's threads hold the cores). With a "
+        "target actor (distributed mode) the work runs while the actor decodes")
     chain: ChainConfig = Field(default_factory=ChainConfig, description="the speculator chain")
     draft: DraftModelConfig = Field(
         default_factory=DraftModelConfig, description="draft model for the `draft` speculator (in-process when "

@@ -14,6 +14,8 @@ import numpy as np
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .config import ChainConfig
 
 _ids = itertools.count(1)
@@ -237,15 +239,23 @@ class Sequence:
         """Take the tokens a round produced, up to the first that ends the sequence (end of generation unless
         ignore_eos, a stop string, max_tokens): returns (tokens kept, new text). Sets finish_reason when it ends
         (the caller frees the slot). `tok`: token_to_piece / is_eog of the target's vocabulary."""
+        kept, text = self.take(toks, margins, tok)
+        return kept, text if isinstance(text, str) else text()
+
+    def take(self, toks: np.ndarray, margins: np.ndarray | None, tok) -> tuple[list[int], str | Callable[[], str]]:
+        """`emit` in two halves: the tokens kept (and finish_reason) now, the text now where stop strings need it
+        to decide, else a function that makes it later. An overlapped round calls that function while the next
+        round decodes. Call each such function before this sequence's next `take`: an incremental decoder
+        holds the text's state."""
         if self.t_first_token is None and len(toks):
             self.t_first_token = time.perf_counter()
         kept: list[int] = []
         text = ""
         # without stop strings the pieces are decoded in one go after the loop (an incremental decoder's text
         # does not depend on how its bytes are split): one decode a round, not one a token
-        pieces: list[bytes] | None = None if self.req.stop else []
         eog = None if self.req.ignore_eos else tok.is_eog
         room = self.req.max_tokens - len(self.generated)
+        stops = bool(self.req.stop)
         for i, t in enumerate(toks.tolist() if isinstance(toks, np.ndarray) else [int(t) for t in toks]):
             if eog is not None and eog(t):
                 self.finish_reason = "stop"
@@ -255,21 +265,23 @@ class Sequence:
             kept.append(t)
             if margins is not None:
                 self.margins.append(float(margins[i]))
-            if pieces is not None:
-                pieces.append(tok.token_to_piece(t))
-            else:
+            if stops:
                 text += self.feed_text(tok.token_to_piece(t))
                 if self.finish_reason == "stop":  # a stop string matched
                     break
             if len(kept) >= room:
                 self.finish_reason = "length"
                 break
-        if pieces:
-            text += self.feed_text(b"".join(pieces))
         self.append_tokens(kept)
-        if self.finish_reason is not None and self.finish_reason != "stop":
-            text += self.feed_text(b"", final=True)
-        return kept, text
+        final = self.finish_reason is not None and self.finish_reason != "stop"
+        if stops:
+            return kept, text + self.feed_text(b"", final=True) if final else text
+
+        def make() -> str:
+            out = self.feed_text(b"".join(tok.token_to_piece(t) for t in kept)) if kept else ""
+            return out + self.feed_text(b"", final=True) if final else out
+
+        return kept, make
 
     def take_logprobs(self, lps, n_kept: int) -> tuple:
         """(the kept tokens' logprobs: a prefix of the round's TokenLogprobs, or None; the prompt's logprobs

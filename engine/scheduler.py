@@ -19,6 +19,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -102,6 +103,11 @@ class RoundStats:
     context_shifts: int = 0  # sequences that reached their context and discarded old cells (context_shift.py)
     # the bench's instrumentation inside rounds (record_margins: round_stages.INSTRUMENT), in no stage
     instrument_seconds: float = 0.0
+    # overlapped rounds (EngineConfig.overlap): host work done while the target decoded (speculators' set-ups
+    # and merges, the last round's events made and delivered), inside the `decode` stage's wall time, in no
+    # stage of its own
+    overlapped_seconds: float = 0.0
+    overlapped_rounds: int = 0
 
     def add_round(self, clock: RoundClock, prefill_share: float, loaded_tokens: int | None, n_decoding: int) -> None:
         """One round's stamps, `prefill_share` of its time on prompt rows; loaded_tokens: what it emitted if every
@@ -271,6 +277,10 @@ def commit_round(verdict: Callable[[Proposal, int, int, np.ndarray], None], deco
     return emit, failed
 
 
+def _same(e: Event) -> Event:
+    return e
+
+
 def check_grammar(constraints: ConstraintFactory | None, grammar: str | None) -> None:
     """ValueError if a request's grammar does not compile: checked at submit, so a bad one never reaches a round."""
     if grammar is not None:
@@ -310,6 +320,15 @@ class Scheduler:
         self.stats = RoundStats()
         self.disabled_speculators: set[str] = set()
         self.on_event: Callable[[Event], None] | None = None
+        # called after on_event has had a batch of events (an overlapped round's, made while the target decodes)
+        self.on_delivered: Callable[[], None] | None = None
+        # overlapped rounds (use_overlap): a round's events are made (text decoded) and delivered, and model-free
+        # speculators set up and merge sequences, while the next round decodes
+        self.overlap = False
+        self._beside: ThreadPoolExecutor | None = None  # where that work runs while a CPU decode blocks
+        self._later: list[Callable[[], Event]] = []  # the last round's events, not made yet
+        self._chain_later: list[Callable[[], None]] = []  # speculators' set-ups and merges, not run yet
+        self._made: list[Event] = []  # events made and delivered, not yet returned by step()
 
     # the target decode's price model (the policy's; settable)
     cost = property(lambda self: self.policy.cost, lambda self, model: setattr(self.policy, "cost", model))
@@ -353,7 +372,9 @@ class Scheduler:
             self._finish(seq)
 
     def has_work(self) -> bool:
-        return bool(self.active or self.queue)
+        """Whether step() has anything to do: sequences running or queued, or (overlapped rounds) events of the
+        last round not yet returned."""
+        return bool(self.active or self.queue or self._later or self._made or self._chain_later)
 
     def _admit(self) -> None:
         """Queued sequences into free slots, in order; one that waits (for cells, or for another sequence's
@@ -384,13 +405,40 @@ class Scheduler:
             self.active[plan.slot] = seq
             self.reserved += seq.reserve
             self.policy.forget_sequence(plan.slot, seq.chain)  # what it learnt of the slot's last sequence
-            try:
-                self.chain.begin(plan.slot, seq.chain, prompt, seq.req.sampling.grammar)
-            except Exception:  # a failing speculator degrades to plain decoding
-                log.exception("speculator begin failed; sequence %s decodes without speculation", seq.id)
-                seq.chain = ()
-            if plan.reuse:  # what a prefill of the reused prefix would have told the speculators
-                self._mirror(seq, prompt[: plan.reuse], 0)
+            # its speculators' set-up: while this round decodes where the overlap may take it (it drafts after
+            # its prefill, and its first prompt rows are mirrored after the decode)
+            self._speculators(seq.chain, functools.partial(self._begin, seq, plan.slot, prompt, plan.reuse))
+
+    def _begin(self, seq: Sequence, slot: int, prompt: np.ndarray, reuse: int) -> None:
+        """Its speculators start a sequence on `slot`, told of the `reuse` prompt tokens it starts with."""
+        try:
+            self.chain.begin(slot, seq.chain, prompt, seq.req.sampling.grammar)
+        except Exception:  # a failing speculator degrades to plain decoding
+            log.exception("speculator begin failed; sequence %s decodes without speculation", seq.id)
+            seq.chain = ()
+        if reuse:  # what a prefill of the reused prefix would have told the speculators
+            self._mirror(seq, prompt[:reuse], 0)
+
+    def _end(self, slot: int, names: tuple[str, ...]) -> None:
+        try:
+            self.chain.end(slot, names)
+        except Exception:
+            log.exception("speculator end failed")
+
+    def _speculators(self, names: tuple[str, ...], op: Callable[[], None]) -> None:
+        """Run a sequence's speculator set-up or merge (`op`) now, or, in overlapped rounds where `names` are
+        all model-free, while the next round decodes. A model speculator decodes in a context of its own, kept
+        on the round thread: its ops run now, after those still waiting (a slot's end before its next begin)."""
+        if self.overlap and names and not any(self.chain.is_model(n) for n in names):
+            self._chain_later.append(op)
+            return
+        self._run_chain_later()
+        op()
+
+    def _run_chain_later(self) -> None:
+        ops, self._chain_later = self._chain_later, []
+        for op in ops:
+            op()
 
     def _order_queue(self) -> None:
         """More sequences wait than slots are free: the head of the queue in admission_order (fewest prompt
@@ -425,14 +473,13 @@ class Scheduler:
             # prompt, a failed state never
             self.target.release(slot, keep=self.prefix_cache.finished(seq))
             self.policy.forget_sequence(slot, seq.chain)
-            try:
-                self.chain.end(slot, seq.chain)
-            except Exception:
-                log.exception("speculator end failed")
+            if seq.chain:
+                self._speculators(seq.chain, functools.partial(self._end, slot, seq.chain))
 
     def use_policy(self, policy: DraftPolicy) -> None:
         """Draft with `policy` and its chain from the next round (between rounds only; the bench runs several
         chains on one engine, each with its own policy: DraftPolicy.for_chain)."""
+        self._run_chain_later()  # set-ups and merges still waiting belong to the chain they were asked of
         self.policy, self.chain = policy, policy.chain
 
     def reconfigure_chain(self, new: ChainConfig) -> dict:
@@ -441,6 +488,7 @@ class Scheduler:
         Raises ValueError, changing nothing, if `new` cannot be built. Call only between rounds, on the thread
         that runs step(): it ends and begins running sequences' speculators, which a round also calls."""
         old = self.config.chain
+        self._run_chain_later()
         change = self.chain.reconfigure(new, {s.slot: (s.chain, s.history_view()) for s in self.active.values()})
         self.policy.chain_changed(change)
         # a fresh instance gets another chance (one that failed and was not rebuilt stays disabled)
@@ -452,10 +500,14 @@ class Scheduler:
 
     # ---- one round -------------------------------------------------------------------
     def step(self) -> list[Event]:
+        """One round (module docstring); returns its events. With overlapped rounds (`overlap`), a round's
+        events are made while the next round decodes, so step() returns the previous round's, and a step with
+        no round to run returns what is left: a caller that steps while has_work() gets every event, in order."""
         clock = RoundClock()
         self._admit()
         if not self.active:
-            return []
+            self._make_later()
+            return self._take_made()
         clock.lap("admit")
         if self.shared_cells is not None and not self.config.flash_attn_on:
             # every cell in use is computed for every token, masked or not: idle caches slow the running sequences
@@ -485,7 +537,10 @@ class Scheduler:
 
         items = step_items(decoding, proposals, chunks, self._needs_hidden)
         clock.lap("build")
-        out = self.target.step(items)
+        if self.overlap:
+            out = self._overlapped(items)
+        else:
+            out = self.target.step(items)
         clock.split_target(None, out.decode_seconds, out.verify_seconds, out.instrument_seconds)
         if out.hidden is not None:  # before _mirror: process() pairs each commit with its rows
             try:
@@ -498,14 +553,25 @@ class Scheduler:
 
         emit, failed = commit_round(self.policy.accept, decoding, proposals, chunks, items, out.results, self._mirror)
         clock.lap("accept")
-        events = [self._emit(s, res) for s, res in emit]
-        events += [self._fail(s, why) for s, why in failed]
-        clock.lap("emit")
-        if self.on_event:
-            for e in events:
-                self.on_event(e)
+        if self.overlap:  # tokens kept and sequences finished now; text and events while the next round decodes
+            taken = [self._take(s, res) for s, res in emit]
+            fails = [self._fail(s, why) for s, why in failed]  # slot freed now, error event with the rest
+            emitted = sum(n for n, _ in taken)
+            self._later += [make for _, make in taken] + [functools.partial(_same, e) for e in fails]
+            if not self.active and not self.queue:  # no next round to hide them behind
+                self._make_later()
+            clock.lap("emit")
+            events = self._take_made()
+        else:
+            events = [self._emit(s, res) for s, res in emit]
+            events += [self._fail(s, why) for s, why in failed]
+            clock.lap("emit")
+            if self.on_event:
+                for e in events:
+                    self.on_event(e)
+            emitted = sum(len(e.tokens) for e in events)
         clock.lap("deliver")
-        emitted, loaded = sum(len(e.tokens) for e in events), not n_prefill and len(decoding) == self.config.slots
+        loaded = not n_prefill and len(decoding) == self.config.slots
         self.stats.add_round(clock, prefill_share(lambda n: self.cost.cost(n, cells),
                                                   sum(len(it.tokens) for it in items), n_prefill),
                              emitted if loaded and not prefilling else None, len(decoding))
@@ -575,12 +641,84 @@ class Scheduler:
         return Event(s, [], "", True, error=why)
 
     def _emit(self, s: Sequence, res: StepResult) -> Event:
-        kept, text = s.emit(res.tokens, res.margins, self.tok)
+        return self._take(s, res)[1]()
+
+    def _take(self, s: Sequence, res: StepResult) -> tuple[int, Callable[[], Event]]:
+        """A round's result into its sequence: the tokens it keeps (Sequence.take), the sequence finished where
+        they end it. Returns (tokens kept, a function that makes its event: the text decoded then, unless stop
+        strings needed it now)."""
+        kept, text = s.take(res.tokens, res.margins, self.tok)
         self.stats.tokens_emitted += len(kept)
         lps, plp = s.take_logprobs(res.logprobs, len(kept))
         if s.finish_reason is not None:
             self._finish(s)
-        return Event(s, kept, text, s.finished, logprobs=lps, prompt_logprobs=plp)
+        finished = s.finished
+
+        def make() -> Event:
+            return Event(s, kept, text if isinstance(text, str) else text(), finished, logprobs=lps,
+                         prompt_logprobs=plp)
+
+        return len(kept), make
+
+    def use_overlap(self, decode_blocks: bool) -> None:
+        """Overlap rounds from the next one (EngineConfig.overlap): the target must have `launch` and `collect`
+        (TargetRunner). `decode_blocks`: its launch returns only when the decode is done (llama.cpp's CPU
+        backend), so the overlapped work runs on a helper thread meanwhile (llama_decode releases the GIL);
+        else (a GPU, whose launch returns once the graph is queued) on this thread after the launch."""
+        self.overlap = True
+        if decode_blocks and self._beside is None:
+            self._beside = ThreadPoolExecutor(1, thread_name_prefix="specray-overlap")
+        elif not decode_blocks and self._beside is not None:
+            self._beside.shutdown(wait=True)
+            self._beside = None
+
+    def close(self) -> None:
+        """Stop the overlap's helper thread, if there is one (the engine is going away: what was left for the
+        next decode is dropped)."""
+        if self._beside is not None:
+            self._beside.shutdown(wait=True)
+            self._beside = None
+
+    def _overlapped(self, items: list[StepItem]) -> StepOutput:
+        """The target call of an overlapped round: the decode started, the work left for it done meanwhile
+        (_make_later), then the round's output. That work touches neither the target nor what the round's own
+        bookkeeping reads, and it is done before this returns."""
+        def beside() -> None:
+            t0 = time.perf_counter()
+            self._make_later()
+            self.stats.overlapped_seconds += time.perf_counter() - t0
+
+        self.stats.overlapped_rounds += 1
+        if self._beside is None:  # the launch returns at once: the work goes between it and the wait
+            self.target.launch(items)
+            try:
+                beside()
+            finally:
+                out = self.target.collect()  # the launched round is read whatever happened meanwhile
+            return out
+        helper = self._beside.submit(beside)
+        try:
+            self.target.launch(items)
+            return self.target.collect()
+        finally:
+            helper.result()
+
+    def _make_later(self) -> None:
+        """The work left for the next decode: speculators' set-ups and merges, then the last round's events
+        made (their text decoded now) and delivered (on_event), in order; step() returns them."""
+        self._run_chain_later()
+        later, self._later = self._later, []
+        for make in later:
+            e = make()
+            self._made.append(e)
+            if self.on_event:
+                self.on_event(e)
+        if later and self.on_delivered:
+            self.on_delivered()
+
+    def _take_made(self) -> list[Event]:
+        made, self._made = self._made, []
+        return made
 
     def run(self, reqs: list[GenerationRequest]) -> list[Sequence]:  # all of them, to the end
         seqs = [self.submit(r) for r in reqs]

@@ -34,6 +34,9 @@ class TargetContext(Protocol):  # what specray.native.Context provides
     batch: Any
 
     def decode(self, batch: Any = None) -> np.ndarray: ...
+    # the two halves of decode, for an overlapped round (TargetRunner.launch / collect)
+    def launch(self, batch: Any = None) -> None: ...
+    def logits(self, n_outputs: int) -> np.ndarray: ...
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool: ...
     def clear_seq(self, seq_id: int) -> None: ...
     def shift_seq(self, seq_id: int, n_keep: int, n_discard: int) -> bool: ...
@@ -215,6 +218,17 @@ class _Round:
     sizes: list[int] = field(default_factory=list)  # tokens per llama_decode
     seqs: list[int] = field(default_factory=list)  # sequences per llama_decode
     branch_ids: dict[int, list[int]] = field(default_factory=dict)  # a tree item's seq id -> each branch's seq id
+    instrument0: float = 0.0  # TargetRunner.instrument_seconds when the round began
+
+
+@dataclass
+class _Launched:
+    """The round's last decode, started (TargetRunner.launch) and not yet read (collect)."""
+
+    rnd: _Round
+    batch: Any = None  # None: the round has no decode (every item failed before it)
+    want_rows: bool = False
+    t0: float = 0.0
 
 
 def _with_replay(it: StepItem, tokens: np.ndarray, pos0: int, n_replay: int) -> StepItem:
@@ -258,6 +272,7 @@ class TargetRunner:
         self.max_seqs_in_decode = 0
         self.step_decodes = 0  # decodes run by step() (calibration excluded)
         self.step_decode_seqs = 0  # sequences summed over those decodes: / step_decodes = mean batch width
+        self._launched: _Launched | None = None  # an overlapped round's started decode (launch / collect)
 
     def start(self, seq_id: int, params: SamplingParams, prompt: np.ndarray, n_keep: int = 0,
               copy_from: int | None = None, restore: int | None = None,
@@ -364,14 +379,52 @@ class TargetRunner:
         A sequence that cannot go on (its context cannot shift, its state cannot be rolled back, its grammar
         has no allowed token) gets a result with `error` and no tokens; the others are unaffected."""
         rnd = self._prepare(items)
-        instrument0 = self.instrument_seconds
         for group in rnd.groups:
-            logits, taps = self._decode(group, rnd)
-            t0 = time.perf_counter()
-            self._verify(group, logits, taps, rnd)
-            rnd.verify_seconds += time.perf_counter() - t0
-        rnd.instrument_seconds = self.instrument_seconds - instrument0
+            self._verify_timed(group, *self._decode(group, rnd), rnd)
+        rnd.instrument_seconds = self.instrument_seconds - rnd.instrument0
         return self._finish(rnd)
+
+    def launch(self, items: list[StepItem]) -> None:
+        """`step`'s first half, for a round whose host work overlaps the target's decode: the round prepared,
+        every decode but its last run and verified, the last one started (`ctx.launch`: on a GPU it returns once
+        the graph is queued; on CPU once it is done, so there the caller does its work on another thread).
+        `collect` then waits for it and returns what `step` would have. In between, nothing may call this runner
+        or touch its context: the caller does work that needs neither.
+        """
+        if self._launched is not None:
+            raise RuntimeError("a launched round was not collected")
+        rnd = self._prepare(items)
+        for group in rnd.groups[:-1]:
+            self._verify_timed(group, *self._decode(group, rnd), rnd)
+        if not rnd.groups:
+            self._launched = _Launched(rnd)
+            return
+        batch = self._fill(rnd.groups[-1], rnd)
+        want_rows = self._want_rows(rnd.groups[-1], rnd)
+        t0 = time.perf_counter()
+        self.ctx.launch(batch)
+        self._launched = _Launched(rnd, batch, want_rows, t0)
+
+    def collect(self) -> StepOutput:
+        """`step`'s second half: waits for the decode `launch` started, verifies its items and returns the round's
+        output (its decode time counts from the launch to the logits being read: what the round waited, the host
+        work done meanwhile included). A failed decode raises here, as in `step`."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            raise RuntimeError("collect without launch")
+        rnd = launched.rnd
+        if launched.batch is not None:
+            logits = self.ctx.logits(launched.batch.n_outputs)
+            rnd.decode_seconds += time.perf_counter() - launched.t0
+            taps = self._count(rnd.groups[-1], rnd, launched.batch, launched.want_rows, launched.t0)
+            self._verify_timed(rnd.groups[-1], logits, taps, rnd)
+        rnd.instrument_seconds = self.instrument_seconds - rnd.instrument0
+        return self._finish(rnd)
+
+    def _verify_timed(self, group: list[StepItem], logits: np.ndarray, taps: np.ndarray | None, rnd: _Round) -> None:
+        t0 = time.perf_counter()
+        self._verify(group, logits, taps, rnd)
+        rnd.verify_seconds += time.perf_counter() - t0
 
     def _prepare(self, items: list[StepItem]) -> _Round:
         """The round's decodes: context shifts applied, a rolled-back sequence's replayed rows put in front of
@@ -390,7 +443,8 @@ class TargetRunner:
         items, branch_ids = self._lend_branch_ids(items)
         groups = pack_decodes(items, self.ctx.n_batch)
         hidden: list | None = [] if self.hidden_out is not None and any(it.hidden for it in items) else None
-        return _Round(order, groups, pads, results, before, hidden, branch_ids=branch_ids)
+        return _Round(order, groups, pads, results, before, hidden, branch_ids=branch_ids,
+                      instrument0=self.instrument_seconds)
 
     def _lend_branch_ids(self, items: list[StepItem]) -> tuple[list[StepItem], dict[int, list[int]]]:
         """Each tree item's sequence ids, one per branch (its own for the main draft, spare ones for the
@@ -423,6 +477,15 @@ class TargetRunner:
         rows, each item's in turn: its echo rows (SamplingParams.prompt_logprobs), then, sampled, n_draft + 1
         verify rows and its pad rows; and, where an item wants hidden rows, the decode's hidden rows (one per
         token; None else). Both are views of llama.cpp's buffers, valid until the next decode."""
+        batch = self._fill(group, rnd)
+        want_rows = self._want_rows(group, rnd)
+        t0 = time.perf_counter()
+        logits = self.ctx.decode(batch)
+        rnd.decode_seconds += time.perf_counter() - t0
+        return logits, self._count(group, rnd, batch, want_rows, t0)
+
+    def _fill(self, group: list[StepItem], rnd: _Round) -> Any:
+        """The context's batch, holding `group`'s rows."""
         batch = self.ctx.batch
         batch.clear()
         for it in group:
@@ -439,12 +502,18 @@ class TargetRunner:
                 continue
             toks = np.concatenate([it.tokens, np.full(pad, it.tokens[-1], dtype=np.int32)]) if pad else it.tokens
             batch.add_seq(it.seq_id, toks, it.pos0, n_logits)
+        return batch
+
+    def _want_rows(self, group: list[StepItem], rnd: _Round) -> bool:
+        """Whether the decode of `group` returns hidden rows (taps switched on for it, or off)."""
         want_rows = rnd.hidden is not None and any(it.hidden for it in group)
         if self.hidden_out is not None:
             self.hidden_out.set_enabled(want_rows)
-        t0 = time.perf_counter()
-        logits = self.ctx.decode(batch)
-        rnd.decode_seconds += time.perf_counter() - t0
+        return want_rows
+
+    def _count(self, group: list[StepItem], rnd: _Round, batch: Any, want_rows: bool,
+               t0: float) -> np.ndarray | None:
+        """A decode of `group` is done: its hidden rows read (None where none are wanted) and it is counted."""
         taps = self.hidden_out.rows(batch.n_tokens) if want_rows else None
         rnd.sizes.append(batch.n_tokens)
         rnd.seqs.append(len(group))
@@ -457,7 +526,7 @@ class TargetRunner:
         if replay_rows:  # their share of this decode, by rows
             self.rollback.stats.replay_rows += replay_rows
             self.rollback.stats.replay_seconds += (time.perf_counter() - t0) * replay_rows / batch.n_tokens
-        return logits, taps
+        return taps
 
     def _verify(self, group: list[StepItem], logits: np.ndarray, taps: np.ndarray | None, rnd: _Round) -> None:
         """Each item of one decode (`_decode`'s logits and hidden rows): its result into rnd.results and, where

@@ -156,6 +156,15 @@ class Context:
         that asked for them, in batch order: a [n_outputs, n_vocab] float32 view
         into llama.cpp's buffer, valid until the next decode."""
         b = batch or self.batch
+        self.launch(b)
+        return self.logits(b.n_outputs)
+
+    def launch(self, batch: Batch | None = None) -> None:
+        """Start decoding `batch` (default: self.batch); `logits` then waits for it. llama_decode returns once
+        a GPU backend has queued the graph (llama.cpp synchronises when an output is read), so host work done
+        between the two overlaps the device's; on the CPU backend it returns when the decode is done. Nothing
+        may touch this context (KV, batch, another decode) in between."""
+        b = batch or self.batch
         if b.n_tokens == 0:
             raise DecodeError("empty batch")
         if b.n_tokens > self.n_batch:
@@ -171,9 +180,10 @@ class Context:
             raise DecodeError(
                 "llama_decode failed: " + ("no KV cache slot for the batch (context full)" if rc == 1 else f"code {rc}")
             )
-        return self.logits(b.n_outputs)
 
     def logits(self, n_outputs: int) -> np.ndarray:
+        """The last decode's first `n_outputs` logits rows (waiting for a device still computing them): a
+        [n_outputs, n_vocab] float32 view into llama.cpp's buffer, valid until the next decode."""
         if n_outputs == 0:
             return np.zeros((0, self.model.n_vocab), dtype=np.float32)
         ptr = llama_cpp.llama_get_logits(self.ptr)

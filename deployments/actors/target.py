@@ -237,6 +237,7 @@ class RemoteTarget:
         # ("start", TargetRunner.start's arguments...), ("stash", slot, key), ("drop", keys)
         self._ops: list[tuple] = []
         self._hidden_acks: list = []  # CUDA-IPC hidden-row buffers the companion is done with
+        self._launched: tuple | None = None  # (ref, launch time, rows) of a round launched, not yet collected
         self.hop = HopStats()
 
     def _open_channel(self, actor):
@@ -256,6 +257,7 @@ class RemoteTarget:
         self.epoch = epoch
         self._ops = []
         self._hidden_acks = []
+        self._launched = None
 
     def close(self) -> None:
         """Tear down the compiled graph, if any (before the actor is killed or replaced)."""
@@ -309,12 +311,34 @@ class RemoteTarget:
             self._ops.append(("drop", list(keys)))
 
     def step(self, items: list[StepItem]) -> StepOutput:
+        self.launch(items)
+        return self.collect()
+
+    def launch(self, items: list[StepItem]) -> None:
+        """`step`'s first half: the round (and the slot operations buffered before it) sent to the actor, not
+        waited for; `collect` reads its answer. The router does other work between the two (overlapped rounds):
+        nothing of this object may be called meanwhile."""
+        if self._launched is not None:
+            raise RuntimeError("a launched round was not collected")
         ops, self._ops = self._ops, []
         acks, self._hidden_acks = self._hidden_acks, []
         t0 = time.perf_counter()
+        rows = sum(len(it.tokens) for it in items)
         if self.channel is not None:
-            rows = sum(len(it.tokens) for it in items)
-            out, inside = self.channel.call(("step", items, ops, acks), rows)
+            ref = self.channel.submit(("step", items, ops, acks))
+        else:
+            ref = self.actor.step.remote(items, ops, acks) if acks else self.actor.step.remote(items, ops)
+        self._launched = (ref, t0, rows)
+
+    def collect(self) -> StepOutput:
+        """The launched round's output. The hop's time counts from the launch: where the router's work between
+        the two outlasts the actor's, that work is in it too."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            raise RuntimeError("collect without launch")
+        ref, t0, rows = launched
+        if self.channel is not None:
+            out, inside = self.channel.answer(ref, t0, rows)
             self.channel.wait.observe(rows, inside)
             if isinstance(out.hidden, HiddenRows):
                 # rows sent by value arrive as views of the channel's buffer, and the companion's proxy keeps
@@ -322,7 +346,6 @@ class RemoteTarget:
                 # round then timed out); copied, the buffer is free again
                 out.hidden = out.hidden.owned()
         else:
-            ref = self.actor.step.remote(items, ops, acks) if acks else self.actor.step.remote(items, ops)
             out, inside = ray.get(ref, timeout=self.timeout_s)
         self.hop.add(max(0.0, time.perf_counter() - t0 - inside))
         return out

@@ -133,11 +133,14 @@ class CompiledChannel:
     def call(self, msg: tuple, rows: int = 0):
         """The actor's answer to `msg` (TargetService.channel); raises what ray.get raises (a dead actor:
         RayChannelError or RayActorError; past timeout_s: RayChannelTimeoutError)."""
+        t0 = time.perf_counter()
+        return self.answer(self.submit(msg), t0, rows)
+
+    def answer(self, ref, t0: float, rows: int = 0):
+        """The answer to a message `submit`ted at `t0` (perf_counter): a nap of the time such a call is
+        expected to take, less what has passed since (other work done meanwhile), then the read."""
         import ray
 
-        self.unpark()
-        t0 = time.perf_counter()
-        ref = self._dag.execute(msg)
         nap = self.wait.before(rows) - (time.perf_counter() - t0)
         if nap > 0:
             time.sleep(nap)

@@ -87,6 +87,12 @@ class RouterCore:
         self.placement = actors.placement() if actors is not None else None
         self.rel = ReliabilityStats()
         self.slots = Slots(self.parts.scheduler, self.rel)
+        if self.parts.scheduler.overlap:
+            # overlapped rounds: each event goes to its stream as it is made, while the next round decodes, and
+            # the batch to the event loops at once (else they would wait for the round's end)
+            self.parts.scheduler.on_event = self.slots.event
+            self.parts.scheduler.on_delivered = self.outbox.flush
+            self.slots.cancels_later = []
         self.faults = Faults(self.parts, self.slots, self.rel, cfg.mode)
         self.admission = Admission(self.parts.model, self.parts.n_ctx_seq, lambda: self.scheduler.config.chain,
                                    truncate=cfg.prompt_overflow == "truncate", slots=cfg.engine.slots,
@@ -206,8 +212,10 @@ class RouterCore:
                         self.faults.round_failed(e)
                 elif ready and self.remote is not None and self.remote.pending():
                     self.faults.flush_releases()
-                for ev in events:
-                    self.slots.event(ev)
+                if self.scheduler.on_event is None:
+                    for ev in events:
+                        self.slots.event(ev)
+                self.slots.apply_cancels()
                 can_step = ready and self.scheduler.has_work()
                 stats.observe_round(self, idle=not can_step)
             self.outbox.flush()

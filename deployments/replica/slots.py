@@ -41,6 +41,10 @@ class Slots:
         self.rel = rel
         self.streams: dict[str, Stream] = {}
         self.observer = None  # metrics.EngineMetrics (set by the replica): told of every finished request
+        # overlapped rounds deliver events while the target decodes (Scheduler.use_overlap): a cancel they find
+        # (a stream abandoned, a client gone) waits in this list for the round's end, when the target may be
+        # touched again (apply_cancels); None: cancels apply at once
+        self.cancels_later: list[Sequence] | None = None
 
     def apply(self, op: Op, target_ready: bool = True) -> None:
         if op.kind == "submit":
@@ -104,7 +108,7 @@ class Slots:
         if st.abandoned:
             del self.streams[ev.seq.id]
             if not ev.seq.finished:
-                self.scheduler.cancel(ev.seq)
+                self._cancel_seq(ev.seq)
             return
         if ev.logprobs is None and not ev.prompt_logprobs:
             if ev.text and not st.sink.write(StreamDelta(ev.text, perf_counter())):
@@ -130,13 +134,34 @@ class Slots:
         self.streams.pop(seq.id, None)
         if not seq.finished:
             self.rel.cancelled += 1
-            try:
-                self.scheduler.cancel(seq)
-            except Exception:
-                log.exception("cancel failed")
+            self._cancel_seq(seq)
+        st.sink.error(StreamError(ClientGone("the client closed the connection")))
+
+    def _cancel_seq(self, seq: Sequence) -> None:
+        """Cancel a sequence its caller no longer reads: now, or at the round's end (cancels_later)."""
+        if self.cancels_later is not None:
+            self.cancels_later.append(seq)
+            return
+        try:
+            self.scheduler.cancel(seq)
+        except Exception:
+            log.exception("cancel failed")
+        if seq.finished:
+            self.finished(seq)
+
+    def apply_cancels(self) -> None:
+        """The cancels an overlapped round's deliveries held back (cancels_later), applied between rounds."""
+        if not self.cancels_later:
+            return
+        seqs, self.cancels_later = self.cancels_later, []
+        for seq in seqs:
+            if not seq.finished:
+                try:
+                    self.scheduler.cancel(seq)
+                except Exception:
+                    log.exception("cancel failed")
             if seq.finished:
                 self.finished(seq)
-        st.sink.error(StreamError(ClientGone("the client closed the connection")))
 
     def finished(self, seq: Sequence) -> None:
         """Tell the observer once per request (a queued request cancelled never reaches a round)."""

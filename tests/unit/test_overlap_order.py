@@ -1,0 +1,108 @@
+"""Overlapped rounds' bookkeeping on a stand-in target (no model): what waits for the next decode runs inside it
+(between the target's launch and collect), in order, and nothing is lost at the end.
+
+The real model's lossless runs are tests/integration/test_overlap.py; served, tests/serve/test_overlap_serve.py."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specray.engine.chain import Chain
+from specray.engine.config import ChainConfig, EngineConfig
+from specray.engine.request import GenerationRequest
+from specray.engine.scheduler import Scheduler
+from specray.engine.speculators.registry import speculator_factory
+from specray.engine.target import StepOutput, StepResult
+
+
+class LaunchedTarget:
+    """Emits token 5 for every sampled row; records when its decode was in flight (`log`)."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self.items = log, None
+
+    def start(self, seq_id, params, prompt, n_keep=0, copy_from=None, restore=None, share=None):
+        self.log.append(("start", seq_id))
+
+    def release(self, seq_id, keep=0):
+        self.log.append(("release", seq_id))
+
+    def launch(self, items):
+        assert self.items is None, "a launch while another round is in flight"
+        self.items = items
+        self.log.append(("launch",))
+
+    def collect(self):
+        items, self.items = self.items, None
+        self.log.append(("collect",))
+        results = [StepResult(it.seq_id, np.array([5] if it.sample else [], np.int32)) for it in items]
+        return StepOutput(results, 0.001, sum(len(it.tokens) for it in items), 1)
+
+
+class Tok:
+    def token_to_piece(self, token, special=False):
+        return b"x"
+
+    def is_eog(self, token):
+        return False
+
+
+class RecordingChain(Chain):
+    """The real chain (suffix: model-free), its begin and end calls recorded in the target's log."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__(ChainConfig(speculators=["suffix"]), speculator_factory())
+        self.log = log
+
+    def begin(self, seq_id, names, prompt, grammar=None):
+        self.log.append(("begin", seq_id))
+        super().begin(seq_id, names, prompt, grammar)
+
+    def end(self, seq_id, names):
+        self.log.append(("end", seq_id))
+        super().end(seq_id, names)
+
+
+def _scheduler(log: list) -> Scheduler:
+    config = EngineConfig(slots=1, calibrate=False, chain=ChainConfig(speculators=["suffix"]), cache_ram=0,
+                          prompt_cache=False)
+    s = Scheduler(config, LaunchedTarget(log), Tok(), RecordingChain(log), n_ctx=2048)
+    s.use_overlap(decode_blocks=False)  # the launch returns at once, as a GPU's: the work sits between the two
+    return s
+
+
+def test_set_ups_merges_and_events_wait_for_the_next_decode_and_nothing_is_lost():
+    log: list = []
+    s = _scheduler(log)
+    delivered = []
+    s.on_event = lambda e: delivered.append((e.seq.id, e.text, e.finished)) or log.append(("event", e.seq.id))
+    a = s.submit(GenerationRequest(np.arange(100, 120, dtype=np.int32), max_tokens=2))
+    b = s.submit(GenerationRequest(np.arange(200, 230, dtype=np.int32), max_tokens=1))
+    returned = []
+    while s.has_work():
+        returned += [(e.seq.id, e.text, e.finished) for e in s.step()]
+    assert returned == delivered == [(a.id, "x", False), (a.id, "x", True), (b.id, "x", True)]
+    # a's set-up runs inside its first decode; its events and its merge inside the next one, where b is set up
+    # on the same slot after a's end; b's last event needs no decode to hide behind
+    assert log == [
+        ("start", 0), ("launch",), ("begin", 0), ("collect",),
+        ("launch",), ("event", a.id), ("collect",),
+        ("release", 0), ("start", 0), ("launch",), ("end", 0), ("begin", 0), ("event", a.id), ("collect",),
+        ("release", 0), ("end", 0), ("event", b.id),
+    ]
+    assert s.stats.overlapped_rounds == 3 and not s.has_work()
+
+
+def test_a_cancel_between_rounds_ends_the_speculators_before_the_slot_is_set_up_again():
+    log: list = []
+    s = _scheduler(log)
+    a = s.submit(GenerationRequest(np.arange(100, 120, dtype=np.int32), max_tokens=50))
+    s.step()
+    s.step()
+    s.cancel(a)  # between rounds: its slot is freed now, its speculators' merge waits for the next decode
+    assert log[-1] == ("release", 0) and ("end", 0) not in log
+    b = s.submit(GenerationRequest(np.arange(300, 310, dtype=np.int32), max_tokens=1))
+    while s.has_work():
+        s.step()
+    assert log.index(("end", 0)) < len(log) - 1 - log[::-1].index(("begin", 0))  # a's end before b's begin
+    assert b.finished and b.generated == [5]
