@@ -230,6 +230,9 @@ lls lls_ngram_mod 4 --spec-type ngram-mod
 # 5. several slots
 bench s4 4 4 --configs "${CONFIGS[@]}" --verify-shape both
 bench s8 8 8 --configs "${CONFIGS[@]}" --verify-shape both
+# 5b. overlapped rounds (engine.overlap): the last round's text, events and speculator set-ups while the GPU decodes
+bench s4_overlap 4 4 --configs none none@overlap ngram_mod,suffix,ngram_cache ngram_mod,suffix,ngram_cache@overlap \
+  --no-llama-baseline
 # 6. where the host time goes with the default chain (cProfile of the measured rounds)
 bench s1_profile 1 2 --configs ngram_mod,suffix,ngram_cache --no-llama-baseline --profile "$OUT/s1_profile.prof.txt"
 # 7. the measurements still outstanding: the synthetic 1.5B target, hidden rows on the GPU (Ray), Gemma

@@ -87,7 +87,7 @@ def test_measure_script_runs_every_step_with_small_counts(kit):
     progress = (out / "progress.txt").read_text()
     assert run.returncode == 0, progress + run.stderr[-2000:]
     assert progress.rstrip().endswith("done")
-    for name in ("s1", "s4", "s8", "s1_profile"):
+    for name in ("s1", "s4", "s8", "s4_overlap", "s1_profile"):
         assert f"bench {name}: rc 0" in progress, name
     assert "synth: bench slots 1: rc 0" in progress and "synth: bench slots 4: rc 0" in progress
     for name in ("s1", "s4", "s8", "s1_profile", "synth_bench_s1", "synth_bench_s4"):
@@ -96,6 +96,8 @@ def test_measure_script_runs_every_step_with_small_counts(kit):
     assert "backend sampling: rc 0" in progress
     assert "import order, numpy_first: rc=0" in progress
     assert "hidden: skipped (SKIP=hidden)" in progress
+    overlap = json.loads((out / "s4_overlap.json").read_text())["configs"]
+    assert {"none@overlap", "ngram_mod,suffix,ngram_cache@overlap"} <= set(overlap), overlap
     s1 = json.loads((out / "s1.json").read_text())
     assert {"none", "ngram_mod", "ngram_mod,suffix,ngram_cache"} <= set(s1["configs"])
     assert (out / "results.tgz").stat().st_size > 0
