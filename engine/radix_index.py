@@ -14,7 +14,8 @@ prompt that leaves the tree at a node with many conversations below it (a new co
 system prompt) needs no walk of them.
 
 >>> idx = RadixIndex()
->>> idx.insert("a", np.array([1, 2, 3, 4])); idx.insert("b", np.array([1, 2, 3, 9, 9])); idx.insert("c", np.array([1, 2]))
+>>> idx.insert("a", np.array([1, 2, 3, 4])); idx.insert("b", np.array([1, 2, 3, 9, 9]))
+>>> idx.insert("c", np.array([1, 2]))
 >>> idx.longest(np.array([1, 2, 3, 4, 5]))        # "a" shares 4 tokens
 ('a', 4)
 >>> idx.longest(np.array([1, 2, 3, 7]))           # "a" and "b" share 3: the one with fewer tokens
@@ -143,7 +144,8 @@ class RadixIndex:
         out.extend(sorted(node.keys, key=_order))
         while at < len(tokens):
             child = node.children.get(int(tokens[at]))
-            if child is None or len(child.edge) > len(tokens) - at or _common(child.edge, tokens[at:]) < len(child.edge):
+            fits = child is not None and len(child.edge) <= len(tokens) - at
+            if not fits or _common(child.edge, tokens[at:]) < len(child.edge):
                 break
             node, at = child, at + len(child.edge)
             out.extend(sorted(node.keys, key=_order))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -276,12 +277,12 @@ class Sequence:
         final = self.finish_reason is not None and self.finish_reason != "stop"
         if stops:
             return kept, text + self.feed_text(b"", final=True) if final else text
+        return kept, functools.partial(self._text_of, kept, tok, final)
 
-        def make() -> str:
-            out = self.feed_text(b"".join(tok.token_to_piece(t) for t in kept)) if kept else ""
-            return out + self.feed_text(b"", final=True) if final else out
-
-        return kept, make
+    def _text_of(self, kept: list[int], tok, final: bool) -> str:
+        """The text of tokens `take` kept (no stop strings: nothing of it decides where the sequence ends)."""
+        out = self.feed_text(b"".join([tok.token_to_piece(t) for t in kept])) if kept else ""
+        return out + self.feed_text(b"", final=True) if final else out
 
     def take_logprobs(self, lps, n_kept: int) -> tuple:
         """(the kept tokens' logprobs: a prefix of the round's TokenLogprobs, or None; the prompt's logprobs

@@ -281,6 +281,11 @@ def _same(e: Event) -> Event:
     return e
 
 
+def _event(s: Sequence, kept: list[int], text, lps, plp, finished: bool) -> Event:
+    """An overlapped round's event, made while the next round decodes (its text decoded now where it waited)."""
+    return Event(s, kept, text if isinstance(text, str) else text(), finished, logprobs=lps, prompt_logprobs=plp)
+
+
 def check_grammar(constraints: ConstraintFactory | None, grammar: str | None) -> None:
     """ValueError if a request's grammar does not compile: checked at submit, so a bad one never reaches a round."""
     if grammar is not None:
@@ -554,10 +559,10 @@ class Scheduler:
         emit, failed = commit_round(self.policy.accept, decoding, proposals, chunks, items, out.results, self._mirror)
         clock.lap("accept")
         if self.overlap:  # tokens kept and sequences finished now; text and events while the next round decodes
-            taken = [self._take(s, res) for s, res in emit]
+            taken = [(s, *self._take(s, res), s.finished) for s, res in emit]
             fails = [self._fail(s, why) for s, why in failed]  # slot freed now, error event with the rest
-            emitted = sum(n for n, _ in taken)
-            self._later += [make for _, make in taken] + [functools.partial(_same, e) for e in fails]
+            emitted = sum(len(t[1]) for t in taken)
+            self._later += [functools.partial(_event, *t) for t in taken] + [functools.partial(_same, e) for e in fails]
             if not self.active and not self.queue:  # no next round to hide them behind
                 self._make_later()
             clock.lap("emit")
@@ -569,8 +574,9 @@ class Scheduler:
             if self.on_event:
                 for e in events:
                     self.on_event(e)
-            emitted = sum(len(e.tokens) for e in events)
         clock.lap("deliver")
+        if not self.overlap:
+            emitted = sum(len(e.tokens) for e in events)
         loaded = not n_prefill and len(decoding) == self.config.slots
         self.stats.add_round(clock, prefill_share(lambda n: self.cost.cost(n, cells),
                                                   sum(len(it.tokens) for it in items), n_prefill),
@@ -641,24 +647,20 @@ class Scheduler:
         return Event(s, [], "", True, error=why)
 
     def _emit(self, s: Sequence, res: StepResult) -> Event:
-        return self._take(s, res)[1]()
+        kept, text, lps, plp = self._take(s, res)
+        return Event(s, kept, text if isinstance(text, str) else text(), s.finished, logprobs=lps,
+                     prompt_logprobs=plp)
 
-    def _take(self, s: Sequence, res: StepResult) -> tuple[int, Callable[[], Event]]:
+    def _take(self, s: Sequence, res: StepResult) -> tuple[list[int], str | Callable[[], str], object, object]:
         """A round's result into its sequence: the tokens it keeps (Sequence.take), the sequence finished where
-        they end it. Returns (tokens kept, a function that makes its event: the text decoded then, unless stop
-        strings needed it now)."""
+        they end it. Returns (tokens kept, their text or a function that decodes it, their logprobs, the
+        prompt's logprobs): what its event holds."""
         kept, text = s.take(res.tokens, res.margins, self.tok)
         self.stats.tokens_emitted += len(kept)
         lps, plp = s.take_logprobs(res.logprobs, len(kept))
         if s.finish_reason is not None:
             self._finish(s)
-        finished = s.finished
-
-        def make() -> Event:
-            return Event(s, kept, text if isinstance(text, str) else text(), finished, logprobs=lps,
-                         prompt_logprobs=plp)
-
-        return len(kept), make
+        return kept, text, lps, plp
 
     def use_overlap(self, decode_blocks: bool) -> None:
         """Overlap rounds from the next one (EngineConfig.overlap): the target must have `launch` and `collect`

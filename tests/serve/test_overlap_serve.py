@@ -54,7 +54,7 @@ def test_streams_under_overlap_equal_the_engine_without_it(overlap_server, refer
     text, n, _ = reference[("completion", p, MAX_TOKENS)]
     assert r.choices[0].text == text and r.usage.completion_tokens == n
     st = _wait_idle(overlap_server)
-    assert st["scheduler"]["overlapped_rounds"] > 0 and st["scheduler"]["overlapped_rounds"] <= st["scheduler"]["rounds"]
+    assert 0 < st["scheduler"]["overlapped_rounds"] <= st["scheduler"]["rounds"]
 
 
 def test_a_client_gone_mid_stream_is_cancelled_after_the_round(overlap_server):
