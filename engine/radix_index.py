@@ -1,6 +1,6 @@
 """Token prefixes held under keys, in a radix tree: which held prefix a prompt shares most with, in one walk.
 
-The prompt cache's host tier holds many saved prefixes (a conversation each, a few hundred under a large
+The prompt cache's host tier holds many saved prefixes (a conversation each, many under a large
 `--cache-ram`), and every admission and every queue ordering asks which of them shares the longest prefix
 with a prompt. Compared one by one that is a scan of every entry's tokens per question. As in SGLang's
 RadixAttention, the held prefixes are kept in one tree instead: an edge holds a run of tokens, so a shared

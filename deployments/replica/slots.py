@@ -141,13 +141,8 @@ class Slots:
         """Cancel a sequence its caller no longer reads: now, or at the round's end (cancels_later)."""
         if self.cancels_later is not None:
             self.cancels_later.append(seq)
-            return
-        try:
-            self.scheduler.cancel(seq)
-        except Exception:
-            log.exception("cancel failed")
-        if seq.finished:
-            self.finished(seq)
+        else:
+            self._cancel_now(seq)
 
     def apply_cancels(self) -> None:
         """The cancels an overlapped round's deliveries held back (cancels_later), applied between rounds."""
@@ -155,13 +150,18 @@ class Slots:
             return
         seqs, self.cancels_later = self.cancels_later, []
         for seq in seqs:
-            if not seq.finished:
-                try:
-                    self.scheduler.cancel(seq)
-                except Exception:
-                    log.exception("cancel failed")
-            if seq.finished:
-                self.finished(seq)
+            self._cancel_now(seq)
+
+    def _cancel_now(self, seq: Sequence) -> None:
+        """Free the slot of a sequence still running (one finished meanwhile keeps its end) and tell the
+        observer it ended."""
+        if not seq.finished:
+            try:
+                self.scheduler.cancel(seq)
+            except Exception:
+                log.exception("cancel failed")
+        if seq.finished:
+            self.finished(seq)
 
     def finished(self, seq: Sequence) -> None:
         """Tell the observer once per request (a queued request cancelled never reaches a round)."""
