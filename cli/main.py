@@ -497,7 +497,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"{d(ChainConfig, 'tune')}")
     g.add_argument("--spec-trees", action=argparse.BooleanOptionalAction, default=S,
                    help="send draft trees where they pay: the main draft plus the runner-ups its speculator holds "
-                        "(suffix, ngram_map_k4v, ngram_cache), verified in one decode; requests opt out with "
+                        "(suffix, ngram_map_k4v, ngram_cache, draft), verified in one decode; requests opt out with "
                         f"`speculative.tree: false` (docs/speculators.md) {d(ChainConfig, 'trees')}")
     g.add_argument("--tree-branches", type=int, default=S, metavar="N",
                    help="runner-up branches a draft tree may carry beside its main draft; each needs a sequence "

@@ -97,22 +97,21 @@ def open_target(config: EngineConfig, model=None):
 def tree_seqs(config: EngineConfig, memory_kind: str) -> int:
     """Sequence ids for draft trees' branches beyond the slots (engine/draft_tree.py): slots x tree_branches where
     the chain sends trees (ChainConfig.trees) and this layout verifies them, else 0. A branch's rows carry several
-    sequence ids at once, which llama.cpp allows in one KV pool only (not exact mode's stream per slot); without
-    flash attention a branch's rows can come out wrong where another branch's rows precede them (see
-    tests/integration/test_tree_verify.py); a recurrent state cannot fork per branch; padded verifies would put
-    pad rows among a tree's; only the cost policy prices branches.
+    sequence ids at once, which llama.cpp allows in one KV pool only (not exact mode's stream per slot, whose
+    output must not move with where a runner-up's cells lie); a recurrent state cannot fork per branch; padded
+    verifies would put pad rows among a tree's; only the cost policy prices branches.
 
     >>> on = ChainConfig(trees=True)
     >>> tree_seqs(EngineConfig(slots=4, chain=on), "attention"), tree_seqs(EngineConfig(slots=4), "attention")
     (12, 0)
-    >>> tree_seqs(EngineConfig(slots=1, exact=True, chain=on), "attention")   # exact mode: flash attention off
+    >>> tree_seqs(EngineConfig(slots=1, exact=True, chain=on), "attention")   # exact mode: a KV stream per slot
     0
-    >>> tree_seqs(EngineConfig(slots=4, flash_attn=False, chain=on), "attention")
-    0
+    >>> tree_seqs(EngineConfig(slots=4, flash_attn=False, chain=on), "attention")   # one pool, fast mode
+    12
     >>> tree_seqs(EngineConfig(slots=4, chain=on), "hybrid"), tree_seqs(EngineConfig(slots=100, chain=on), "attention")
     (0, 156)
     """
-    if (config.tree_branches == 0 or not config.chain.trees or config.exact or not config.flash_attn_on
+    if (config.tree_branches == 0 or not config.chain.trees or config.exact
             or memory_kind != "attention" or config.shape_buckets is not None or config.chain.policy != "cost"):
         return 0
     return min(config.slots * config.tree_branches, 256 - config.slots)

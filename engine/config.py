@@ -57,7 +57,7 @@ class ChainConfig(BaseModel):
 
     trees: bool = Field(
         False, description="send draft trees where they pay: the main draft plus runner-up branches its "
-        "speculator holds (suffix, ngram_map_k4v, ngram_cache), verified in one decode (the cost policy only; the "
+        "speculator holds (suffix, ngram_map_k4v, ngram_cache, draft), verified in one decode (the cost policy only; the "
         "engine's tree_branches sizes them). Off by default (docs/benchmarks.md says why)")
     tune: bool = Field(
         False,
@@ -275,8 +275,8 @@ class EngineConfig(BaseModel):
         3, ge=0, le=15, description="runner-up branches a sequence's draft may carry beside it: a draft tree, "
         "verified in the same decode, each branch a sequence id of its own (the target context gets slots x "
         "(1 + tree_branches) of them, at most 256). The cost policy sends a branch only where its expected tokens "
-        "pay for its rows, with chain.trees on. Trees need one KV pool with flash attention (not exact mode), an "
-        "attention target, verify_shape exact and model-free speculators (suffix, ngram_map_k4v, ngram_cache); "
+        "pay for its rows, with chain.trees on. Trees need one KV pool (not exact mode), an attention target, "
+        "verify_shape exact and a speculator with runner-ups (suffix, ngram_map_k4v, ngram_cache, draft); "
         "elsewhere drafts stay linear. 0: linear drafts only, and no spare sequence ids")
     threads: int | None = Field(
         None, ge=1, description="CPU threads for the target context. None: 2 in process (generate, bench); served, "

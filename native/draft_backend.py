@@ -5,7 +5,7 @@ with llama.cpp's rules (engine/vocab.py) and picks the mode: same vocabulary
 (draft token ids go to the target as they are) or, if allowed, cross-vocab
 (drafts go through text). `LlamaDraftBackend` is what the pure-Python
 DraftSpeculator drives: batched decodes that return each run's top token and
-its probability, and KV removal.
+its probability (and its runner-up's, for draft trees), and KV removal.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from specray.engine.vocab import VocabMismatch, VocabMismatchError, vocab_mismat
 from .backends import Backend
 from .context import Context
 from .model import Model
-from .slot_backend import SlotBackend, top_token_probs
+from .slot_backend import SlotBackend, top_two_token_probs
 
 
 class ModelTextVocab:
@@ -63,9 +63,12 @@ class LlamaDraftBackend(SlotBackend):
         self.prefix: tuple[int, ...] = (model.bos,) if model.add_bos and model.bos >= 0 else ()
         self.rows = 0
 
-    def decode(self, runs: list[tuple[int, np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray]:
+    def decode(self, runs: list[tuple[int, np.ndarray, int]]
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         top = np.zeros(len(runs), dtype=np.int32)
         prob = np.zeros(len(runs), dtype=np.float64)
+        second = np.zeros(len(runs), dtype=np.int32)
+        second_prob = np.zeros(len(runs), dtype=np.float64)
         b = self.ctx.batch
         b.clear()
         owners: list[int] = []  # run index of each logits row of the batch being filled
@@ -77,9 +80,8 @@ class LlamaDraftBackend(SlotBackend):
             self.n_decodes += 1
             self.rows += b.n_tokens
             if owners:
-                t, p = top_token_probs(logits[: len(owners)])
-                top[owners] = t
-                prob[owners] = p
+                t, p, r, q = top_two_token_probs(logits[: len(owners)])
+                top[owners], prob[owners], second[owners], second_prob[owners] = t, p, r, q
             owners.clear()
             b.clear()
 
@@ -97,7 +99,7 @@ class LlamaDraftBackend(SlotBackend):
                     owners.append(ri)
                 off += take
         flush()
-        return top, prob
+        return top, prob, second, second_prob
 
     def measure_decode_costs(self, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 16), reps: int = 3,
                              prefix: int = 64) -> dict[int, float]:

@@ -39,6 +39,7 @@ from typing import Protocol
 import numpy as np
 
 from specray.engine.cost import DecodeCostModel
+from specray.engine.draft_tree import Branch
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE, DraftRequest
 from specray.engine.prompt_cache import common_prefix
 
@@ -56,9 +57,11 @@ class DraftBackend(Protocol):
     vocab: TextVocab  # the draft model's tokenizer (cross-vocab mode)
     prefix: tuple[int, ...]  # tokens the draft model expects before any text (its BOS), cross-vocab mode
 
-    def decode(self, runs: list[tuple[int, np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray]:
+    def decode(self, runs: list[tuple[int, np.ndarray, int]]) -> tuple[np.ndarray, ...]:
         """Decode runs of (seq_id, tokens, pos0) (split into batches of n_batch rows if needed).
-        Returns the draft model's top token and its probability after the last token of each run."""
+        Returns the draft model's top token and its probability after the last token of each run, and, where
+        the backend offers them, its runner-up token and that one's probability: (top, prob[, second,
+        second_prob]). The runner-ups become a draft tree's branches."""
         ...
 
     def seq_rm(self, seq_id: int, p0: int) -> int | None:
@@ -129,6 +132,9 @@ class _SeqState:
     text: TextMirror | None = None  # cross-vocab: the sequence's text and its draft-vocab tokens
     text_cursor: HistoryCursor = field(default_factory=HistoryCursor)  # history the text mirror was built from
     drafted_at: int = -1  # history length at the last draft call (-1: never drafted)
+    # the last draft's tokens and its runner-ups: (depth, token, probability over the drafted token's)
+    last_draft: np.ndarray | None = None
+    runner_ups: list[tuple[int, int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -145,6 +151,11 @@ class DraftCounters:
 
 
 class DraftSpeculator(SlotMirror, ModelSpeculator):
+    """The draft model's drafts. Where the backend gives each step's runner-up (same vocabulary only), a draft
+    also holds a one-token branch at every depth, the draft model's second choice there, weighted by its
+    probability over the drafted token's: a draft tree's branches (`branches`), as EAGLE-2 and SpecInfer take
+    a draft model's top-k."""
+
     name = "draft"
 
     def __init__(self, params: DraftParams | None, backend: DraftBackend, translator: Translator | None = None) -> None:
@@ -152,6 +163,7 @@ class DraftSpeculator(SlotMirror, ModelSpeculator):
         self.params = params or DraftParams()
         self.backend = backend
         self.translator = translator
+        self.offers_branches = translator is None  # a runner-up in the draft's vocabulary is no target token
         self.max_steps = self.params.n_max
         self.seqs: dict[int, _SeqState] = {}
         self.counters = DraftCounters()
@@ -319,6 +331,7 @@ class DraftSpeculator(SlotMirror, ModelSpeculator):
             # cross-vocab: one draft token more than the target tokens asked for (a draft token is
             # roughly one target token, and the last translated token may be dropped as unfinished)
             cap = min(p.n_max, req.n_max + (1 if self.translator is not None else 0))
+            st.last_draft, st.runner_ups = None, []
             drafting.append((i, req, st, cap, []))
         active = list(drafting)
         steady_runs = [r for r in runs if r[0] in steady]
@@ -331,7 +344,7 @@ class DraftSpeculator(SlotMirror, ModelSpeculator):
         try:
             while runs:
                 td = time.perf_counter()
-                top, prob = self.backend.decode(runs)
+                top, prob, *alt = self.backend.decode(runs)
                 dt = time.perf_counter() - td
                 if first and save is not None:
                     # the committed tokens are in: a recurrent model's state is saved here, before draft tokens
@@ -344,13 +357,15 @@ class DraftSpeculator(SlotMirror, ModelSpeculator):
                 self.counters.decode_seconds += dt
                 decode_s += dt
                 runs, still = [], []
-                for (i, req, st, cap, res), tok, pr in zip(active, top, prob):
+                for j, ((i, req, st, cap, res), tok, pr) in enumerate(zip(active, top, prob)):
                     tok = int(tok)
                     if pr < p.p_min:
                         continue
                     eog = self.backend.is_eog(tok)
                     if eog and self.translator is not None:
                         continue  # the draft model's end of text: nothing to translate
+                    if alt and self.offers_branches and alt[1][j] > 0.0:
+                        st.runner_ups.append((len(res), int(alt[0][j]), min(1.0, float(alt[1][j]) / float(pr))))
                     res.append(tok)
                     if eog or len(res) >= cap:
                         continue
@@ -377,11 +392,21 @@ class DraftSpeculator(SlotMirror, ModelSpeculator):
             if len(d):
                 self.stats.drafts_generated += 1
                 out[i] = d
+                st.last_draft = d
         wall = time.perf_counter() - t0
         if drafting:
             self.overhead_seconds += 0.1 * (max(0.0, wall - decode_s) - self.overhead_seconds)
         self.stats.time_draft_s += wall
         return out
+
+    def _branches(self, seq_id: int, main: list[int], width: int) -> list[Branch]:
+        """The last draft's runner-ups within `main` (a prefix of that draft), most likely first: each a
+        one-token branch at its depth."""
+        st = self.seqs.get(seq_id)
+        if st is None or st.last_draft is None or main != st.last_draft[: len(main)].tolist():
+            return []
+        ups = sorted((u for u in st.runner_ups if u[0] < len(main)), key=lambda u: -u[2])[:width]
+        return [Branch(at, np.array([tok], dtype=TOKEN_DTYPE), w) for at, tok, w in ups]
 
     def _translate(self, req: DraftRequest, draft_tokens: np.ndarray) -> np.ndarray:
         piece = self.backend.vocab.piece

@@ -299,3 +299,41 @@ def test_cross_vocab_incremental_text_matches_the_full_detokenisation():
     assert bytes(st.text.text) == want
     assert st.text.tokens == [1] + list(want)
     assert b.kv[0][: len(want) + 1] == [1] + list(want)
+
+
+class RunnerUpBackend(ScriptedBackend):
+    """ScriptedBackend that also names each step's runner-up: the script's token plus 100, at `second[n]` of
+    the drafted token's probability (default 0.3 over 0.9)."""
+
+    def __init__(self, script, second=None, **kw):
+        super().__init__(script, **kw)
+        self.second = second or {}
+
+    def decode(self, runs):
+        top, prob = super().decode(runs)
+        alt = np.where(top > 0, top + 100, 1).astype(np.int32)
+        alt_prob = np.array([self.second.get(len(self.kv[seq]), 0.3) for seq, _, _ in runs])
+        return top, prob, alt, alt_prob
+
+
+def test_a_drafts_runner_ups_are_one_token_branches_most_likely_first():
+    s, b = spec({"n_max": 4}, RunnerUpBackend(SCRIPT, second={6: 0.6, 7: 0.0}))
+    assert s.offers_branches
+    (d,) = s.draft([req(0, SCRIPT[:5])])
+    assert d.tolist() == SCRIPT[5:9]
+    # depth 1 (the cache held script[:6]) has the likeliest runner-up; depth 2's has no probability at all
+    got = [(br.at, br.tokens.tolist(), round(br.weight, 3)) for br in s.branches(0, d, 3)]
+    assert got == [(1, [SCRIPT[6] + 100], 0.667), (0, [SCRIPT[5] + 100], 0.333), (3, [SCRIPT[8] + 100], 0.333)]
+    # the planner cut the draft to two tokens: only branches within it
+    assert [br.at for br in s.branches(0, d[:2], 3)] == [1, 0]
+    # a draft that is not the last one has no branches, nor a sequence that got none
+    assert s.branches(0, np.array([1, 2], np.int32), 3) == []
+    assert s.branches(5, d, 3) == []
+
+
+def test_no_runner_ups_without_them_from_the_backend_or_across_vocabularies():
+    s, _ = spec({"n_max": 3})
+    (d,) = s.draft([req(0, SCRIPT[:5])])
+    assert len(d) == 3 and s.branches(0, d, 3) == []
+    s, _ = spec({"n_max": 3}, RunnerUpBackend(SCRIPT), translator=object())
+    assert not s.offers_branches
