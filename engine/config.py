@@ -57,8 +57,8 @@ class ChainConfig(BaseModel):
 
     trees: bool = Field(
         False, description="send draft trees where they pay: the main draft plus runner-up branches its "
-        "speculator holds (suffix, ngram_map_k4v, ngram_cache, draft), verified in one decode (the cost policy only; the "
-        "engine's tree_branches sizes them). Off by default (docs/benchmarks.md says why)")
+        "speculator holds (suffix, ngram_map_k4v, ngram_cache, draft), verified in one decode (the cost policy "
+        "only; the engine's tree_branches sizes them). Off by default (docs/benchmarks.md says why)")
     tune: bool = Field(
         False,
         description="tune each model-free speculator's look-up parameters online (engine/policy/tuning.py): a "

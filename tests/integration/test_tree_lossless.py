@@ -2,9 +2,10 @@
 
 Trees run over one KV pool (deployments/builder.tree_seqs), so not in exact mode. With one slot or four, with
 flash attention or without, the output may then diverge from target-only output only at measured near-ties (fast
-mode's kernels are not batch-invariant, and a tree leaves a sequence's cells out of position order). Seeded sampling's distribution with trees is tested in
-tests/unit/test_draft_tree.py. Verify rows are priced nearly free and the host work left unpriced: this CPU's own prices (and even
-a GPU's table) send few drafts and fewer branches, so the tests would prove little."""
+mode's kernels are not batch-invariant, and a tree leaves a sequence's cells out of position order). Seeded
+sampling's distribution with trees is tested in tests/unit/test_draft_tree.py. Verify rows are priced nearly free
+and the host work left unpriced: this CPU's own prices (and even a GPU's table) send few drafts and fewer
+branches, so the tests would prove little."""
 
 from __future__ import annotations
 
@@ -145,7 +146,8 @@ def test_four_slots_in_fast_mode_diverge_only_at_near_ties(smollm2, prompts, fla
     spec = _run(eng, prompts, DEFAULT + ("ngram_map_k4v",))
     assert eng.runner.max_seqs_in_decode >= 4 and eng.runner.tree_items > 0
     kinds = [classify_divergence(b.generated, s.generated, b.margins, tie_bound) for b, s in zip(base, spec)]
-    print(f"\ntrees, fast mode, 4 slots, flash attention {flash_attn}: tie bound {tie_bound:.3f}, outcomes {kinds}, trees {_trees(eng)}")
+    print(f"\ntrees, fast mode, 4 slots, flash attention {flash_attn}: tie bound {tie_bound:.3f}, outcomes {kinds}, "
+          f"trees {_trees(eng)}")
     assert "mismatch" not in kinds
     eng.close()
 

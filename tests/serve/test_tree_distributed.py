@@ -1,9 +1,9 @@
 """Draft trees with the target in its own Ray actor (distributed mode): the trees travel in the round's step
 items, the actor lends its branch ids, and the output is target-only output.
 
-One slot with flash attention (as trees run: deployments/builder.tree_seqs); the answers may differ from the same
-prompts decoded in-process without speculation only at measured near-ties (fast mode is not batch-invariant). Verify rows are priced
-nearly free so that trees are sent (as in tests/integration/test_tree_lossless.py)."""
+One slot, one KV pool with flash attention (the default, where trees run: deployments/builder.tree_seqs); the
+answers may differ from the same prompts decoded in-process without speculation only at measured near-ties (fast
+mode is not batch-invariant). Verify rows are priced nearly free so that trees are sent (as in tests/integration/test_tree_lossless.py)."""
 
 from __future__ import annotations
 
