@@ -29,6 +29,7 @@ import numpy as np
 import ray
 
 from specray.engine.config import EngineConfig
+from specray.engine.draft_tree import Branch
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE
 from specray.engine.speculators.draft_base import DraftParams
 
@@ -174,13 +175,15 @@ class CompanionService:
                 spec.shift(seq, keep, discard)
             for seq, pos, toks in payload.get("commits", ()):
                 spec.process(seq, np.asarray(toks, dtype=TOKEN_DTYPE), pos)
-            drafts, unsynced, drafted = answer_draft_requests(spec, payload.get("requests", ()))
+            requests = payload.get("requests", ())
+            drafts, unsynced, drafted = answer_draft_requests(spec, requests)
             self.rounds += 1 if drafted else 0
             self.unsynced += len(unsynced)
             costs = spec.step_cost.table()
+            ups = [runner_ups(spec, r[0], d) for r, d in zip(requests, drafts)]
         inside = time.perf_counter() - t0
         self.inside_seconds += inside
-        return {"drafts": drafts, "unsynced": unsynced, "inside_s": inside, "step_costs": costs}
+        return {"drafts": drafts, "unsynced": unsynced, "inside_s": inside, "step_costs": costs, "runner_ups": ups}
 
     def positions(self, seq_ids: list[int], sync: bool = False) -> dict:
         """Per sequence: the draft KV cache's largest position (-1 if empty), its tokens, the committed
@@ -223,13 +226,24 @@ class CompanionService:
 CompanionActor = ray.remote(CompanionService)
 
 
+def runner_ups(spec, seq_id: int, draft: np.ndarray) -> list[tuple[int, list[int], float]]:
+    """The runner-ups `spec` holds beside `draft` (DraftSpeculator.branches), as plain values for the router's
+    proxy: (depth, tokens, weight) each; none for an empty draft or across vocabularies."""
+    if not len(draft) or not spec.offers_branches:
+        return []
+    return [(b.at, b.tokens.tolist(), b.weight) for b in spec.branches(seq_id, draft, len(draft))]
+
+
 class CompanionDraftProxy(CompanionProxy):
-    """The router's `draft` speculator: buffers begin/process/end, one companion call per round that drafts."""
+    """The router's `draft` speculator: buffers begin/process/end, one companion call per round that drafts. The
+    round's answer carries each draft's runner-ups (the draft model's second choices), a draft tree's branches."""
 
     name = "draft"
+    offers_branches = True
 
     def __init__(self, params: DraftParams | None, client, cost_table: dict[int, float] | None = None) -> None:
         super().__init__(params or DraftParams(), client, cost_table)
+        self._runner_ups: dict[int, tuple[np.ndarray, list[Branch]]] = {}  # seq -> (its last draft, runner-ups)
         self._ends: list[int] = []
         self._begins: list[int] = []
         self._commits: list[tuple[int, int, np.ndarray]] = []
@@ -251,8 +265,23 @@ class CompanionDraftProxy(CompanionProxy):
             self.flush()
             self._shifts.append((seq_id, int(n_keep), int(n_discard)))
 
+    def _answered(self, seq_id: int, draft: np.ndarray, res: dict, i: int) -> None:
+        ups = res.get("runner_ups")
+        if ups and ups[i]:
+            self._runner_ups[seq_id] = (draft, [Branch(at, np.asarray(t, dtype=TOKEN_DTYPE), w) for at, t, w in ups[i]])
+        else:
+            self._runner_ups.pop(seq_id, None)
+
+    def _branches(self, seq_id: int, main: list[int], width: int) -> list[Branch]:
+        """The last draft's runner-ups within `main` (a prefix of that draft), most likely first."""
+        last = self._runner_ups.get(seq_id)
+        if last is None or main != last[0][: len(main)].tolist():
+            return []
+        return sorted((b for b in last[1] if b.at < len(main)), key=lambda b: -b.weight)[:width]
+
     def _end(self, seq_id: int) -> None:
         self._drop(seq_id)
+        self._runner_ups.pop(seq_id, None)
         super()._end(seq_id)
         if seq_id not in self._ends:
             self._ends.append(seq_id)

@@ -70,6 +70,10 @@ class CompanionProxy(ModelSpeculator):
         """Send the buffer with draft requests [(seq, last token, history length, n_max)]; the companion's
         answer ({"drafts", "unsynced", "inside_s", "step_costs"}), or None if the call failed."""
 
+    def _answered(self, seq_id: int, draft: np.ndarray, res: dict, i: int) -> None:
+        """The companion's answer `res` gave `draft` (what was kept of it) for seq_id, the round's i-th request:
+        what else it says about that draft (runner-ups) is read here. Nothing by default."""
+
     def _call(self, method: str, payload: dict) -> dict | None:
         self.calls += 1
         res = self.client.call(method, payload, default=None)
@@ -98,12 +102,13 @@ class CompanionProxy(ModelSpeculator):
                 self.hop_seconds += 0.2 * (max(0.0, wall - res["inside_s"]) - self.hop_seconds)
                 self.step_cost = DecodeCostModel({int(k): v for k, v in res["step_costs"].items()}, ema=0.1)
                 self.unsynced += len(res["unsynced"])
-                for i, d in zip(idx, res["drafts"]):
+                for j, (i, d) in enumerate(zip(idx, res["drafts"])):
                     # a copy (of the part kept): through a compiled graph the drafts are views of its channel's buffer
                     d = np.asarray(d, dtype=TOKEN_DTYPE)[: requests[i].n_max].copy()
                     if len(d):
                         self.stats.drafts_generated += 1
                         out[i] = d
+                    self._answered(requests[i].seq_id, d, res, j)
         self.stats.time_draft_s += time.perf_counter() - t0
         return out
 

@@ -289,3 +289,44 @@ def test_colocated_router_drafts_in_process(smollm2):
         assert (draft["where"], draft["cache_type_v"], draft["flash_attn"]) == ("in-process", "q8_0", True)
     finally:
         core.close()
+
+
+def test_companion_drafts_carry_runner_ups_into_draft_trees(ray_serve, smollm2, prompts):
+    """Fast mode with trees on: the companion's answer carries each draft's runner-ups (the draft model's second
+    choices), the router's proxy offers them as branches, and the output is target-only output up to measured
+    near-ties. The draft is a 20-layer copy of SmolLM2, often wrong, so its runner-ups sometimes win."""
+    from specray.bench.run import classify_divergence, measure_batch_variance, measure_layout_variance
+    from specray.deployments.local_engine import LocalEngine
+    from specray.engine.cost import DecodeCostModel
+    from specray.engine.policy.host_cost import HostCostModel
+    from specray.native.draft_truncate import truncated_copy
+
+    draft = truncated_copy("smollm2-135m", list(range(10)) + list(range(20, 30)))
+    ecfg = EngineConfig(model="smollm2-135m", slots=2, n_ctx=2048, calibrate=False, record_margins=True,
+                        draft=DraftModelConfig(model=draft),
+                        chain=ChainConfig(speculators=[], n_max=8, trees=True, model_explore=0.5))
+    eng = LocalEngine(ecfg, model=smollm2)
+    assert eng.scheduler.memory.tree_seqs > 0
+    prefix = eng.prompt_tokens(messages=[{"role": "user", "content": prompts[0]}])
+    tie_bound = 2.0 * max(measure_batch_variance(eng, prefix), measure_layout_variance(eng, prefix))
+    reqs = [eng.request(messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS, chain=()) for p in prompts]
+    base = eng.run(reqs)
+    client = start_companion(ecfg)
+    try:
+        proxy = attach(eng, client, ecfg)
+        assert proxy.offers_branches
+        eng.scheduler.cost = DecodeCostModel({1: 0.010, 64: 0.0105}, learn=False)  # verify rows nearly free
+        eng.scheduler.policy.pricer.host = HostCostModel(learn=False)
+        eng.scheduler.policy.trees.gate.LEARN = 1 << 30  # runner-ups always asked for, paying or not
+        reqs = [eng.request(messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS, chain=("draft",))
+                for p in prompts]
+        seqs = eng.run(reqs)
+        kinds = [classify_divergence(b.generated, s.generated, b.margins, tie_bound) for b, s in zip(base, seqs)]
+        trees = eng.scheduler.policy.snapshot()["trees"]
+        print(f"\ncompanion draft trees: tie bound {tie_bound:.3f}, outcomes {kinds}, trees {trees}")
+        assert "mismatch" not in kinds, kinds
+        assert eng.runner.tree_items > 0 and trees["by_speculator"]["draft"]["branches"] > 0, trees
+        assert proxy.failed_calls == 0 and proxy.unsynced == 0
+    finally:
+        client.sup.close()
+        eng.close()
