@@ -1,4 +1,4 @@
-"""Draft trees on real prompts: greedy and seeded sampled output equal target-only output.
+"""Draft trees on real prompts: greedy output equals target-only output, up to measured near-ties.
 
 Trees run over one KV pool (deployments/builder.tree_seqs), so not in exact mode. With one slot or four, with
 flash attention or without, the output may then diverge from target-only output only at measured near-ties (fast
