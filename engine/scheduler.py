@@ -333,6 +333,7 @@ class Scheduler:
         self._beside: ThreadPoolExecutor | None = None  # where that work runs while a CPU decode blocks
         self._later: list[Callable[[], Event]] = []  # the last round's events, not made yet
         self._chain_later: list[Callable[[], None]] = []  # speculators' set-ups and merges, not run yet
+        self._learn_later: list[Callable[[], None]] = []  # the last round's stats and price learning, not run yet
         self._made: list[Event] = []  # events made and delivered, not yet returned by step()
 
     # the target decode's price model (the policy's; settable)
@@ -379,7 +380,7 @@ class Scheduler:
     def has_work(self) -> bool:
         """Whether step() has anything to do: sequences running or queued, or (overlapped rounds) events of the
         last round not yet returned."""
-        return bool(self.active or self.queue or self._later or self._made or self._chain_later)
+        return bool(self.active or self.queue or self._later or self._made or self._chain_later or self._learn_later)
 
     def _admit(self) -> None:
         """Queued sequences into free slots, in order; one that waits (for cells, or for another sequence's
@@ -577,14 +578,24 @@ class Scheduler:
         clock.lap("deliver")
         if not self.overlap:
             emitted = sum(len(e.tokens) for e in events)
-        loaded = not n_prefill and len(decoding) == self.config.slots
-        self.stats.add_round(clock, prefill_share(lambda n: self.cost.cost(n, cells),
-                                                  sum(len(it.tokens) for it in items), n_prefill),
-                             emitted if loaded and not prefilling else None, len(decoding))
-        self.policy.observe(out.batch_sizes, out.decode_seconds, cells, n_prefill > 0, len(decoding),
-                            sum(p.rows for p in proposals), clock.work - clock.seconds.get("decode", 0.0),
-                            emitted, out.rollback)
+        loaded = not n_prefill and len(decoding) == self.config.slots and not prefilling
+        learn = (self.policy, clock, out, sum(len(it.tokens) for it in items), n_prefill, cells, len(decoding),
+                 sum(p.rows for p in proposals), emitted, loaded,
+                 self.policy.host_seconds(clock.work - clock.seconds.get("decode", 0.0)))
+        if self.overlap:  # the round's stats and prices are learnt while the next round decodes
+            self._learn_later.append(functools.partial(self._learn, *learn))
+        else:
+            self._learn(*learn)
         return events
+
+    def _learn(self, policy: DraftPolicy, clock: RoundClock, out: StepOutput, n_rows: int, n_prefill: int,
+               cells: float, n_decoding: int, draft_rows: int, emitted: int, loaded: bool, host: float) -> None:
+        """A round's stamps into the stats, and its timing into the price models of the policy that planned it
+        (decode, host work, rollbacks), whatever policy plans the next round."""
+        self.stats.add_round(clock, prefill_share(lambda n: policy.cost.cost(n, cells), n_rows, n_prefill),
+                             emitted if loaded else None, n_decoding)
+        policy.observe(out.batch_sizes, out.decode_seconds, cells, n_prefill > 0, n_decoding, draft_rows, host,
+                       emitted, out.rollback)
 
     def _prompt_chunks(self, prefilling: list[Sequence], room: int, beside: bool) -> list[tuple[Sequence, int]]:
         """(sequence, rows) of the round's prompt chunks in slot order: what the batch has room for after the
@@ -707,7 +718,8 @@ class Scheduler:
 
     def _make_later(self) -> None:
         """The work left for the next decode: speculators' set-ups and merges, then the last round's events
-        made (their text decoded now) and delivered (on_event), in order; step() returns them."""
+        made (their text decoded now) and delivered (on_event), in order (step() returns them), then the last
+        round's stats and price learning (the next round was planned on prices one round older)."""
         self._run_chain_later()
         later, self._later = self._later, []
         for make in later:
@@ -717,6 +729,9 @@ class Scheduler:
                 self.on_event(e)
         if later and self.on_delivered:
             self.on_delivered()
+        learn, self._learn_later = self._learn_later, []
+        for op in learn:
+            op()
 
     def _take_made(self) -> list[Event]:
         made, self._made = self._made, []

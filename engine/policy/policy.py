@@ -304,13 +304,17 @@ class DraftPolicy:
             # its draft's worth, sent or not (not the planner's cut), and whether the policy would ever send it
             self.gate.won(name, m, judged_worth(m, prop.worth.get(name), prop.rows_price.get(name)))
 
+    def host_seconds(self, outside_decode: float) -> float:
+        """A round's host work for `observe`: its wall time outside the target's decode less model speculators'
+        drafting in it, which is priced as theirs. Taken once per round, right after it (the drafting seconds
+        are counted from one call to the next)."""
+        return max(0.0, outside_decode - self.models.take_seconds())
+
     def observe(self, batch_sizes: list[int], decode_seconds: float, cells: float | None, prefill: bool,
-                n_decoding: int, n_draft_rows: int, outside_decode: float, n_emitted: int,
+                n_decoding: int, n_draft_rows: int, host: float, n_emitted: int,
                 rollback: RollbackStats | None) -> None:
-        """A round's timing: the decode's (by batch size and context), the host's (`outside_decode`, the round's
-        wall time outside the target's decode, less model speculators' drafting, which is priced as theirs) and
-        the target's rollbacks."""
-        host = max(0.0, outside_decode - self.models.take_seconds())
+        """A round's timing: the decode's (by batch size and context), the host's (`host_seconds`) and the
+        target's rollbacks."""
         self.pricer.observe(batch_sizes, decode_seconds, cells, prefill, n_decoding, n_draft_rows, host, n_emitted)
         self.rollback_price.observe(rollback)
 

@@ -106,3 +106,22 @@ def test_a_cancel_between_rounds_ends_the_speculators_before_the_slot_is_set_up_
         s.step()
     assert log.index(("end", 0)) < len(log) - 1 - log[::-1].index(("begin", 0))  # a's end before b's begin
     assert b.finished and b.generated == [5]
+
+
+def test_a_rounds_stats_and_prices_are_learnt_inside_the_next_decode():
+    log: list = []
+    s = _scheduler(log)
+    add_round = s.stats.add_round
+    s.stats.add_round = lambda *a: log.append(("learn",)) or add_round(*a)
+    s.submit(GenerationRequest(np.arange(100, 120, dtype=np.int32), max_tokens=3))
+    while s.has_work():
+        s.step()
+    rounds = log.count(("launch",))
+    assert rounds == 3 and s.stats.rounds == rounds and log.count(("learn",)) == rounds
+    # each round's learning comes inside the next round's decode (between its launch and its collect); the last
+    # round's, with no decode to hide behind, after it
+    at = [i for i, e in enumerate(log) if e == ("learn",)]
+    for i in at[:-1]:
+        last = max(j for j in range(i) if log[j] in (("launch",), ("collect",)))
+        assert log[last] == ("launch",), log
+    assert at[-1] > max(i for i, e in enumerate(log) if e == ("collect",))
