@@ -23,7 +23,7 @@ from specray.engine.vocab import VocabMismatch, VocabMismatchError, vocab_mismat
 from .backends import Backend
 from .context import Context
 from .model import Model
-from .slot_backend import SlotBackend, top_two_token_probs
+from .slot_backend import SlotBackend, top_token_probs, top_two_token_probs
 
 
 class ModelTextVocab:
@@ -63,8 +63,9 @@ class LlamaDraftBackend(SlotBackend):
         self.prefix: tuple[int, ...] = (model.bos,) if model.add_bos and model.bos >= 0 else ()
         self.rows = 0
 
-    def decode(self, runs: list[tuple[int, np.ndarray, int]]
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def decode(self, runs: list[tuple[int, np.ndarray, int]], runner_ups: bool = False) -> tuple[np.ndarray, ...]:
+        """DraftBackend.decode: (top, prob), and with `runner_ups` (second, second_prob) after them."""
+        pick = top_two_token_probs if runner_ups else top_token_probs
         top = np.zeros(len(runs), dtype=np.int32)
         prob = np.zeros(len(runs), dtype=np.float64)
         second = np.zeros(len(runs), dtype=np.int32)
@@ -80,8 +81,10 @@ class LlamaDraftBackend(SlotBackend):
             self.n_decodes += 1
             self.rows += b.n_tokens
             if owners:
-                t, p, r, q = top_two_token_probs(logits[: len(owners)])
-                top[owners], prob[owners], second[owners], second_prob[owners] = t, p, r, q
+                got = pick(logits[: len(owners)])
+                top[owners], prob[owners] = got[0], got[1]
+                if runner_ups:
+                    second[owners], second_prob[owners] = got[2], got[3]
             owners.clear()
             b.clear()
 
@@ -99,7 +102,7 @@ class LlamaDraftBackend(SlotBackend):
                     owners.append(ri)
                 off += take
         flush()
-        return top, prob, second, second_prob
+        return (top, prob, second, second_prob) if runner_ups else (top, prob)
 
     def measure_decode_costs(self, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 16), reps: int = 3,
                              prefix: int = 64) -> dict[int, float]:

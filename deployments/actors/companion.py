@@ -176,11 +176,13 @@ class CompanionService:
             for seq, pos, toks in payload.get("commits", ()):
                 spec.process(seq, np.asarray(toks, dtype=TOKEN_DTYPE), pos)
             requests = payload.get("requests", ())
+            ups_wanted = bool(payload.get("runner_ups")) and spec.offers_branches
+            spec.runner_ups_wanted = ups_wanted
             drafts, unsynced, drafted = answer_draft_requests(spec, requests)
             self.rounds += 1 if drafted else 0
             self.unsynced += len(unsynced)
             costs = spec.step_cost.table()
-            ups = [runner_ups(spec, r[0], d) for r, d in zip(requests, drafts)]
+            ups = [runner_ups(spec, r[0], d) for r, d in zip(requests, drafts)] if ups_wanted else []
         inside = time.perf_counter() - t0
         self.inside_seconds += inside
         return {"drafts": drafts, "unsynced": unsynced, "inside_s": inside, "step_costs": costs, "runner_ups": ups}
@@ -228,8 +230,8 @@ CompanionActor = ray.remote(CompanionService)
 
 def runner_ups(spec, seq_id: int, draft: np.ndarray) -> list[tuple[int, list[int], float]]:
     """The runner-ups `spec` holds beside `draft` (DraftSpeculator.branches), as plain values for the router's
-    proxy: (depth, tokens, weight) each; none for an empty draft or across vocabularies."""
-    if not len(draft) or not spec.offers_branches:
+    proxy: (depth, tokens, weight) each; none for an empty draft."""
+    if not len(draft):
         return []
     return [(b.at, b.tokens.tolist(), b.weight) for b in spec.branches(seq_id, draft, len(draft))]
 
@@ -244,6 +246,7 @@ class CompanionDraftProxy(CompanionProxy):
     def __init__(self, params: DraftParams | None, client, cost_table: dict[int, float] | None = None) -> None:
         super().__init__(params or DraftParams(), client, cost_table)
         self._runner_ups: dict[int, tuple[np.ndarray, list[Branch]]] = {}  # seq -> (its last draft, runner-ups)
+        self.runner_ups_wanted = False  # set by the first `branches` call: the companion finds them from then on
         self._ends: list[int] = []
         self._begins: list[int] = []
         self._commits: list[tuple[int, int, np.ndarray]] = []
@@ -274,6 +277,7 @@ class CompanionDraftProxy(CompanionProxy):
 
     def _branches(self, seq_id: int, main: list[int], width: int) -> list[Branch]:
         """The last draft's runner-ups within `main` (a prefix of that draft), most likely first."""
+        self.runner_ups_wanted = True
         last = self._runner_ups.get(seq_id)
         if last is None or main != last[0][: len(main)].tolist():
             return []
@@ -294,7 +298,8 @@ class CompanionDraftProxy(CompanionProxy):
 
     def _send(self, requests: list) -> dict | None:
         payload = {"params": self.params.model_dump(), "ends": self._ends, "begins": self._begins,
-                   "shifts": self._shifts, "commits": self._commits, "requests": requests}
+                   "shifts": self._shifts, "commits": self._commits, "requests": requests,
+                   "runner_ups": self.runner_ups_wanted}
         self._ends, self._begins, self._commits, self._shifts = [], [], [], []
         return self._call("round", payload)
 

@@ -57,11 +57,11 @@ class DraftBackend(Protocol):
     vocab: TextVocab  # the draft model's tokenizer (cross-vocab mode)
     prefix: tuple[int, ...]  # tokens the draft model expects before any text (its BOS), cross-vocab mode
 
-    def decode(self, runs: list[tuple[int, np.ndarray, int]]) -> tuple[np.ndarray, ...]:
+    def decode(self, runs: list[tuple[int, np.ndarray, int]], runner_ups: bool = False) -> tuple[np.ndarray, ...]:
         """Decode runs of (seq_id, tokens, pos0) (split into batches of n_batch rows if needed).
-        Returns the draft model's top token and its probability after the last token of each run, and, where
-        the backend offers them, its runner-up token and that one's probability: (top, prob[, second,
-        second_prob]). The runner-ups become a draft tree's branches."""
+        Returns the draft model's top token and its probability after the last token of each run; asked for
+        `runner_ups`, where the backend has them, also its second token and that one's probability: (top, prob,
+        second, second_prob). The runner-ups become a draft tree's branches."""
         ...
 
     def seq_rm(self, seq_id: int, p0: int) -> int | None:
@@ -154,7 +154,8 @@ class DraftSpeculator(SlotMirror, ModelSpeculator):
     """The draft model's drafts. Where the backend gives each step's runner-up (same vocabulary only), a draft
     also holds a one-token branch at every depth, the draft model's second choice there, weighted by its
     probability over the drafted token's: a draft tree's branches (`branches`), as EAGLE-2 and SpecInfer take
-    a draft model's top-k."""
+    a draft model's top-k. The runner-ups are found only once `branches` has been asked for them
+    (`runner_ups_wanted`: the chain sends trees), so a linear chain pays nothing for them."""
 
     name = "draft"
 
@@ -164,6 +165,7 @@ class DraftSpeculator(SlotMirror, ModelSpeculator):
         self.backend = backend
         self.translator = translator
         self.offers_branches = translator is None  # a runner-up in the draft's vocabulary is no target token
+        self.runner_ups_wanted = False  # set by the first `branches` call
         self.max_steps = self.params.n_max
         self.seqs: dict[int, _SeqState] = {}
         self.counters = DraftCounters()
@@ -344,7 +346,8 @@ class DraftSpeculator(SlotMirror, ModelSpeculator):
         try:
             while runs:
                 td = time.perf_counter()
-                top, prob, *alt = self.backend.decode(runs)
+                want = self.runner_ups_wanted and self.offers_branches
+                top, prob, *alt = self.backend.decode(runs, runner_ups=True) if want else self.backend.decode(runs)
                 dt = time.perf_counter() - td
                 if first and save is not None:
                     # the committed tokens are in: a recurrent model's state is saved here, before draft tokens
@@ -364,7 +367,7 @@ class DraftSpeculator(SlotMirror, ModelSpeculator):
                     eog = self.backend.is_eog(tok)
                     if eog and self.translator is not None:
                         continue  # the draft model's end of text: nothing to translate
-                    if alt and self.offers_branches and alt[1][j] > 0.0:
+                    if alt and alt[1][j] > 0.0:
                         st.runner_ups.append((len(res), int(alt[0][j]), min(1.0, float(alt[1][j]) / float(pr))))
                     res.append(tok)
                     if eog or len(res) >= cap:
@@ -401,7 +404,8 @@ class DraftSpeculator(SlotMirror, ModelSpeculator):
 
     def _branches(self, seq_id: int, main: list[int], width: int) -> list[Branch]:
         """The last draft's runner-ups within `main` (a prefix of that draft), most likely first: each a
-        one-token branch at its depth."""
+        one-token branch at its depth. The first call turns the runner-ups on for the drafts after it."""
+        self.runner_ups_wanted = True
         st = self.seqs.get(seq_id)
         if st is None or st.last_draft is None or main != st.last_draft[: len(main)].tolist():
             return []

@@ -309,8 +309,10 @@ class RunnerUpBackend(ScriptedBackend):
         super().__init__(script, **kw)
         self.second = second or {}
 
-    def decode(self, runs):
+    def decode(self, runs, runner_ups=False):
         top, prob = super().decode(runs)
+        if not runner_ups:
+            return top, prob
         alt = np.where(top > 0, top + 100, 1).astype(np.int32)
         alt_prob = np.array([self.second.get(len(self.kv[seq]), 0.3) for seq, _, _ in runs])
         return top, prob, alt, alt_prob
@@ -318,7 +320,12 @@ class RunnerUpBackend(ScriptedBackend):
 
 def test_a_drafts_runner_ups_are_one_token_branches_most_likely_first():
     s, b = spec({"n_max": 4}, RunnerUpBackend(SCRIPT, second={6: 0.6, 7: 0.0}))
-    assert s.offers_branches
+    assert s.offers_branches and not s.runner_ups_wanted
+    (d,) = s.draft([req(0, SCRIPT[:5])])
+    # a chain without trees never asks: the backend is not asked for runner-ups either; the first ask turns
+    # them on for the next drafts
+    assert s.branches(0, d, 3) == [] and s.runner_ups_wanted
+    s.begin(0, np.array(SCRIPT[:5]))
     (d,) = s.draft([req(0, SCRIPT[:5])])
     assert d.tolist() == SCRIPT[5:9]
     # depth 1 (the cache held script[:6]) has the likeliest runner-up; depth 2's has no probability at all
@@ -332,7 +339,12 @@ def test_a_drafts_runner_ups_are_one_token_branches_most_likely_first():
 
 
 def test_no_runner_ups_without_them_from_the_backend_or_across_vocabularies():
-    s, _ = spec({"n_max": 3})
+    class TopOnly(ScriptedBackend):  # asked for runner-ups, it has none to give
+        def decode(self, runs, runner_ups=False):
+            return super().decode(runs)
+
+    s, _ = spec({"n_max": 3}, TopOnly(SCRIPT))
+    s.runner_ups_wanted = True
     (d,) = s.draft([req(0, SCRIPT[:5])])
     assert len(d) == 3 and s.branches(0, d, 3) == []
     s, _ = spec({"n_max": 3}, RunnerUpBackend(SCRIPT), translator=object())
