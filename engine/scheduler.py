@@ -327,8 +327,9 @@ class Scheduler:
         self.on_event: Callable[[Event], None] | None = None
         # called after on_event has had a batch of events (an overlapped round's, made while the target decodes)
         self.on_delivered: Callable[[], None] | None = None
-        # overlapped rounds (use_overlap): a round's events are made (text decoded) and delivered, and model-free
-        # speculators set up and merge sequences, while the next round decodes
+        # overlapped rounds (use_overlap): a round's events are made (text decoded) and delivered, model-free
+        # speculators set up and merge sequences, and the round's stats and prices are learnt, while the next
+        # round decodes
         self.overlap = False
         self._beside: ThreadPoolExecutor | None = None  # where that work runs while a CPU decode blocks
         self._later: list[Callable[[], Event]] = []  # the last round's events, not made yet
@@ -378,8 +379,8 @@ class Scheduler:
             self._finish(seq)
 
     def has_work(self) -> bool:
-        """Whether step() has anything to do: sequences running or queued, or (overlapped rounds) events of the
-        last round not yet returned."""
+        """Whether step() has anything to do: sequences running or queued, or (overlapped rounds) the last
+        round's events not yet returned, or its set-ups, merges or learning not yet done."""
         return bool(self.active or self.queue or self._later or self._made or self._chain_later or self._learn_later)
 
     def _admit(self) -> None:
