@@ -40,6 +40,21 @@ class Branch:
     weight: float
 
 
+def runner_ups_within(last: np.ndarray | None, held: list[Branch], main: list[int], width: int) -> list[Branch]:
+    """The runner-ups `held` beside a speculator's last draft `last` that start within `main` (a prefix of that
+    draft, as the planner cut it), most likely first, at most `width`; none where `main` is not a prefix of it.
+
+    >>> held = [Branch(0, np.array([9]), 0.2), Branch(2, np.array([8]), 0.9), Branch(1, np.array([7]), 0.5)]
+    >>> [b.at for b in runner_ups_within(np.array([5, 6, 4]), held, [5, 6], 3)]
+    [1, 0]
+    >>> runner_ups_within(np.array([5, 6, 4]), held, [5, 3], 3)
+    []
+    """
+    if last is None or main != last[: len(main)].tolist():
+        return []
+    return sorted((b for b in held if b.at < len(main)), key=lambda b: -b.weight)[:width]
+
+
 @dataclass(frozen=True, eq=False)
 class DraftTree:
     tokens: np.ndarray  # int32 [n]

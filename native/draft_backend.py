@@ -68,8 +68,8 @@ class LlamaDraftBackend(SlotBackend):
         pick = top_two_token_probs if runner_ups else top_token_probs
         top = np.zeros(len(runs), dtype=np.int32)
         prob = np.zeros(len(runs), dtype=np.float64)
-        second = np.zeros(len(runs), dtype=np.int32)
-        second_prob = np.zeros(len(runs), dtype=np.float64)
+        second = np.zeros(len(runs) if runner_ups else 0, dtype=np.int32)
+        second_prob = np.zeros(len(second), dtype=np.float64)
         b = self.ctx.batch
         b.clear()
         owners: list[int] = []  # run index of each logits row of the batch being filled

@@ -29,7 +29,7 @@ import numpy as np
 import ray
 
 from specray.engine.config import EngineConfig
-from specray.engine.draft_tree import Branch
+from specray.engine.draft_tree import Branch, runner_ups_within
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE
 from specray.engine.speculators.draft_base import DraftParams
 
@@ -278,10 +278,8 @@ class CompanionDraftProxy(CompanionProxy):
     def _branches(self, seq_id: int, main: list[int], width: int) -> list[Branch]:
         """The last draft's runner-ups within `main` (a prefix of that draft), most likely first."""
         self.runner_ups_wanted = True
-        last = self._runner_ups.get(seq_id)
-        if last is None or main != last[0][: len(main)].tolist():
-            return []
-        return sorted((b for b in last[1] if b.at < len(main)), key=lambda b: -b.weight)[:width]
+        last, held = self._runner_ups.get(seq_id, (None, []))
+        return runner_ups_within(last, held, main, width)
 
     def _end(self, seq_id: int) -> None:
         self._drop(seq_id)

@@ -39,7 +39,7 @@ from typing import Protocol
 import numpy as np
 
 from specray.engine.cost import DecodeCostModel
-from specray.engine.draft_tree import Branch
+from specray.engine.draft_tree import Branch, runner_ups_within
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE, DraftRequest
 from specray.engine.prompt_cache import common_prefix
 
@@ -132,9 +132,10 @@ class _SeqState:
     text: TextMirror | None = None  # cross-vocab: the sequence's text and its draft-vocab tokens
     text_cursor: HistoryCursor = field(default_factory=HistoryCursor)  # history the text mirror was built from
     drafted_at: int = -1  # history length at the last draft call (-1: never drafted)
-    # the last draft's tokens and its runner-ups: (depth, token, probability over the drafted token's)
+    # the last draft's tokens and its runner-ups: one-token branches weighted by their probability over the
+    # drafted token's
     last_draft: np.ndarray | None = None
-    runner_ups: list[tuple[int, int, float]] = field(default_factory=list)
+    runner_ups: list[Branch] = field(default_factory=list)
 
 
 @dataclass
@@ -368,7 +369,8 @@ class DraftSpeculator(SlotMirror, ModelSpeculator):
                     if eog and self.translator is not None:
                         continue  # the draft model's end of text: nothing to translate
                     if alt and alt[1][j] > 0.0:
-                        st.runner_ups.append((len(res), int(alt[0][j]), min(1.0, float(alt[1][j]) / float(pr))))
+                        st.runner_ups.append(Branch(len(res), np.array([alt[0][j]], dtype=TOKEN_DTYPE),
+                                                    min(1.0, float(alt[1][j]) / float(pr))))
                     res.append(tok)
                     if eog or len(res) >= cap:
                         continue
@@ -407,10 +409,7 @@ class DraftSpeculator(SlotMirror, ModelSpeculator):
         one-token branch at its depth. The first call turns the runner-ups on for the drafts after it."""
         self.runner_ups_wanted = True
         st = self.seqs.get(seq_id)
-        if st is None or st.last_draft is None or main != st.last_draft[: len(main)].tolist():
-            return []
-        ups = sorted((u for u in st.runner_ups if u[0] < len(main)), key=lambda u: -u[2])[:width]
-        return [Branch(at, np.array([tok], dtype=TOKEN_DTYPE), w) for at, tok, w in ups]
+        return [] if st is None else runner_ups_within(st.last_draft, st.runner_ups, main, width)
 
     def _translate(self, req: DraftRequest, draft_tokens: np.ndarray) -> np.ndarray:
         piece = self.backend.vocab.piece

@@ -270,3 +270,14 @@ def test_an_ab_arm_turns_trees_on_for_its_own_engine():
     arm = ArmConfig(name="trees", trees=True).chain_config(base)
     assert arm.trees and not ArmConfig(name="linear").chain_config(base).trees
     assert tree_seqs(EngineConfig(slots=4, chain=arm), "attention") == 12
+
+
+def test_doctests():
+    import doctest
+
+    from specray.engine import draft_tree
+    from specray.native import slot_backend
+
+    for module in (draft_tree, slot_backend):
+        failed, attempted = doctest.testmod(module)
+        assert attempted > 0 and failed == 0, module.__name__
