@@ -477,6 +477,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "target decodes (on a GPU, behind the device's work; on CPU on a helper thread, which "
                         "gains little: the decode's threads hold the cores; with a target actor, while it decodes) "
                         f"(default: {'on' if EngineConfig().overlap else 'off'})")
+    g.add_argument("--tile-pads", action=argparse.BooleanOptionalAction, default=S,
+                   help="pad a round of fewer rows than the CPU flash-attention kernel's tile (64) up to it where "
+                        "the cost model prices that cheaper: at long contexts the tiled kernel is several times "
+                        "cheaper per row, so an agent's next turn answers sooner; the pad rows' output and cells "
+                        f"are dropped (default: {'on' if EngineConfig().tile_pads else 'off'})")
     g.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=S,
                    help="a generation that reaches its context discards old tokens and goes on (llama-server's "
                         "--context-shift; requests may set context_shift, n_keep, n_discard themselves) "

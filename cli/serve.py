@@ -45,6 +45,7 @@ _FLAG_FIELDS = {
     "queue_order": ("engine", "queue_order"),
     "queue_max_wait": ("engine", "queue_max_wait_s"),
     "overlap": ("engine", "overlap"),
+    "tile_pads": ("engine", "tile_pads"),
     "context_shift": ("engine", "context_shift"),
     "verify_shape": ("engine", "verify_shape"),
     "verify_buckets": ("engine", "verify_buckets"),

@@ -124,9 +124,13 @@ def target_memory(config: EngineConfig, model, ctx) -> TargetMemory:
     # are rolled back by checkpoint whatever was asked
     requested = "checkpoint" if config.rollback == "snapshots" and not config.chain.enabled else config.rollback
     mode = rollback_mode(model.memory_kind, requested, ctx.n_rs_seq, config.slots)
+    # tile pads need rows whose cells can be dropped again: an attention cache trimmed by position
+    tile = (getattr(ctx, "attention_tile_rows", 0)
+            if config.tile_pads and mode == "trim" and model.memory_kind == "attention" else 0)
     return TargetMemory(model.memory_kind, mode, ctx.n_rs_seq if mode == "snapshots" else 0,
                         can_shift=model.memory_kind == "attention" and ctx.can_shift,
-                        tree_seqs=max(0, ctx.n_seq_max - config.slots) if mode == "trim" else 0)
+                        tree_seqs=max(0, ctx.n_seq_max - config.slots) if mode == "trim" else 0,
+                        attention_tile=tile)
 
 
 def target_runner(config: EngineConfig, model, ctx):
@@ -149,7 +153,8 @@ def target_runner(config: EngineConfig, model, ctx):
     return TargetRunner(ctx, record_margins=config.record_margins, verify_buckets=buckets,
                         rollback=StateRollback(memory.rollback, checkpoints),
                         constraints=GrammarCompiler.of(model),
-                        branch_seqs=range(config.slots, config.slots + memory.tree_seqs)), memory
+                        branch_seqs=range(config.slots, config.slots + memory.tree_seqs),
+                        attention_tile=memory.attention_tile), memory
 
 
 def open_draft(config: EngineConfig, target, target_ctx):

@@ -68,6 +68,22 @@ class CellLedger:
         """Positions `slot` holds (its own and shared ones)."""
         return sum(e - self.starts[r] for r, e in self.pieces.get(slot, []))
 
+    def written(self, ends: dict[int, int]) -> int:
+        """Cells the slots of `ends` hold below their end positions (what they have written, not what they
+        reserve), a cell several of them share counted once.
+
+        >>> led = CellLedger()
+        >>> led.own(0, 0, 1000); led.share(1, 0, 800); led.own(1, 800, 1050)
+        >>> led.written({0: 900, 1: 850})   # slot 0's 900, slot 1's 800 shared with it and 50 of its own
+        950
+        """
+        furthest: dict[int, int] = {}
+        for slot, end in ends.items():
+            for r, e in self.pieces.get(slot, []):
+                if self.starts[r] < end:
+                    furthest[r] = max(furthest.get(r, 0), min(e, end))
+        return sum(e - self.starts[r] for r, e in furthest.items())
+
     def cells(self, without: tuple[int, ...] = ()) -> int:
         """Cells in use (slots in `without` left out: what would remain were they cleared)."""
         furthest: dict[int, int] = {}

@@ -356,6 +356,13 @@ class EngineConfig(BaseModel):
         "returns once queued, so that work is hidden behind the device's; on CPU the decode runs on a thread of "
         "its own, which exercises the overlap but gains little (the decode's threads hold the cores). With a "
         "target actor (distributed mode) the work runs while the actor decodes")
+    tile_pads: bool = Field(
+        True, description="pad a round of fewer rows than the CPU flash-attention kernel's tile (64) up to it "
+        "where the cost model prices the padded round cheaper: from the tile on, llama.cpp runs attention as a "
+        "GEMM per tile, several times cheaper per row and cached token, so an agent's next turn (a few dozen new "
+        "prompt rows after a long cached history) gets its first token sooner. The pad rows give no output and "
+        "their cells are dropped after the decode. Applies to fast mode with flash attention on the CPU, one KV "
+        "pool and F16/F32 caches")
     chain: ChainConfig = Field(default_factory=ChainConfig, description="the speculator chain")
     draft: DraftModelConfig = Field(
         default_factory=DraftModelConfig, description="draft model for the `draft` speculator (in-process when "

@@ -82,9 +82,13 @@ class DecodeCostModel:
     def __init__(self, seconds_by_n: dict[int, float] | None = None, ema: float = 0.05,
                  attn_seconds: float = 0.0, ref_cells: int = 64, speed_ema: float = 0.2,
                  read_seconds: float = 0.0, learn: bool = True,
-                 shape_ratios: tuple[float, float] = (1.0, 1.0)) -> None:
+                 shape_ratios: tuple[float, float] = (1.0, 1.0), tile_attn_seconds: float = 0.0,
+                 subtile_attn_seconds: float = 0.0) -> None:
         """shape_ratios: the first and second decode of a new batch shape over the table's price, to start from
-        (a GPU's learnt values, as a cost table of another device is injected; they are learnt from here on)."""
+        (a GPU's learnt values, as a cost table of another device is injected; they are learnt from here on).
+        tile_attn_seconds: attn_seconds of a decode of the target's attention tile rows or more, where the kernel
+        changes (native Context.attention_tile_rows), and subtile_attn_seconds of half as many rows, both at a
+        long context (engine/tile_pads.py prices a round padded to the tile with them; 0: not measured)."""
         # a plausible CPU shape until calibrated: 10 ms + 2.5 ms per extra token
         table = seconds_by_n or {1: 0.010, 2: 0.0125, 4: 0.0175, 8: 0.0275, 16: 0.0475, 32: 0.0875}
         self._ns = sorted(table)
@@ -100,6 +104,8 @@ class DecodeCostModel:
         # per KV cell in use, for a one-row decode: what a cell nobody attends (an idle slot's cached prompt in one
         # KV pool, computed and masked with flash attention off) costs every decode; a row of several shares it
         self._read_ref = max(0.0, float(read_seconds))
+        self._tile_attn_ref = max(0.0, float(tile_attn_seconds))
+        self._subtile_attn_ref = max(0.0, float(subtile_attn_seconds))
         self.ref_cells = ref_cells  # cells the table's measurements attended
         # False: the table stays as given (a cost table of another device injected to see what the policy does)
         self.learn = learn
@@ -117,6 +123,18 @@ class DecodeCostModel:
         return self._speed * self._attn_ref
 
     @property
+    def tile_attn_seconds(self) -> float:
+        """Seconds per (token x KV cell) in a decode of the attention tile's rows or more, at the current speed
+        (0: not measured)."""
+        return self._speed * self._tile_attn_ref
+
+    @property
+    def subtile_attn_seconds(self) -> float:
+        """Seconds per (token x KV cell) in a decode of half the attention tile's rows at a long context, at the
+        current speed (0: not measured)."""
+        return self._speed * self._subtile_attn_ref
+
+    @property
     def read_seconds(self) -> float:
         """Seconds per KV cell in use for a one-row decode, at the current speed (0: not measured)."""
         return self._speed * self._read_ref
@@ -131,13 +149,16 @@ class DecodeCostModel:
         """From TargetRunner.calibrate_cost()'s answer (possibly through Ray: keys may arrive as strings)."""
         table = {int(n): float(s) for n, s in measured["table"].items()}
         return cls(table, attn_seconds=measured["attn_seconds"], ref_cells=CALIBRATION_PREFIX,
-                   read_seconds=measured.get("read_seconds", 0.0))
+                   read_seconds=measured.get("read_seconds", 0.0),
+                   tile_attn_seconds=measured.get("tile_attn_seconds", 0.0),
+                   subtile_attn_seconds=measured.get("subtile_attn_seconds", 0.0))
 
     def copy(self) -> DecodeCostModel:
         """An independent model that starts where this one is (it learns on its own from here)."""
         return DecodeCostModel(self.table(), ema=self._ema, attn_seconds=self.attn_seconds,
                                ref_cells=self.ref_cells, speed_ema=self._speed_ema, read_seconds=self.read_seconds,
-                               learn=self.learn)
+                               learn=self.learn, tile_attn_seconds=self.tile_attn_seconds,
+                               subtile_attn_seconds=self.subtile_attn_seconds)
 
     @property
     def shape_change_penalty(self) -> float:

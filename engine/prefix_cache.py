@@ -214,6 +214,15 @@ class PrefixCache:
             self.target.drop_stash(gone)
         self.target.stash(slot, key)
 
+    def unreserved_cells(self) -> int:
+        """Cells of the one KV pool that no sequence reserves and no idle cache holds (0 without one pool)."""
+        return max(0, self.shared_cells - self.ledger.cells()) if self.shared_cells is not None else 0
+
+    def written_cells(self, ends: dict[int, int]) -> int | None:
+        """KV cells the slots of `ends` (slot -> the position its rows of a round end at) hold, shared ones
+        counted once (CellLedger.written); None without one KV pool."""
+        return self.ledger.written(ends) if self.shared_cells is not None else None
+
     def stats(self) -> dict:
         return self.idle.stats() | {"copies_from_running": self.copies_from_running, "waits": self.waits,
                                     "cell_waits": self.cell_waits, "shared_restores": self.shared_restores,

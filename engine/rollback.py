@@ -100,6 +100,9 @@ class TargetMemory:
     can_shift: bool = True
     # sequence ids beyond the slots for draft trees' branches (engine/draft_tree.py); 0: drafts stay linear
     tree_seqs: int = 0
+    # rows from which the target's attention runs a tiled kernel (native Context.attention_tile_rows): a round
+    # of fewer rows may be padded up to it (engine/tile_pads.py); 0: no such kernel
+    attention_tile: int = 0
 
     @property
     def draft_cap(self) -> int | None:

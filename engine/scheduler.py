@@ -40,6 +40,7 @@ from .request import GenerationRequest, Sequence, SeqState, admission_plan
 from .rollback import RollbackStats, TargetMemory
 from .round_stages import INSTRUMENT, RoundClock
 from .target import StepItem, StepOutput, StepResult
+from .tile_pads import KernelFit, TileQuote, tile_pad
 from .verify_shape import batch_rows, max_draft
 
 log = logging.getLogger("specray.scheduler")
@@ -108,6 +109,9 @@ class RoundStats:
     # stage of its own
     overlapped_seconds: float = 0.0
     overlapped_rounds: int = 0
+    # rounds padded up to the target's attention tile, and their pad rows (tile_pads.py)
+    tile_pads: int = 0
+    tile_pad_rows: int = 0
 
     def add_round(self, clock: RoundClock, prefill_share: float, loaded_tokens: int | None, n_decoding: int) -> None:
         """One round's stamps, `prefill_share` of its time on prompt rows; loaded_tokens: what it emitted if every
@@ -323,6 +327,8 @@ class Scheduler:
         self.reserved = 0  # KV cells reserved by active sequences (without sharing: prefix_cache counts shares)
         self.awaited: set[int] = set()  # slots of prefilling sequences whose prefix queued ones wait to copy
         self.stats = RoundStats()
+        # how far the attention kernels' start-up prices miss where rounds run (tile_pads.py)
+        self.tile_fit = KernelFit()
         self.disabled_speculators: set[str] = set()
         self.on_event: Callable[[Event], None] | None = None
         # called after on_event has had a batch of events (an overlapped round's, made while the target decodes)
@@ -543,6 +549,7 @@ class Scheduler:
         clock.lap("draft")
 
         items = step_items(decoding, proposals, chunks, self._needs_hidden)
+        quote = self._pad_to_tile(items) if self.memory.attention_tile and self.config.shape_buckets is None else None
         clock.lap("build")
         if self.overlap:
             out = self._overlapped(items)
@@ -582,21 +589,48 @@ class Scheduler:
         loaded = not n_prefill and len(decoding) == self.config.slots and not prefilling
         learn = (self.policy, clock, out, sum(len(it.tokens) for it in items), n_prefill, cells, len(decoding),
                  sum(p.rows for p in proposals), emitted, loaded,
-                 self.policy.host_seconds(clock.work - clock.seconds.get("decode", 0.0)))
+                 self.policy.host_seconds(clock.work - clock.seconds.get("decode", 0.0)),
+                 any(it.tile_pad for it in items), quote)
         if self.overlap:  # the round's stats and prices are learnt while the next round decodes
             self._learn_later.append(functools.partial(self._learn, *learn))
         else:
             self._learn(*learn)
         return events
 
+    def _pad_to_tile(self, items: list[StepItem]) -> TileQuote | None:
+        """Pad the round up to the attention kernel's tile where that is priced cheaper (tile_pads.py); returns
+        the round's quote, which its decode time teaches `tile_fit`. A pad row's cell lives for one decode: it
+        fits in its carrier's reservation or in the pool's unreserved cells."""
+        ends = {it.seq_id: it.pos0 + len(it.tokens) for it in items}
+
+        def room() -> dict[int, int]:
+            spare = self.prefix_cache.unreserved_cells()
+            return {slot: min(self.active[slot].reserve - end + spare, self.n_ctx - end) for slot, end in ends.items()}
+
+        pad, quote = tile_pad(items, room, lambda: self.prefix_cache.written_cells(ends), self.memory.attention_tile,
+                              self.policy.cost, self.tile_fit)
+        if pad is not None:
+            slot, rows = pad
+            for it in items:
+                if it.seq_id == slot:
+                    it.tile_pad = rows
+            self.stats.tile_pads += 1
+            self.stats.tile_pad_rows += rows
+        return quote
+
     def _learn(self, policy: DraftPolicy, clock: RoundClock, out: StepOutput, n_rows: int, n_prefill: int,
-               cells: float, n_decoding: int, draft_rows: int, emitted: int, loaded: bool, host: float) -> None:
+               cells: float, n_decoding: int, draft_rows: int, emitted: int, loaded: bool, host: float,
+               padded: bool = False, quote: TileQuote | None = None) -> None:
         """A round's stamps into the stats, and its timing into the price models of the policy that planned it
-        (decode, host work, rollbacks), whatever policy plans the next round."""
+        (decode, host work, rollbacks), whatever policy plans the next round. A round padded to the attention
+        tile teaches the price of its shape only, as a prefill round does: its decode ran another kernel than
+        the few-row one the table and the attention cost price drafts at."""
         self.stats.add_round(clock, prefill_share(lambda n: policy.cost.cost(n, cells), n_rows, n_prefill),
                              emitted if loaded else None, n_decoding)
-        policy.observe(out.batch_sizes, out.decode_seconds, cells, n_prefill > 0, n_decoding, draft_rows, host,
-                       emitted, out.rollback)
+        policy.observe(out.batch_sizes, out.decode_seconds, cells, n_prefill > 0 or padded, n_decoding, draft_rows,
+                       host, emitted, out.rollback)
+        if quote is not None and len(out.batch_sizes) == 1:
+            self.tile_fit.observe(quote, out.decode_seconds)
 
     def _prompt_chunks(self, prefilling: list[Sequence], room: int, beside: bool) -> list[tuple[Sequence, int]]:
         """(sequence, rows) of the round's prompt chunks in slot order: what the batch has room for after the

@@ -62,6 +62,9 @@ class StepItem:
     shift: tuple[int, int] | None = None
     # the draft as a tree (engine/draft_tree.py): its n_draft tokens are the tree's nodes; None: a linear draft
     tree: DraftTree | None = None
+    # rows after this item's own (and its verify pads) that only give the decode the attention kernel's tile
+    # (engine/tile_pads.py): its last token repeated, no output, their cells dropped right after the decode
+    tile_pad: int = 0
 
     @property
     def n_commit(self) -> int:
@@ -219,6 +222,7 @@ class _Round:
     seqs: list[int] = field(default_factory=list)  # sequences per llama_decode
     branch_ids: dict[int, list[int]] = field(default_factory=dict)  # a tree item's seq id -> each branch's seq id
     instrument0: float = 0.0  # TargetRunner.instrument_seconds when the round began
+    pad_errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why its tile pads' cells stayed
 
 
 @dataclass
@@ -233,14 +237,18 @@ class _Launched:
 
 def _with_replay(it: StepItem, tokens: np.ndarray, pos0: int, n_replay: int) -> StepItem:
     """`it` with `n_replay` rows replayed in front of its own (tokens: those rows, then its own)."""
-    return StepItem(it.seq_id, tokens, pos0, it.n_draft, it.sample, it.hidden, n_replay)
+    return StepItem(it.seq_id, tokens, pos0, it.n_draft, it.sample, it.hidden, n_replay, tile_pad=it.tile_pad)
 
 
 class TargetRunner:
     def __init__(self, ctx: TargetContext, record_margins: bool = False,
                  verify_buckets: tuple[int, ...] | None = None, rollback: StateRollback | None = None,
-                 constraints: ConstraintFactory | None = None, branch_seqs: range = range(0)) -> None:
+                 constraints: ConstraintFactory | None = None, branch_seqs: range = range(0),
+                 attention_tile: int = 0) -> None:
+        """attention_tile: rows of the attention kernel's tile that rounds may be padded to
+        (TargetMemory.attention_tile; 0: none), which `calibrate_cost` then prices."""
         self.ctx = ctx
+        self.attention_tile = attention_tile
         # sequence ids beyond the slots for draft trees' branches (engine/draft_tree.py), lent per round
         self.branch_seqs = branch_seqs
         if len(branch_seqs) and (verify_buckets is not None or (rollback is not None and rollback.mode != "trim")):
@@ -258,6 +266,7 @@ class TargetRunner:
         # shape-stable verifies (EngineConfig.shape_buckets): decode-only rounds padded to a bucket; None: off
         self.verify_buckets = verify_buckets
         self.pad_rows = 0  # pad rows decoded (and removed again) so far
+        self.tile_pad_rows = 0  # attention tile pad rows decoded (and removed again) so far (StepItem.tile_pad)
         # hidden-row taps (specray.native.hidden.HiddenOutput), set when a hidden-state speculator is configured;
         # switched on only for decodes holding an item with hidden=True
         self.hidden_out = None
@@ -502,6 +511,10 @@ class TargetRunner:
                 continue
             toks = np.concatenate([it.tokens, np.full(pad, it.tokens[-1], dtype=np.int32)]) if pad else it.tokens
             batch.add_seq(it.seq_id, toks, it.pos0, n_logits)
+        for it in group:  # after every output row: the logits rows keep their order
+            if it.tile_pad:
+                batch.add_seq(it.seq_id, np.full(it.tile_pad, it.tokens[-1], dtype=np.int32),
+                              it.pos0 + len(it.tokens) + rnd.pads.get(it.seq_id, 0), 0)
         return batch
 
     def _want_rows(self, group: list[StepItem], rnd: _Round) -> bool:
@@ -513,8 +526,12 @@ class TargetRunner:
 
     def _count(self, group: list[StepItem], rnd: _Round, batch: Any, want_rows: bool,
                t0: float) -> np.ndarray | None:
-        """A decode of `group` is done: its hidden rows read (None where none are wanted) and it is counted."""
+        """A decode of `group` is done: its hidden rows read (None where none are wanted), its tile pads' cells
+        dropped, and it is counted."""
         taps = self.hidden_out.rows(batch.n_tokens) if want_rows else None
+        for it in group:
+            if it.tile_pad:
+                self._drop_tile_pad(it, rnd)
         rnd.sizes.append(batch.n_tokens)
         rnd.seqs.append(len(group))
         self.step_decodes += 1
@@ -528,6 +545,16 @@ class TargetRunner:
             self.rollback.stats.replay_seconds += (time.perf_counter() - t0) * replay_rows / batch.n_tokens
         return taps
 
+    def _drop_tile_pad(self, it: StepItem, rnd: _Round) -> None:
+        """The cells of `it`'s tile pads leave its memory; where the target refuses, the sequence ends (its cache
+        would hold tokens it never committed)."""
+        first = it.pos0 + len(it.tokens) + rnd.pads.get(it.seq_id, 0)
+        self.tile_pad_rows += it.tile_pad
+        if not self.ctx.seq_rm(it.seq_id, first, first + it.tile_pad):
+            rnd.pad_errors[it.seq_id] = (
+                f"sequence {it.seq_id}: the target refused to drop its attention tile pad rows (llama_memory_seq_rm "
+                "returned false): its cache would hold tokens it never committed")
+
     def _verify(self, group: list[StepItem], logits: np.ndarray, taps: np.ndarray | None, rnd: _Round) -> None:
         """Each item of one decode (`_decode`'s logits and hidden rows): its result into rnd.results and, where
         a speculator wants them, its committed tokens' hidden rows into rnd.hidden (a replayed token's went out
@@ -537,7 +564,9 @@ class TargetRunner:
             pad = rnd.pads.get(it.seq_id, 0)
             echo = self._echo_rows(it)
             n_real = echo + (it.n_draft + 1 if it.sample else 0)
-            if it.seq_id in rnd.branch_ids:
+            if it.seq_id in rnd.pad_errors:
+                res = StepResult(it.seq_id, np.zeros(0, dtype=np.int32), error=rnd.pad_errors[it.seq_id])
+            elif it.seq_id in rnd.branch_ids:
                 res = self._verify_tree(it, logits[row : row + n_real], rnd.branch_ids[it.seq_id])
             else:
                 res = self._verify_item(it, logits[row : row + n_real], echo, pad)
@@ -683,8 +712,9 @@ class TargetRunner:
         return kept
 
     def calibrate_cost(self) -> dict:
-        """What the cost model starts from (target_calibration.calibrate_cost). Slot 0 must be idle."""
-        return calibrate_cost(self.ctx)
+        """What the cost model starts from (target_calibration.calibrate_cost). Slot 0 must be idle, and slot 1
+        where the attention tile is priced."""
+        return calibrate_cost(self.ctx, self.attention_tile)
 
     def measure_decode_costs(self, sizes: tuple[int, ...] = DECODE_SIZES, reps: int = 5) -> dict[int, float]:
         return measure_decode_costs(self.ctx, sizes, reps)

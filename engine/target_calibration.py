@@ -30,13 +30,52 @@ def pooled_attention_slope(times: dict[tuple[int, int], float], short: int, long
     return max(0.0, dt / cells) if cells > 0 else 0.0
 
 
-def calibrate_cost(ctx) -> dict:
+def calibrate_cost(ctx, tile: int = 0) -> dict:
     """{"table": seconds by batch size, "attn_seconds": per token x KV cell, "read_seconds": per KV cell of a
-    one-row decode}."""
+    one-row decode, "tile_attn_seconds" and "subtile_attn_seconds": per token x KV cell in a decode of `tile`
+    rows, the attention kernel's tile where rounds may be padded to it, and of half as many (0 without)}."""
     # read_seconds: the same slope for one row, which pays each cell's read alone (prompt cache: what an
     # idle slot's cells cost every decode in one KV pool without flash attention)
-    return {"table": measure_decode_costs(ctx), "attn_seconds": measure_attention_cost(ctx),
-            "read_seconds": measure_attention_cost(ctx, sizes=(1,))}
+    out = {"table": measure_decode_costs(ctx), "attn_seconds": measure_attention_cost(ctx),
+           "read_seconds": measure_attention_cost(ctx, sizes=(1,))}
+    out["subtile_attn_seconds"], out["tile_attn_seconds"] = measure_tile_attention_costs(ctx, tile) if tile else (
+        0.0, 0.0)
+    return out
+
+
+def measure_tile_attention_costs(ctx, tile: int, short: int = CALIBRATION_PREFIX, long: int = 768,
+                                 reps: int = 2) -> tuple[float, float]:
+    """Seconds per (token x KV cell) of a decode of tile // 2 rows and of `tile` rows, the attention kernel's
+    tile (native Context.attention_tile_rows): what each cell of a longer context adds to every row, below the
+    tile and on it. Both at the same long context, as the rounds tile pads are for: the few-row slope of
+    measure_attention_cost comes from a short one and few rows, and says less about a few dozen rows after
+    hundreds of cached tokens.
+
+    With two sequence ids, sequence 0 holds the long prefix and 1 the short one, and their decodes alternate:
+    each slope is the median of `reps` paired differences, so a slow spell of the machine shifts a pair's two
+    halves alike. With one sequence id, measure_attention_cost's phases. Both slots must be idle; they are
+    cleared afterwards.
+    """
+    long = min(long, ctx.n_ctx_seq - tile - 1)
+    if long <= short or tile > ctx.n_batch:
+        return 0.0, 0.0
+    sizes = (tile // 2, tile)
+    if ctx.n_seq_max < 2:
+        return tuple(measure_attention_cost(ctx, short=short, long=long, sizes=(n,), reps=1) for n in sizes)
+    ids = _ids(long + tile)
+    for seq_id, prefix in ((0, long), (1, short)):
+        ctx.clear_seq(seq_id)
+        _prefill(ctx, seq_id, ids, 0, prefix)
+    diffs: dict[int, list[float]] = {n: [] for n in sizes}
+    for n in sizes:
+        decode_times(ctx, 1, ids, short, n, 0)  # warms up the buffers for the shape
+    for _ in range(reps):
+        for n in sizes:
+            diffs[n].append(decode_times(ctx, 0, ids, long, n, 1, warm=False)[0]
+                            - decode_times(ctx, 1, ids, short, n, 1, warm=False)[0])
+    ctx.clear_seq(0)
+    ctx.clear_seq(1)
+    return tuple(max(0.0, float(np.median(diffs[n]))) / (n * (long - short)) for n in sizes)
 
 
 def _ids(n: int) -> np.ndarray:

@@ -31,6 +31,12 @@ def cache_type(name: str) -> int:
 #: llama.cpp rounds a context, and each KV stream's share of it, up to a multiple of this (llama-context.cpp)
 CTX_PAD = 256
 
+#: query rows of the CPU flash-attention kernel's tile (GGML_FA_TILE_Q, ggml-cpu/common.h). A ubatch of at least
+#: this many rows runs the tiled kernel, a GEMM per tile of query rows x KV cells; a smaller one takes each row
+#: alone over every cell, several times slower per row and cell once the context is long (ops.cpp
+#: ggml_compute_forward_flash_attn_ext_f16)
+CPU_FA_TILE_ROWS = 64
+
 
 def n_ctx_for_seq(cells: int, slots: int, kv_unified: bool) -> int:
     """The smallest n_ctx, as llama.cpp sizes a context, that gives one sequence `cells` KV cells: unified,
@@ -149,6 +155,16 @@ class Context:
                     "exact mode needs the model loaded with use_extra_bufts=False "
                     "(repacked K-quant kernels switch paths by batch size)"
                 )
+
+    @property
+    def attention_tile_rows(self) -> int:
+        """Rows from which a decode's attention runs llama.cpp's tiled CPU flash-attention kernel: flash attention
+        on, the model's layers (so the KV cache and attention) on the CPU, F16 or F32 K and V of one type, one
+        KV pool (with a stream per slot the kernel sees each stream's rows apart). 0 where no such threshold
+        applies (a GPU, flash attention off, quantized caches)."""
+        tiled_types = self.type_k == self.type_v and self.type_k in ("f16", "f32")
+        on_cpu = self.model.n_gpu_layers == 0
+        return CPU_FA_TILE_ROWS if self.flash_attn and on_cpu and tiled_types and self.kv_unified else 0
 
     # ---- decode --------------------------------------------------------------
     def decode(self, batch: Batch | None = None) -> np.ndarray:

@@ -177,6 +177,7 @@ class TargetService:
             # shape-stable verifies: the buckets this actor pads to (None: off) and the pad rows decoded so far
             "verify_buckets": list(r.verify_buckets) if r.verify_buckets is not None else None,
             "pad_rows": r.pad_rows,
+            "tile_pad_rows": r.tile_pad_rows,
             "rollback": r.rollback.stats.to_dict(),  # a recurrent target's saves, restores and replays
         }
 

@@ -68,6 +68,10 @@ def round_snapshot(core) -> dict:
         "speculators": {k: asdict(v) for k, v in parts.chain.stats().items()},
         "cost_table": policy["cost_table"],
         "attention_ns_per_token_cell": policy["attention_ns_per_token_cell"],
+        # the same at a long context in a decode of the attention kernel's tile, and of half as many rows
+        # (engine/tile_pads.py; 0: no tile)
+        "tile_attention_ns_per_token_cell": policy["tile_attention_ns_per_token_cell"],
+        "subtile_attention_ns_per_token_cell": policy["subtile_attention_ns_per_token_cell"],
         "round_failures": core.rel.round_failures,
         "reliability": asdict(core.rel),
         "last_error": core.faults.last_error,

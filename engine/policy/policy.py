@@ -352,5 +352,7 @@ class DraftPolicy:
             "model_explore_budget_s": dict(self.models.explore_budget),
             "cost_table": self.cost.table(),
             "attention_ns_per_token_cell": self.cost.attn_seconds * 1e9,
+            "tile_attention_ns_per_token_cell": self.cost.tile_attn_seconds * 1e9,
+            "subtile_attention_ns_per_token_cell": self.cost.subtile_attn_seconds * 1e9,
             "trees": self.trees.snapshot(),
         }
