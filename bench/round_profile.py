@@ -4,8 +4,9 @@ summed over categories and passes, written as a plain-text summary.
 Only the timed rounds are profiled (ConfigRun.step: the scheduler's round, i.e. drafting, the target decode,
 verification and bookkeeping), not model loading, calibration, the tie-bound probes or the llama_cpp
 reference row. llama.cpp's C functions are called through ctypes and are no Python frames of their own:
-llama_decode's time is the own time of native/context.py's Context.decode, the one function that calls it;
-the summary puts that figure next to everything else a round costs on the host.
+llama_decode's time is the own time of native/context.py's Context.launch, the one function that calls it
+(Context.decode, and an overlapped round's launch, go through it); the summary puts that figure next to
+everything else a round costs on the host.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from functools import lru_cache
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the function whose own time is llama_decode's (path relative to the package root, qualified name)
-DECODE_FUNCTION = ("native/context.py", "Context.decode")
+DECODE_FUNCTION = ("native/context.py", "Context.launch")
 TOP = 30
 
 
@@ -115,7 +116,7 @@ def decode_seconds(entries: list[Entry], replayed: bool = False) -> float:
     """llama_decode's seconds: the own time of the function that calls it; with `replayed`, the whole time of the
     host replay's stand-in decode.
 
-    >>> decode_seconds([(0.9, 1.0, 10, "native/context.py:94 Context.decode"), (0.1, 2.0, 10, "x.py:1 f")])
+    >>> decode_seconds([(0.9, 1.0, 10, "native/context.py:94 Context.launch"), (0.1, 2.0, 10, "x.py:1 f")])
     0.9
     >>> decode_seconds([(0.1, 2.5, 10, "bench/host_replay.py:94 ReplayDecode.__call__")], replayed=True)
     2.5

@@ -255,8 +255,11 @@ def test_cli_bench_profile_shows_where_a_round_goes(skip_run):
         rounds, ms, decode_ms, host_ms = int(m[1]), float(m[3]), float(m[4]), float(m[5])
         assert rounds > 0 and decode_ms > 0 and host_ms > 0
         assert abs(ms - decode_ms - host_ms) < 0.02
+        # a CPU decode of SmolLM2 costs far more than the round's host work, profiled or not: the decode's time
+        # is found (it is the own time of the one function that calls llama_decode)
+        assert decode_ms > host_ms, (cfg, decode_ms, host_ms)
     # the round function and the decode call, by name; the round covers nearly all of the profiled time
-    assert "Context.decode" in text and "llama_decode" in text
+    assert "Context.launch" in text and "llama_decode" in text
     step = [ln for ln in text.splitlines() if ln.endswith(" Scheduler.step")]
     assert step and max(float(ln.split()[1]) for ln in step) > 90.0, step
 

@@ -86,5 +86,5 @@ def test_profile_summary_names_functions_by_class_and_counts_rounds():
     label = f"tests/unit/test_bench_fit.py:{Worker.busy.__code__.co_firstlineno} Worker.busy"
     line = next(ln for ln in text.splitlines() if ln.endswith(label))
     assert line.split()[3] == "3"
-    # no Context.decode ran: llama_decode's share is zero, the host's all of it
+    # no Context.launch ran: llama_decode's share is zero, the host's all of it
     assert "llama_decode: 0.000 s (0%" in text
