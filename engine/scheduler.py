@@ -601,14 +601,16 @@ class Scheduler:
         """Pad the round up to the attention kernel's tile where that is priced cheaper (tile_pads.py); returns
         the round's quote, which its decode time teaches `tile_fit`. A pad row's cell lives for one decode: it
         fits in its carrier's reservation or in the pool's unreserved cells."""
-        ends = {it.seq_id: it.pos0 + len(it.tokens) for it in items}
+        def ends() -> dict[int, int]:  # asked only of a round tile_pad has not ruled out by its rows
+            return {it.seq_id: it.pos0 + len(it.tokens) for it in items}
 
         def room() -> dict[int, int]:
             spare = self.prefix_cache.unreserved_cells()
-            return {slot: min(self.active[slot].reserve - end + spare, self.n_ctx - end) for slot, end in ends.items()}
+            return {slot: min(self.active[slot].reserve - end + spare, self.n_ctx - end)
+                    for slot, end in ends().items()}
 
-        pad, quote = tile_pad(items, room, lambda: self.prefix_cache.written_cells(ends), self.memory.attention_tile,
-                              self.policy.cost, self.tile_fit)
+        pad, quote = tile_pad(items, room, lambda: self.prefix_cache.written_cells(ends()),
+                              self.memory.attention_tile, self.policy.cost, self.tile_fit)
         if pad is not None:
             slot, rows = pad
             for it in items:

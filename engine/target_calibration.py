@@ -38,8 +38,8 @@ def calibrate_cost(ctx, tile: int = 0) -> dict:
     # idle slot's cells cost every decode in one KV pool without flash attention)
     out = {"table": measure_decode_costs(ctx), "attn_seconds": measure_attention_cost(ctx),
            "read_seconds": measure_attention_cost(ctx, sizes=(1,))}
-    out["subtile_attn_seconds"], out["tile_attn_seconds"] = measure_tile_attention_costs(ctx, tile) if tile else (
-        0.0, 0.0)
+    tile_costs = measure_tile_attention_costs(ctx, tile) if tile else (0.0, 0.0)
+    out["subtile_attn_seconds"], out["tile_attn_seconds"] = tile_costs
     return out
 
 

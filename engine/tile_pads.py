@@ -123,6 +123,7 @@ def tile_pad(items: list[StepItem], room: dict[int, int] | Callable[[], dict[int
     the one with the most rows is taken (its context is the one the tile reads anyway).
     """
     rows = sum(len(it.tokens) for it in items)
+    # under a quarter of the tile, the tile's rows' weights alone cost more than the attention could save
     if not items or rows >= 2 * tile or (rows < tile and 4 * rows < tile) or cost.tile_attn_seconds <= 0.0:
         return None, None
     token_cells = sum(len(it.tokens) * (it.pos0 + len(it.tokens) / 2) for it in items)

@@ -64,8 +64,10 @@ def test_hybrid_target_serves_speculation_identical_to_plain(hybrid):
         stats = http.get("/v1/stats").json()
         models = http.get("/v1/models").json()
         health = http.get("/health").json()
-    # no context shift; no branch ids, as a recurrent state cannot hold a draft tree
-    memory = {"kind": "hybrid", "rollback": "checkpoint", "n_rs_seq": 0, "can_shift": False, "tree_seqs": 0}
+    # no context shift; no branch ids, as a recurrent state cannot hold a draft tree; no attention tile pads, whose
+    # cells are dropped after the decode (a recurrent state cannot drop rows)
+    memory = {"kind": "hybrid", "rollback": "checkpoint", "n_rs_seq": 0, "can_shift": False, "tree_seqs": 0,
+              "attention_tile": 0}
     assert models["data"][0]["memory"] == memory
     assert health["target_memory"] == memory
     rb = stats["scheduler"]["rollback"]
