@@ -51,6 +51,21 @@ def test_the_cpu_flash_attention_context_has_a_tile_and_the_calibration_prices_i
     off.close()
 
 
+def test_a_context_of_one_sequence_id_prices_the_tile_in_phases(smollm2):
+    # one slot, no branch ids: no second sequence to pair with; the prices come from measure_attention_cost's
+    # phases, and the slot is left empty
+    from specray.engine.target_calibration import measure_tile_attention_costs
+    from specray.native.context import Context
+
+    ctx = Context(smollm2, n_ctx=1024, n_seq_max=1, n_batch=512, flash_attn=True, n_threads=2)
+    try:
+        below, tile = measure_tile_attention_costs(ctx, ctx.attention_tile_rows)
+        assert below > 0 and tile > 0, (below, tile)
+        assert ctx.seq_pos_max(0) == -1
+    finally:
+        ctx.close()
+
+
 def test_padded_rounds_diverge_only_at_near_ties_and_leave_no_cells(smollm2):
     convs = _conversations(4)
     on, off = _engine(smollm2, tile_pads=True), _engine(smollm2, tile_pads=False)
