@@ -138,10 +138,16 @@ def _phase(records: list[dict]) -> dict:
     with_both = [r for r in records if r.get("prompt_tokens") and r.get("cached_tokens") is not None]
     share = (sum(r["cached_tokens"] for r in with_both) / sum(r["prompt_tokens"] for r in with_both)
              if with_both else None)
+    server = {k: [r[k] for r in records if r.get(k) is not None] for k in ("server_prompt_ms", "server_queue_ms")}
     return {"requests": len(records), "ttft_p50_ms": percentile(ttfts, 50), "ttft_p90_ms": percentile(ttfts, 90),
             "prompt_tokens_median": statistics.median(prompt) if prompt else None,
             "cached_tokens_median": statistics.median(cached) if cached else None,
-            "cached_share": None if share is None else round(share, 3)}
+            "cached_share": None if share is None else round(share, 3),
+            # the server's own split of the time to first token (multiturn.server_side): p50 and p90
+            "server_prompt_p50_ms": percentile(server["server_prompt_ms"], 50),
+            "server_prompt_p90_ms": percentile(server["server_prompt_ms"], 90),
+            "server_queue_p50_ms": percentile(server["server_queue_ms"], 50),
+            "server_queue_p90_ms": percentile(server["server_queue_ms"], 90)}
 
 
 def summarize(records: list[dict], wall_s: float) -> dict:
@@ -238,15 +244,18 @@ def _f(v, fmt: str) -> str:
 
 def report_text(report: dict) -> str:
     """The table: one row per server; TTFT in ms, `prompt`/`cached` the later turns' medians, `share` their
-    sum cached / sum prompt; then the ratio line with two or more servers.
+    sum cached / sum prompt; the later turns' time to first token as the servers account for it (prompt
+    processing, and specray's queue before it: multiturn.server_side); then the ratio line with two or more
+    servers.
 
-    >>> ph = lambda p50, p90: {"ttft_p50_ms": p50, "ttft_p90_ms": p90, "prompt_tokens_median": 90,
-    ...                        "cached_tokens_median": 80, "cached_share": 0.9}
+    >>> ph = lambda p50, p90, sp=None, sq=None: {"ttft_p50_ms": p50, "ttft_p90_ms": p90, "prompt_tokens_median": 90,
+    ...     "cached_tokens_median": 80, "cached_share": 0.9, "server_prompt_p50_ms": sp, "server_prompt_p90_ms": sp,
+    ...     "server_queue_p50_ms": sq, "server_queue_p90_ms": sq}
     >>> s = {"requests": 6, "errors": 0, "wall_s": 2.5, "tokens_per_s": 19.2, "first": ph(300.0, 420.0),
-    ...      "later": ph(40.0, 55.0)}
+    ...      "later": ph(40.0, 55.0, 30.0, 6.0)}
     >>> rep = {"meta": {"agents": 2, "turns": 3, "concurrency": 2, "system_tokens": 300, "max_tokens": 8},
     ...        "targets": [{"label": "a", "url": "http://h:1", "summary": s},
-    ...                    {"label": "b", "url": "http://h:2", "summary": s}],
+    ...                    {"label": "b", "url": "http://h:2", "summary": s | {"later": ph(40.0, 55.0, 35.0)}}],
     ...        "ratios": [{"label": "a", "first_ttft_p50": 1.0, "later_ttft_p50": 1.0},
     ...                   {"label": "b", "first_ttft_p50": 1.0, "later_ttft_p50": 1.0}]}
     >>> print(report_text(rep))  # doctest: +NORMALIZE_WHITESPACE
@@ -255,6 +264,7 @@ def report_text(report: dict) -> str:
     server  req  err  wall s  tok/s  first p50  first p90  later p50  later p90  prompt  cached  share
          a    6    0    2.50   19.2      300.0      420.0       40.0       55.0      90      80  90.0%
          b    6    0    2.50   19.2      300.0      420.0       40.0       55.0      90      80  90.0%
+    later turns, server side, ms p50 / p90: a prompt 30 / 30, queue 6 / 6; b prompt 35 / 35
     TTFT p50 vs a: b first turns 1.00x, later turns 1.00x
     """
     m = report["meta"]
@@ -273,6 +283,14 @@ def report_text(report: dict) -> str:
                      f"{_f(f['ttft_p90_ms'], '.1f'):>11}{_f(la['ttft_p50_ms'], '.1f'):>11}"
                      f"{_f(la['ttft_p90_ms'], '.1f'):>11}{_f(la['prompt_tokens_median'], '.0f'):>8}"
                      f"{_f(la['cached_tokens_median'], '.0f'):>8}{share:>7}")
+    split = [(r["label"], r["summary"]["later"]) for r in report["targets"]
+             if r["summary"]["later"].get("server_prompt_p50_ms") is not None]
+    if split:  # where a later turn's first token waits, by the server's own account
+        lines.append("later turns, server side, ms p50 / p90: " + "; ".join(
+            f"{lab} prompt {_f(la['server_prompt_p50_ms'], '.0f')} / {_f(la['server_prompt_p90_ms'], '.0f')}"
+            + ("" if la.get("server_queue_p50_ms") is None else
+               f", queue {_f(la['server_queue_p50_ms'], '.0f')} / {_f(la['server_queue_p90_ms'], '.0f')}")
+            for lab, la in split))
     if len(report["targets"]) > 1:
         base = report["targets"][0]["label"]
         parts = [f"{r['label']} first turns {_f(r['first_ttft_p50'], '.2f')}x, later turns "

@@ -110,6 +110,28 @@ def cached_tokens(final: dict) -> int | None:
     return None if cache_n is None else int(cache_n)
 
 
+def server_side(final: dict) -> tuple[float | None, float | None]:
+    """(prompt ms, queue ms): the server's own account of a request's time to first token, from the stream's last
+    chunks. Prompt: llama-server's `timings.prompt_ms` (its prompt processing), or specray's `prefill` stage (the
+    round that gave the request its slot -> its first token). Queue: specray's `tokenize` + `admission` stages
+    (request in the engine's process -> its slot); llama-server reports none. None where the server says nothing.
+
+    >>> server_side({"timings": {"prompt_ms": 301.456, "cache_n": 80}})
+    (301.46, None)
+    >>> server_side({"specray_timing": {"tokenize_ms": 7.5, "admission_ms": 52.5, "prefill_ms": 640.0}})
+    (640.0, 60.0)
+    >>> server_side({"usage": {"prompt_tokens": 9}})
+    (None, None)
+    """
+    timings, stages = final.get("timings") or {}, final.get("specray_timing") or {}
+    if timings.get("prompt_ms") is not None:
+        return round(timings["prompt_ms"], 2), None
+    if stages.get("prefill_ms") is not None:
+        queue = stages.get("tokenize_ms", 0.0) + stages.get("admission_ms", 0.0)
+        return round(stages["prefill_ms"], 2), round(queue, 2)
+    return None, None
+
+
 def request_turn(server: Server, messages: list[dict], max_tokens: int, cache_prompt: bool,
                  extra: dict | None = None) -> dict:
     """One streamed, greedy chat request; client-side TTFT and what the server says about the prompt."""
@@ -135,19 +157,19 @@ def request_turn(server: Server, messages: list[dict], max_tokens: int, cache_pr
                 text.append(piece)
         if obj.get("usage"):
             usage = obj["usage"]
-        if obj.get("usage") or obj.get("timings"):  # llama-server puts timings on the last chunk
-            final |= {k: obj[k] for k in ("usage", "timings") if obj.get(k)}
+        # llama-server puts timings on the last chunk, specray its stages (asked by the client's timing header)
+        final |= {k: obj[k] for k in ("usage", "timings", "specray_timing") if obj.get(k)}
     if usage is None:
         raise RuntimeError("the stream ended without usage (the server ignored stream_options.include_usage)")
-    timings = final.get("timings") or {}
+    prompt_ms, queue_ms = server_side(final)
     return {
         "ttft_ms": None if ttft is None else round(1000 * ttft, 2),
         "seconds": round(seconds, 4),
         "prompt_tokens": usage.get("prompt_tokens"),
         "completion_tokens": usage.get("completion_tokens"),
         "cached_tokens": cached_tokens(final),
-        # llama-server's own prompt-processing time: the server side of the TTFT
-        "server_prompt_ms": None if timings.get("prompt_ms") is None else round(timings["prompt_ms"], 2),
+        "server_prompt_ms": prompt_ms,
+        "server_queue_ms": queue_ms,
         "text": "".join(text),
     }
 

@@ -38,6 +38,9 @@ def test_multiturn_bench_against_the_served_app(rel_server, tmp_path, capsys):
             assert a["prompt_tokens"] == prompt[t], "cache on and off send the very same messages"
             assert 0 < a["completion_tokens"] <= MAX_TOKENS and a["text"]
             assert a["cached_tokens"] is None or 0 <= a["cached_tokens"] < prompt[t]
+            # the server's own split of the time to first token, from its stages: inside the client's wait
+            assert a["server_prompt_ms"] > 0 and a["server_queue_ms"] >= 0
+            assert a["server_prompt_ms"] + a["server_queue_ms"] <= a["ttft_ms"]
         if t:  # the history carries the previous answer and a new user message
             assert prompt[t] > prompt[t - 1] + conv[t - 1]["on"]["completion_tokens"] // 2
     rows = target["turns"]

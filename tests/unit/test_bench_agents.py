@@ -57,6 +57,21 @@ def test_summarize_splits_first_and_later_turns():
     assert empty["tokens_per_s"] is None and empty["later"]["ttft_p50_ms"] is None
 
 
+def test_summarize_gives_the_servers_own_split_of_the_time_to_first_token():
+    """specray's records carry a queue and a prompt time, llama-server's a prompt time only; a server that
+    reports neither gets None, not 0."""
+    rec = lambda t, prompt, queue: {"turn": t, "ttft_ms": 900.0, "prompt_tokens": 10, "cached_tokens": 5,  # noqa: E731
+                                    "completion_tokens": 1, "server_prompt_ms": prompt, "server_queue_ms": queue}
+    later = agents.summarize([rec(2, 600.0, 40.0), rec(2, 800.0, 300.0), rec(3, 700.0, 60.0), rec(1, 5000.0, 1.0)],
+                             1.0)["later"]
+    assert (later["server_prompt_p50_ms"], later["server_queue_p50_ms"]) == (700.0, 60.0)
+    assert later["server_prompt_p90_ms"] == 780.0 and later["server_queue_p90_ms"] == 252.0
+    llama = agents.summarize([rec(2, 500.0, None)], 1.0)["later"]
+    assert llama["server_prompt_p50_ms"] == 500.0 and llama["server_queue_p50_ms"] is None
+    silent = agents.summarize([rec(2, None, None)], 1.0)["later"]
+    assert silent["server_prompt_p50_ms"] is None and silent["server_queue_p90_ms"] is None
+
+
 def test_summarize_without_cached_tokens_reported():
     s = agents.summarize([{"turn": 2, "ttft_ms": 1.0, "prompt_tokens": 10, "cached_tokens": None,
                            "completion_tokens": 1}], 1.0)
