@@ -10,6 +10,7 @@ import numpy as np
 
 from . import decode_threads, lib
 from .batch import Batch
+from .host_memory import host_buffer
 from .model import Model
 
 
@@ -311,7 +312,7 @@ class Context:
         takes back without another copy; None where llama.cpp wrote nothing."""
         self.settle(seq_id)
         size = int(llama_cpp.llama_state_seq_get_size(self.ptr, seq_id))
-        buf = (ctypes.c_uint8 * size)()
+        buf = host_buffer(size)  # pages the copy fills cheaply: the save runs on the round thread
         n = int(llama_cpp.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
         if n <= 0:
             return None
