@@ -10,7 +10,8 @@ one); this index, in the scheduler, knows what each entry holds and decides.
 The entries' tokens are indexed in a radix tree (engine/radix_index.py): the longest match, the entries a new
 save supersedes and whether one already covers a prefix are each one walk, however many entries there are.
 
-It is bounded: entries are dropped least recently used first beyond `budget_bytes`, and an entry whose
+It is bounded: entries are dropped least recently used first beyond `budget_bytes` (which also holds the
+buffers the target keeps of dropped entries to save the next ones into, `kept_bytes`), and an entry whose
 tokens are a prefix of a newer one's is dropped as the newer one is saved (a conversation's next turn holds
 all of its last one). Restoring is priced against prefilling: the measured seconds per byte of restores so far
 (a first guess of memcpy speed until one is measured) against the cost model's price of the rows it saves.
@@ -64,6 +65,7 @@ class HostTier:
         self.entries: dict[int, HostEntry] = {}
         self.index = RadixIndex()  # the entries' tokens, by key
         self.bytes = 0
+        self.kept_bytes = 0  # dropped entries' buffers the target keeps for its next saves (counted in the budget)
         self.stats = HostTierStats()
         self._tick = 0
         self._next_key = 0
@@ -97,8 +99,8 @@ class HostTier:
         return self.index.covers(tokens)
 
     def over_budget(self) -> list[int]:
-        """Keys to drop, least recently used first, until the entries fit the budget."""
-        out, total = [], self.bytes
+        """Keys to drop, least recently used first, until the entries and the kept buffers fit the budget."""
+        out, total = [], self.bytes + self.kept_bytes
         for k in sorted(self.entries, key=lambda k: self.entries[k].last_used):
             if total <= self.budget_bytes:
                 break
@@ -162,7 +164,8 @@ class HostTier:
     def to_dict(self) -> dict:
         s = self.stats
         return {"enabled": self.enabled, "budget_mib": round(self.budget_bytes / 2**20, 1),
-                "entries": len(self.entries), "bytes": self.bytes, "saves": s.saves, "restores": s.restores,
+                "entries": len(self.entries), "bytes": self.bytes, "kept_bytes": self.kept_bytes,
+                "saves": s.saves, "restores": s.restores,
                 "failed_restores": s.failed_restores, "evictions": s.evictions,
                 "restore_ms_per_mib": round(1000 * s.restore_seconds / (s.restored_bytes / 2**20), 3)
                 if s.restored_bytes else None}

@@ -147,9 +147,11 @@ class PrefixCache:
         that pays)."""
         self.idle.evict(enough, self._let_go, but)
 
-    def round_done(self, stashed: dict[int, int], restored: list[tuple[int, float, bool]]) -> None:
+    def round_done(self, stashed: dict[int, int], restored: list[tuple[int, float, bool]], kept: int = 0) -> None:
         """What the target's host tier did since the last round (StepOutput.stashed: key -> bytes saved;
-        StepOutput.restored: (key, seconds, made)): record it; keep to the budget."""
+        StepOutput.restored: (key, seconds, made); StepOutput.host_kept: bytes of dropped saves' buffers it keeps
+        for its next saves): record it; keep to the budget."""
+        self.host.kept_bytes = kept
         for key, seconds, ok in restored:
             self.host.restored(key, seconds, ok)
         for key, nbytes in stashed.items():

@@ -561,7 +561,7 @@ class Scheduler:
                 self.chain.hidden(out.hidden)
             except Exception:
                 log.exception("speculator hidden rows failed")
-        self.prefix_cache.round_done(out.stashed, out.restored)
+        self.prefix_cache.round_done(out.stashed, out.restored, out.host_kept)
         self.stats.target_seconds += out.decode_seconds
         self.stats.rollback.add(out.rollback)  # (None where a KV cache is trimmed)
 

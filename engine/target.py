@@ -42,6 +42,8 @@ class TargetContext(Protocol):  # what specray.native.Context provides
     def shift_seq(self, seq_id: int, n_keep: int, n_discard: int) -> bool: ...
     def save_seq(self, seq_id: int) -> Any: ...
     def load_seq(self, seq_id: int, buf: Any) -> bool: ...
+    def recycle(self, buf: Any) -> None: ...
+    def recycled_bytes(self) -> int: ...
 
 
 @dataclass
@@ -107,6 +109,9 @@ class StepOutput:
     # restores (TargetRunner.start with `restore`: key, seconds, whether llama.cpp took the cells)
     stashed: dict[int, int] = field(default_factory=dict)
     restored: list[tuple[int, float, bool]] = field(default_factory=list)
+    # bytes of dropped saves' buffers the target keeps for its next saves (Context.recycle): the host tier counts
+    # them against its budget
+    host_kept: int = 0
 
 
 @dataclass
@@ -359,9 +364,12 @@ class TargetRunner:
         return buf is not None and self.ctx.load_seq(seq_id, buf)
 
     def drop_stash(self, keys: list[int]) -> None:
-        """Free the host memory of these saved prefixes (unknown keys are ignored)."""
+        """Free the host memory of these saved prefixes (unknown keys are ignored); the context may keep a
+        buffer of theirs for its next saves (Context.recycle; StepOutput.host_kept reports their bytes)."""
         for k in keys:
-            self.stashed.pop(k, None)
+            buf = self.stashed.pop(k, None)
+            if buf is not None:
+                self.ctx.recycle(buf)
 
     def _prefill_quietly(self, seq_id: int, tokens: np.ndarray) -> None:
         """Decode `tokens` into seq_id's cells from position 0, outside any round (a restore that could not be
@@ -691,6 +699,7 @@ class TargetRunner:
                          verify_seconds=rnd.verify_seconds - rnd.instrument_seconds,
                          instrument_seconds=rnd.instrument_seconds)
         out.stashed, out.restored = self.take_host_report()
+        out.host_kept = self.ctx.recycled_bytes()
         if rnd.rollback_before is not None:
             out.rollback = self.rollback.stats.minus(rnd.rollback_before)
         if rnd.hidden:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 
 import llama_cpp
 import numpy as np
 
 from . import decode_threads, lib
 from .batch import Batch
-from .host_memory import host_buffer
+from .host_memory import HostBufferPool, SavedCells, host_buffer
 from .model import Model
 
 
@@ -114,6 +115,7 @@ class Context:
         if outputs_per_seq is not None:  # outputs one sequence may have in a batch under backend sampling (1 else)
             params.n_outputs_max_per_seq = outputs_per_seq
         self._samplers: dict[int, object] = {}  # seq_id -> its backend sampler chain (set_greedy_backend)
+        self.saved_buffers = HostBufferPool()  # dropped host-tier saves' buffers, for the next saves (save_seq)
         self.ptr = llama_cpp.llama_init_from_model(model.ptr, params)
         if not self.ptr:
             raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max}, cache "
@@ -304,26 +306,35 @@ class Context:
     # ---- state checkpoints per sequence ------------------------------------------
     def state_seq_get(self, seq_id: int) -> bytes:
         """A checkpoint of one sequence (its KV cells, or recurrent state)."""
-        buf = self.save_seq(seq_id)
-        return b"" if buf is None else bytes(buf)
+        saved = self.save_seq(seq_id, allocate=host_buffer)  # not a kept buffer: nothing gives this one back
+        return b"" if saved is None else saved.to_bytes()
 
-    def save_seq(self, seq_id: int):
-        """seq_id's cells saved to host memory (the prompt cache's host tier): a ctypes buffer that `load_seq`
-        takes back without another copy; None where llama.cpp wrote nothing."""
+    def save_seq(self, seq_id: int, allocate: Callable[[int], ctypes.Array] | None = None) -> SavedCells | None:
+        """seq_id's cells saved to host memory (the prompt cache's host tier), which `load_seq` takes back
+        without another copy; None where llama.cpp wrote nothing. `allocate(size)`: the buffer (default: one
+        from `saved_buffers`, the buffers of saves given back to `recycle`, or a new host_memory.host_buffer:
+        the save runs on the round thread, and a buffer whose pages are in makes it the copy alone)."""
         self.settle(seq_id)
         size = int(llama_cpp.llama_state_seq_get_size(self.ptr, seq_id))
-        buf = host_buffer(size)  # pages the copy fills cheaply: the save runs on the round thread
+        buf = (allocate or self.saved_buffers.take)(size)
         n = int(llama_cpp.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
-        if n <= 0:
-            return None
-        return buf if n == size else (ctypes.c_uint8 * n).from_buffer(buf)  # (a view: it keeps `buf` alive)
+        return SavedCells(buf, n) if n > 0 else None
 
-    def load_seq(self, seq_id: int, buf) -> bool:
-        """Write a `save_seq` buffer into seq_id (cleared first). False, with seq_id left empty, where llama.cpp
+    def recycle(self, saved: SavedCells) -> None:
+        """A `save_seq` result nobody will restore any more: its buffer may serve a later save (a few are kept:
+        `recycled_bytes`)."""
+        self.saved_buffers.give(saved)
+
+    def recycled_bytes(self) -> int:
+        """Host memory in the buffers `recycle` keeps for later saves."""
+        return self.saved_buffers.held_bytes
+
+    def load_seq(self, seq_id: int, saved: SavedCells) -> bool:
+        """Write a `save_seq` result into seq_id (cleared first). False, with seq_id left empty, where llama.cpp
         refuses it (no run of free cells long enough)."""
         self.settle(seq_id)
         self.clear_seq(seq_id)
-        if int(llama_cpp.llama_state_seq_set_data(self.ptr, buf, len(buf), seq_id)) == 0:
+        if int(llama_cpp.llama_state_seq_set_data(self.ptr, saved.buffer, saved.n_bytes, seq_id)) == 0:
             self.clear_seq(seq_id)
             return False
         return True

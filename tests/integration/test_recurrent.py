@@ -259,6 +259,9 @@ def test_hidden_rows_skip_replayed_tokens():
         def clear_seq(self, seq):
             pass
 
+        def recycled_bytes(self):  # no host-tier saves here
+            return 0
+
     class Cps:
         def save(self, seq):
             return 8

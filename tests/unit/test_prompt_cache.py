@@ -68,6 +68,31 @@ def test_the_host_tier_keeps_to_its_budget_and_prices_restores_by_what_it_measur
     assert tier.to_dict()["restores"] == 1 and tier.to_dict()["failed_restores"] == 1
 
 
+def test_the_buffers_the_target_keeps_count_against_the_budget():
+    """Dropped entries' buffers the target keeps for its next saves (StepOutput.host_kept) take budget: entries go
+    until both fit, and /v1/stats shows them."""
+    tier = HostTier(budget_bytes=1000)
+    keys = [tier.new_key() for _ in range(3)]
+    for i, k in enumerate(keys):
+        tier.add(k, np.arange(100 * i, 100 * i + 50), 300)
+    assert tier.over_budget() == []  # 900 bytes
+    tier.kept_bytes = 300
+    assert tier.over_budget() == [keys[0]] and tier.to_dict()["kept_bytes"] == 300
+    tier.kept_bytes = 1000
+    assert tier.over_budget() == keys  # the kept buffers alone fill it
+
+
+def test_round_done_takes_the_targets_kept_bytes_before_it_keeps_to_the_budget():
+    target = RecordingTarget()
+    cache = PrefixCache(target, True, None, 1000, lambda n: 1.0)
+    keys = [cache.host.new_key() for _ in range(2)]
+    for i, k in enumerate(keys):
+        cache.host.add(k, np.arange(100 * i, 100 * i + 80), 400)
+    cache.round_done({}, [], kept=400)
+    assert cache.host.kept_bytes == 400 and list(cache.host.entries) == [keys[1]]
+    assert target.ops[-1] == ("drop", (keys[0],))
+
+
 def test_a_prompt_that_shares_less_than_the_host_entry_restores_only_where_it_pays():
     idle = {0: prompt_cache.Cached(np.arange(10), 1)}
     tier = HostTier(10**6)
