@@ -306,7 +306,7 @@ class Context:
     # ---- state checkpoints per sequence ------------------------------------------
     def state_seq_get(self, seq_id: int) -> bytes:
         """A checkpoint of one sequence (its KV cells, or recurrent state)."""
-        saved = self.save_seq(seq_id, allocate=host_buffer)  # not a kept buffer: nothing gives this one back
+        saved = self.save_seq(seq_id, allocate=host_buffer)  # copied out and dropped: it takes no kept buffer
         return b"" if saved is None else saved.to_bytes()
 
     def save_seq(self, seq_id: int, allocate: Callable[[int], ctypes.Array] | None = None) -> SavedCells | None:

@@ -6,10 +6,10 @@ a fraction of it. So:
 
 - `HostBufferPool` keeps the buffers of the last entries the host tier dropped (at most `POOL_BUFFERS`) and
   gives one to the next save it fits (no more than `POOL_SLACK` times the save's size: the tier counts whole
-  buffers). A tier at its budget drops what a new entry puts over it right before it saves that entry, so in
-  a long run most saves reuse a buffer. A new buffer is a `size_class` (up to an eighth larger than its
-  save), so a conversation's next, somewhat longer turn fits in the buffer of its last one. The tier counts
-  the kept buffers against its budget (engine/host_tier.py `kept_bytes`).
+  buffers). A tier at its budget drops an entry about as often as it saves one, and a dropped buffer waits
+  here for the next save, so in a long run most saves reuse a buffer. A new buffer is a `size_class` (up to
+  an eighth larger than its save), so a conversation's next, somewhat longer turn fits in the buffer of its
+  last one. The tier counts the kept buffers against its budget (engine/host_tier.py `kept_bytes`).
 - Otherwise `host_buffer`. Below `MAPPED_MIN_BYTES` it is a plain ctypes array: the C library serves it from
   memory freed before where it can (glibc's threshold for mapping a block of its own grows up to 32 MiB as
   big blocks are freed). From there on the C library maps new memory for every block, which ctypes then

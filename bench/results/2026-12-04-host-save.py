@@ -1,17 +1,19 @@
 """Saving a sequence's cells to host memory (the prompt cache's host tier, `Context.save_seq`), by how the buffer
-is had: a zero-filled ctypes array (before), native/host_memory.host_buffer alone (an anonymous mapping with
-MAP_POPULATE), the Context's default now (a buffer of a dropped save where one fits, else host_buffer), and an
-anonymous mapping that asks for transparent huge pages (MADV_HUGEPAGE), which host_buffer does not do.
+is had: a zero-filled ctypes array (before); native/host_memory.host_buffer alone (that array below 32 MiB, an
+anonymous mapping with MAP_POPULATE from there on); the Context's default now (a buffer of a dropped save where
+one fits, else host_buffer); and an anonymous mapping that asks for transparent huge pages (MADV_HUGEPAGE),
+which host_buffer does not do.
 
 Each way runs as a host tier at its budget would: every save is kept, and once KEEP entries are held the
-oldest is dropped before the next save (for the default way, given back with Context.recycle), as
-PrefixCache._save drops what the new entry puts over the budget before it saves. One SmolLM2 context (flash attention, f16 K and
-V), sequences of 200, 600 and 1,700 tokens. The ways run in blocks of SAVES saves (the first KEEP of a block,
-before any drop, are not counted), in turn, REPS rounds of blocks, so drift hits all alike and no way's memory
-is another's (glibc hands freed memory to the next allocation of that size: the zeroed array's steady state
-depends on it). Then a restore (Context.load_seq) of each way's last save. Medians, milliseconds. Last, a
-tier still filling up: 8 saves of the 1,700-token sequence per way, all kept (so the kernel supplies new
-memory for each), the ways interleaved save by save; every save's time.
+oldest is dropped before the next save (for the default way, given back with Context.recycle). The tier drops
+it in the round of the save that put it over its budget; a given-back buffer then waits for the next save.
+One SmolLM2 context (flash attention, f16 K and V), sequences of 200, 600 and 1,700 tokens. The ways run in
+blocks of SAVES saves (the first KEEP of a block, before any drop, are not counted), in turn, REPS rounds of
+blocks, so drift hits all alike and no way's memory is another's (glibc hands freed memory to the next
+allocation of that size: the zeroed array's steady state depends on it). Then a restore (Context.load_seq) of
+each way's last save. Medians, milliseconds. Last, a tier still filling up: 8 saves of the 1,700-token sequence
+per way, all kept (so the kernel supplies new memory for each), the ways interleaved save by save; every
+save's time.
 
 Run: .venv/bin/python bench/results/2026-12-04-host-save.py OUT.json [REPS]
 """
@@ -60,7 +62,7 @@ for n_tokens in (200, 600, 1700):
         for w, (alloc, give) in ways.items():
             tier = []
             for i in range(SAVES):
-                if len(tier) == KEEP:  # the tier drops its oldest entry before it saves the new one (PrefixCache._save)
+                if len(tier) == KEEP:  # at its budget: the oldest entry goes before the next save
                     old = tier.pop(0)
                     if give is not None:
                         give(old)
