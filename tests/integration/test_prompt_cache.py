@@ -117,6 +117,10 @@ def test_more_conversations_than_slots_and_opting_out(smollm2, convs, exact_with
     host = eng.scheduler.prefix_cache.stats()["host"]
     assert host["saves"] >= 2 and host["restores"] >= 2 and host["failed_restores"] == 0, host
     assert 0 < host["bytes"] <= 256 * 2**20 and host["entries"] == len(eng.runner.stashed)
+    # a newer turn's save superseded its older one: that entry's buffer is kept for the next saves, and the
+    # tier counts it against its budget (what the target reported after its last round)
+    assert host["kept_bytes"] == eng.runner.ctx.recycled_bytes() > 0
+    assert host["bytes"] + host["kept_bytes"] <= 256 * 2**20
     # a later turn found its whole history in host memory (its slot held another conversation meanwhile)
     assert all(s.cached_tokens >= len(p.req.prompt_tokens) for s, p in zip(turns[2], turns[1]))
     # a request that says cache_prompt: false prefills everything, even where its prefix is cached
