@@ -60,19 +60,24 @@ def test_concurrent_streams_are_exact_through_the_graph(app, http, reference):
 def test_an_idle_replica_parks_the_graph_thread(app, http):
     client = openai.OpenAI(base_url=f"{app}/v1", api_key="none", timeout=300, max_retries=0)
     client.completions.create(model="m", prompt=COMPLETION_PROMPTS[0], max_tokens=4, temperature=0)
+    time.sleep(0.5)  # the round thread has gone idle and parked
     st = http.get("/v1/stats").json()
     parks = st["hop"]["parks"]
     pid = st["placement"]["target"]["pid"]
-    time.sleep(0.5)  # the round thread has gone idle and parked
     c0, t0 = _cpu_seconds(pid), time.perf_counter()
     time.sleep(2.0)
     share = (_cpu_seconds(pid) - c0) / (time.perf_counter() - t0)
     # unparked, the graph's thread polls its input channel: a whole core (measured 1.0); parked, next to nothing
     assert share < 0.3, f"idle target actor used {share:.2f} of a core"
     assert parks >= 1
-    # the next request wakes it and is served
+    # the next request wakes it and is served; idle again, the router parks it again (after the answer went
+    # out, so the count is polled)
     r = client.completions.create(model="m", prompt=COMPLETION_PROMPTS[1], max_tokens=4, temperature=0)
-    assert r.choices[0].text and http.get("/v1/stats").json()["hop"]["parks"] > parks
+    assert r.choices[0].text
+    deadline = time.perf_counter() + 10.0
+    while http.get("/v1/stats").json()["hop"]["parks"] <= parks:
+        assert time.perf_counter() < deadline, "the idle router did not park the graph thread again"
+        time.sleep(0.1)
 
 
 def test_a_killed_target_gets_a_new_graph_and_exact_answers(app, http, reference):
