@@ -100,6 +100,7 @@ class DecodeCostModel:
         # (current decode time / that) scales both
         self._speed = 1.0
         self._seen: dict[int, int] = {}  # decodes observed per size: the most seen one anchors the shape
+        self._anchor: int | None = None  # that size (ties: the smaller), kept as the counts grow
         self._attn_ref = max(0.0, float(attn_seconds))  # per token per KV cell beyond ref_cells
         # per KV cell in use, for a one-row decode: what a cell nobody attends (an idle slot's cached prompt in one
         # KV pool, computed and masked with flash attention off) costs every decode; a row of several shares it
@@ -246,22 +247,37 @@ class DecodeCostModel:
                 implied = (ref - base) / extra
                 self._attn_ref += self._ema * 0.5 * (implied - self._attn_ref)
             ref = max(ref - self._attn(n, cells), 0.25 * ref)
-            self._seen[n] = self._seen.get(n, 0) + 1
-            anchor = max(self._seen, key=lambda k: (self._seen[k], -k))
+            seen = self._seen[n] = self._seen.get(n, 0) + 1
+            anchor = self._anchor  # the counts only grow, one at a time: the most seen is it or n
+            if anchor is None or seen > self._seen[anchor] or (seen == self._seen[anchor] and n < anchor):
+                anchor = self._anchor = n
             i = bisect.bisect_left(self._ns, n)
             if i < len(self._ns) and self._ns[i] == n:
                 if n != anchor:
                     self._secs[i] += self._ema * (ref - self._secs[i])
+                    self._keep_monotone(i)
             elif n > self._ns[-1] or len(self._ns) < 64:
                 self._ns.insert(i, n)
                 self._secs.insert(i, ref)
-            self._keep_monotone()
+                self._keep_monotone(i)
 
-    def _keep_monotone(self) -> None:
-        # a decode of more tokens never costs less, nor more than decoding them in smaller batches
-        # (n/n0 decodes of the smallest size); noise must make it neither
-        n0, s0 = self._ns[0], self._secs[0]
-        for j in range(1, len(self._secs)):
-            if self._secs[j] < self._secs[j - 1]:
-                self._secs[j] = self._secs[j - 1]
-            self._secs[j] = min(self._secs[j], s0 * self._ns[j] / n0)
+    def _keep_monotone(self, changed: int = 0) -> None:
+        """A decode of more tokens never costs less, nor more than decoding them in smaller batches (n/n0
+        decodes of the smallest size); noise must make it neither. `changed`: the only entry set since the rule
+        last held (0: any, the first entry's change moves every bound). The entries before it hold already, and
+        past it the pass ends at the first entry it leaves as it was: the same table as a whole pass, without
+        walking the whole table every round.
+
+        >>> m = DecodeCostModel({1: 0.010, 2: 0.012, 4: 0.016, 8: 0.024}, learn=False)
+        >>> m._secs[1] = 0.020; m._keep_monotone(1); [round(x, 3) for x in m._secs]   # capped at 2 x 0.010
+        [0.01, 0.02, 0.02, 0.024]
+        """
+        ns, secs = self._ns, self._secs
+        n0, s0 = ns[0], secs[0]
+        for j in range(max(1, changed), len(secs)):
+            old = secs[j]
+            v = secs[j - 1] if old < secs[j - 1] else old
+            v = min(v, s0 * ns[j] / n0)
+            if v == old and changed > 0 and j > changed:
+                return
+            secs[j] = v

@@ -3,7 +3,9 @@
 A round is admission, planning, drafting, building the target's rows, the
 target call (its llama_decode, its verification, and the rest: batch filling,
 KV rollback and, for a target actor, the hop), acceptance bookkeeping,
-emission (detokenising, finishing) and delivery to the listeners. Every
+emission (detokenising, finishing), delivery to the listeners and learning
+from the round (its timing into the price models, its stamps into the
+stats; with overlapped rounds that runs in the next round's decode). Every
 second of `Scheduler.step` is in exactly one stage, so the stages add up to
 the round; everything but `decode` is host work, the part that does not shrink
 when the target runs on a faster device (on a GPU, where a small model's decode
@@ -27,7 +29,8 @@ from __future__ import annotations
 import time
 
 #: every stage a round may report, in the order a round runs them
-STAGES = ("admit", "plan", "draft", "build", "decode", "verify", "target_rest", "accept", "emit", "deliver")
+STAGES = ("admit", "plan", "draft", "build", "decode", "verify", "target_rest", "accept", "emit", "deliver",
+          "learn")
 #: the bench's instrumentation inside the target call (record_margins): timed, but in no stage
 INSTRUMENT = "instrument"
 

@@ -594,7 +594,7 @@ class Scheduler:
         if self.overlap:  # the round's stats and prices are learnt while the next round decodes
             self._learn_later.append(functools.partial(self._learn, *learn))
         else:
-            self._learn(*learn)
+            self._learn(*learn, lap=True)
         return events
 
     def _pad_to_tile(self, items: list[StepItem]) -> TileQuote | None:
@@ -622,17 +622,20 @@ class Scheduler:
 
     def _learn(self, policy: DraftPolicy, clock: RoundClock, out: StepOutput, n_rows: int, n_prefill: int,
                cells: float, n_decoding: int, draft_rows: int, emitted: int, loaded: bool, host: float,
-               padded: bool = False, quote: TileQuote | None = None) -> None:
-        """A round's stamps into the stats, and its timing into the price models of the policy that planned it
-        (decode, host work, rollbacks), whatever policy plans the next round. A round padded to the attention
-        tile teaches the price of its shape only, as a prefill round does: its decode ran another kernel than
-        the few-row one the table and the attention cost price drafts at."""
-        self.stats.add_round(clock, prefill_share(lambda n: policy.cost.cost(n, cells), n_rows, n_prefill),
-                             emitted if loaded else None, n_decoding)
+               padded: bool = False, quote: TileQuote | None = None, lap: bool = False) -> None:
+        """A round's timing into the price models of the policy that planned it (decode, host work, rollbacks),
+        whatever policy plans the next round, and its stamps into the stats; `lap`: the round is this one, just
+        ended, and the learning is its `learn` stage (an overlapped round learns in the next one's decode). A
+        round padded to the attention tile teaches the price of its shape only, as a prefill round does: its
+        decode ran another kernel than the few-row one the table and the attention cost price drafts at."""
+        share = prefill_share(lambda n: policy.cost.cost(n, cells), n_rows, n_prefill)  # at the prices it ran at
         policy.observe(out.batch_sizes, out.decode_seconds, cells, n_prefill > 0 or padded, n_decoding, draft_rows,
                        host, emitted, out.rollback)
         if quote is not None and len(out.batch_sizes) == 1:
             self.tile_fit.observe(quote, out.decode_seconds)
+        if lap:
+            clock.lap("learn")  # the stats' own folding below is the only work of the round left out
+        self.stats.add_round(clock, share, emitted if loaded else None, n_decoding)
 
     def _prompt_chunks(self, prefilling: list[Sequence], room: int, beside: bool) -> list[tuple[Sequence, int]]:
         """(sequence, rows) of the round's prompt chunks in slot order: what the batch has room for after the

@@ -67,12 +67,9 @@ class HostCostModel:
             return
         f = self._forget
         x = (1.0, float(n_sequences), float(n_draft_rows), float(n_sequences if n_emitted is None else n_emitted))
-        with self._lock:
-            for i, row in enumerate(self._xx):
-                xi = x[i]
-                for j in range(4):
-                    row[j] = f * row[j] + xi * x[j]
-                self._xy[i] = f * self._xy[i] + xi * seconds
+        with self._lock:  # a comprehension per row: the same products and sums as an element-wise loop
+            self._xx = [[f * r + xi * xj for r, xj in zip(row, x)] for row, xi in zip(self._xx, x)]
+            self._xy = [f * y + xi * seconds for y, xi in zip(self._xy, x)]
             self._n += 1
             if self._n % self._refit_every == 0 or self._n <= self._refit_every:
                 self._refit()

@@ -48,7 +48,7 @@ def test_the_round_stages_add_up_to_the_round(smollm2, margins):
     # the margins' time is counted, and kept out of the round: no server computes them
     assert (st.instrument_seconds > 0) == margins
     assert stages["decode"] == pytest.approx(st.target_seconds, rel=1e-6)
-    assert stages["draft"] > 0 and stages["verify"] > 0
+    assert stages["draft"] > 0 and stages["verify"] > 0 and stages["learn"] > 0
     b = breakdown(stages, st.rounds, st.seq_rounds)
     assert sum(b["ms_per_round"].values()) == pytest.approx(1e3 * st.round_seconds / st.rounds)
     assert 0 < b["host_ms_per_round"] < b["ms_per_round"]["decode"]
