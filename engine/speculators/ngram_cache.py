@@ -40,6 +40,7 @@ from specray.engine.draft_tree import Branch
 from specray.engine.speculator import DraftRequest, Speculator
 
 from ._util import EMPTY_DRAFT, HistoryCursor, as_tokens
+from .kept_states import KeptStates
 
 NGRAM_MIN = 1  # LLAMA_NGRAM_MIN
 NGRAM_MAX = 4  # LLAMA_NGRAM_MAX
@@ -70,6 +71,15 @@ class NgramCacheParams(BaseModel):
     dynamic_max_ngrams: int = Field(
         250_000, ge=0, description="bound on dynamic n-grams; the oldest inserted are dropped beyond it "
         "(~400 bytes each in memory: 250k ~ 100 MB; ngram_cache is in the default chain of every server)"
+    )
+    keep_finished: int = Field(
+        16, ge=0, description="finished sequences whose context table is kept for a request that continues one (a "
+        "conversation's next turn starts from it and counts only its new tokens); a kept table is merged into "
+        "the dynamic table when it leaves the kept ones (the oldest first), a continued one at its own end. "
+        "0: none kept, every table merged at its sequence's end"
+    )
+    keep_finished_tokens: int = Field(
+        65_536, ge=0, description="tokens the kept context tables counted, in all (~1.2 KB each in memory)"
     )
 
 
@@ -376,6 +386,7 @@ class _SeqState:
     context: NgramCountTable = field(default_factory=NgramCountTable)
     cursor: HistoryCursor = field(default_factory=HistoryCursor)
     history: np.ndarray | None = None  # the last draft's history, for its runner-ups (same round only)
+    tokens: np.ndarray | None = None  # the tokens the context table counted
 
 
 class NgramCacheSpeculator(Speculator):
@@ -393,6 +404,8 @@ class NgramCacheSpeculator(Speculator):
         else:
             self.dynamic = NgramCountTable()
         self._seqs: dict[int, _SeqState] = {}
+        # finished sequences' context tables, for the requests that continue them (kept_states.py)
+        self.kept = KeptStates(p.keep_finished, p.keep_finished_tokens, on_drop=self._merge)
 
     def _sync(self, st: _SeqState, h: np.ndarray) -> None:
         if not st.cursor.is_extension(h):
@@ -401,10 +414,16 @@ class NgramCacheSpeculator(Speculator):
         if len(h) > st.cursor.n:
             st.context.update(h, st.cursor.n)
         st.cursor.advance(h)
+        st.tokens = h
 
     def _begin(self, seq_id: int, prompt: np.ndarray) -> None:
-        st = self._seqs[seq_id] = _SeqState()
-        self._sync(st, as_tokens(prompt))
+        prompt = as_tokens(prompt)
+        st = self.kept.take(prompt) if len(prompt) else None
+        if st is None:
+            st = _SeqState()
+        st.history = None
+        self._seqs[seq_id] = st
+        self._sync(st, prompt)
 
     def _draft_one(self, req: DraftRequest) -> np.ndarray:
         st = self._seqs.get(req.seq_id)
@@ -425,20 +444,37 @@ class NgramCacheSpeculator(Speculator):
 
     def _end(self, seq_id: int) -> None:
         st = self._seqs.pop(seq_id, None)
-        if st is None or not self.params.update_dynamic or not len(st.context):
+        if st is None:
+            return
+        if st.tokens is not None and len(st.context):
+            self.kept.put(st.tokens, st)  # merged into the dynamic table when it leaves the kept ones
+        else:
+            self._merge(st)
+
+    def _merge(self, st: _SeqState) -> None:
+        """A finished sequence's counts into the dynamic table (taken: its context table is left empty)."""
+        if not self.params.update_dynamic or not len(st.context):
             return
         self.dynamic.merge(st.context)
         self.dynamic.trim(self.params.dynamic_max_ngrams)
 
+    def merge_kept(self) -> None:
+        """Every kept table's counts into the dynamic table now (they are no longer kept)."""
+        for st in self.kept.drain():
+            self._merge(st)
+
     def save(self, path: str | os.PathLike | None = None) -> str:
-        """Write the dynamic table (llama.cpp format) to `path` or `dynamic_path`; returns the path."""
+        """Write the dynamic table (llama.cpp format) to `path` or `dynamic_path`, the kept tables' counts merged
+        in first; returns the path."""
         target = path if path is not None else self.params.dynamic_path
         if not target:
             raise ValueError("ngram_cache.save(): no path given and params.dynamic_path is not set")
+        self.merge_kept()
         self.dynamic.save(target)
         return os.fspath(target)
 
     def get_state(self):
+        self.merge_kept()
         return {"dynamic": self.dynamic.to_bytes()}
 
     def set_state(self, state) -> None:

@@ -50,6 +50,7 @@ from specray.engine.draft_tree import Branch
 from specray.engine.speculator import DraftRequest, Speculator
 
 from ._util import EMPTY_DRAFT, HistoryCursor, as_tokens
+from .kept_states import KeptStates
 
 _SHIFT = 32
 _POS = (1 << _SHIFT) - 1
@@ -79,6 +80,13 @@ class SuffixParams(BaseModel):
         64, ge=0,
         description="global-trie tokens inserted/evicted per draft() call, so a finished sequence's insertion is "
         "spread over later rounds; 0 = all at once in end()",
+    )
+    keep_finished: int = Field(
+        16, ge=0, description="finished requests whose per-request trie is kept for a request that continues one (a "
+        "conversation's next turn starts from it and inserts only its new tokens); 0: none kept"
+    )
+    keep_finished_tokens: int = Field(
+        65_536, ge=0, description="tokens the kept per-request tries hold, in all; the oldest go first"
     )
 
 
@@ -532,6 +540,8 @@ class SuffixSpeculator(Speculator):
         self.last_source: dict[int, str] = {}
         self.last_match_len: dict[int, int] = {}
         self._walks: dict[int, Draft] = {}  # this round's chosen walk per sequence, for its runner-ups
+        # finished requests' tries, for the requests that continue them (kept_states.py)
+        self.kept = KeptStates(p.keep_finished, p.keep_finished_tokens)
 
     # ---- per-request state -------------------------------------------------
     def _sync(self, st: _ReqState, h: np.ndarray) -> None:
@@ -558,8 +568,12 @@ class SuffixSpeculator(Speculator):
             st.gversion = g.version
 
     def _begin(self, seq_id: int, prompt: np.ndarray) -> None:
-        st = self._seqs[seq_id] = _ReqState(self.params.max_depth)
-        self._sync(st, as_tokens(prompt))
+        prompt = as_tokens(prompt)
+        st = self.kept.take(prompt) if len(prompt) else None
+        if st is None:
+            st = _ReqState(self.params.max_depth)
+        self._seqs[seq_id] = st
+        self._sync(st, prompt)
         st.prompt_len = len(prompt)
         self.last_confidence.pop(seq_id, None)
 
@@ -620,6 +634,8 @@ class SuffixSpeculator(Speculator):
             return
         seq = st.trie.seqs.get(0, [])
         self.add_global(seq if self.params.global_include_prompt else seq[max(st.prompt_len, 0) :])
+        if seq:
+            self.kept.put(np.array(seq, dtype=np.int32), st)
 
     # ---- global trie -------------------------------------------------------
     def add_global(self, tokens) -> None:

@@ -130,6 +130,28 @@ def test_more_conversations_than_slots_and_opting_out(smollm2, convs, exact_with
     eng.close()
 
 
+def test_later_turns_continue_the_speculators_last_index_and_the_output_stays(smollm2, convs, exact_without_cache):
+    # the n-gram speculators keep each finished turn's index (kept_states.py): a conversation's next turn starts
+    # from it and indexes only its new tokens. Exact mode: the output is the target's alone, the reference's (an
+    # engine without the prompt cache, on the same prompts)
+    chain = ["ngram_mod", "suffix", "ngram_cache"]
+    cfg = EngineConfig(model="smollm2-135m", slots=4, n_ctx=4096, exact=True, calibrate=False,
+                       chain=ChainConfig(speculators=chain, params=PARAMS, policy="first", n_max=8))
+    eng = LocalEngine(cfg, model=smollm2)
+    turns = _chat(eng, convs, answers=exact_without_cache)
+    for t, (kept, without) in enumerate(zip(turns, exact_without_cache)):
+        assert [s.generated for s in kept] == [s.generated for s in without], f"turn {t}"
+    # every later turn (two of each of the four conversations) continued its last turn's trie and table: its
+    # prompt starts with everything they had indexed, the last turn's prompt and nearly all of its answer
+    later = [len(p.req.prompt_tokens) for seqs in turns[:2] for p in seqs]
+    for name in ("suffix", "ngram_cache"):
+        kept = eng.chain.speculator(name).kept
+        assert kept.taken == 8, name
+        assert sum(later) < kept.tokens_saved < sum(later) + sum(len(p.generated) for seqs in turns[:2] for p in seqs)
+    assert sum(s.spec_total.accepted for seqs in turns for s in seqs) > 0
+    eng.close()
+
+
 def test_fast_mode_diverges_only_at_near_ties(smollm2, convs):
     on, off = (_engine(smollm2, exact=False, prompt_cache=pc) for pc in (True, False))
     prefix = off.prompt_tokens(messages=[{"role": "user", "content": convs[0][0]}])

@@ -148,7 +148,8 @@ def test_save_load_roundtrip(tmp_path):
 
 def test_dynamic_accumulates_across_sequences_and_persists(tmp_path):
     path = tmp_path / "dyn.bin"
-    sp = NgramCacheSpeculator(NgramCacheParams(n_draft=3, dynamic_path=str(path)))
+    # keep_finished 0: each table is merged at its sequence's end (kept ones are merged when they leave)
+    sp = NgramCacheSpeculator(NgramCacheParams(n_draft=3, dynamic_path=str(path), keep_finished=0))
     assert len(sp.dynamic) == 0
     for seq_id in (0, 1, 2):  # three sequences that all say "4 5 -> 6"
         sp.begin(seq_id, arr(4, 5, 6, 0))
@@ -213,4 +214,7 @@ def test_lifecycle_and_stats():
     mine = run_lifecycle(sp, prompt, block + [1, 2, 3], n_max=6)
     assert mine["tok_acc"] > 20
     check_stats(sp, mine)
-    assert len(sp.dynamic) > 0  # merged at end
+    # its table is kept for a request that continues it; merged into the dynamic table once it is not
+    assert len(sp.kept) == 1 and len(sp.dynamic) == 0
+    sp.merge_kept()
+    assert len(sp.kept) == 0 and len(sp.dynamic) > 0
