@@ -57,6 +57,10 @@ class SpeculatorStats:
     time_begin_s: float = 0.0
     time_draft_s: float = 0.0
     time_accept_s: float = 0.0
+    # sequences that started from a finished one's kept index (speculators/kept_states.py), and the tokens they
+    # did not index again
+    continued: int = 0
+    continued_tokens: int = 0
 
     def record_verdict(self, n_drafted: int, n_accepted: int) -> None:
         """Count one chosen draft of n_drafted tokens, n_accepted of them kept."""
@@ -84,7 +88,7 @@ class SpeculatorStats:
 
     def merge(self, other: "SpeculatorStats") -> None:
         for name in ("calls", "drafts_generated", "drafts_accepted", "tokens_generated",
-                     "tokens_accepted", "drafts_chosen"):
+                     "tokens_accepted", "drafts_chosen", "continued", "continued_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("time_begin_s", "time_draft_s", "time_accept_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -109,6 +113,8 @@ class SpeculatorStats:
             "time_begin_s": self.time_begin_s,
             "time_draft_s": self.time_draft_s,
             "time_accept_s": self.time_accept_s,
+            "continued": self.continued,
+            "continued_tokens": self.continued_tokens,
         }
 
 

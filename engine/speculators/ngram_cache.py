@@ -421,6 +421,9 @@ class NgramCacheSpeculator(Speculator):
         st = self.kept.take(prompt) if len(prompt) else None
         if st is None:
             st = _SeqState()
+        else:
+            self.stats.continued += 1
+            self.stats.continued_tokens += st.cursor.n
         st.history = None
         self._seqs[seq_id] = st
         self._sync(st, prompt)

@@ -572,6 +572,9 @@ class SuffixSpeculator(Speculator):
         st = self.kept.take(prompt) if len(prompt) else None
         if st is None:
             st = _ReqState(self.params.max_depth)
+        else:
+            self.stats.continued += 1
+            self.stats.continued_tokens += st.cursor.n
         self._seqs[seq_id] = st
         self._sync(st, prompt)
         st.prompt_len = len(prompt)

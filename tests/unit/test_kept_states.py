@@ -65,7 +65,8 @@ def test_suffix_continues_a_kept_trie_and_drafts_as_from_scratch():
         fresh = SuffixSpeculator(SuffixParams(global_work_per_call=0, keep_finished=0))
         assert _run(kept, turns, 3) == _run(fresh, turns, 3)
         # turns 2 and 3 each started from the last turn's trie: the last turn's history was not inserted again
-        assert kept.kept.taken == 2 and fresh.kept.taken == 0
+        assert kept.kept.taken == kept.stats.continued == 2 and fresh.kept.taken == fresh.stats.continued == 0
+        assert kept.stats.continued_tokens == kept.kept.tokens_saved
         assert kept.kept.tokens_saved == len(turns[0][0]) + len(turns[0][1]) - 1 + len(turns[1][0]) + len(
             turns[1][1]) - 1
 
