@@ -51,7 +51,8 @@ def run(model, keep: int) -> dict:
     out = {"keep_finished": keep, "later_turn_prompt_tokens": prompts,
            "later_turn_ttft_ms": [round(x, 1) for x in ttft],
            "later_turn_ttft_ms_median": round(statistics.median(ttft), 1),
-           "later_turns_admit_ms_per_round": round(1e3 * (st.stage_seconds["admit"] - admit0) / (st.rounds - rounds0), 4),
+           "later_turns_admit_ms_per_round": round(
+               1e3 * (st.stage_seconds["admit"] - admit0) / (st.rounds - rounds0), 4),
            "speculators": {n: {"later_turns_begin_ms_per_request": round(
                1e3 * (eng.chain.speculator(n).stats.time_begin_s - begin_after_first[n]) / 8, 3),
                "continued": eng.chain.speculator(n).stats.continued,

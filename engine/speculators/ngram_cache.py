@@ -79,7 +79,7 @@ class NgramCacheParams(BaseModel):
         "0: none kept, every table merged at its sequence's end"
     )
     keep_finished_tokens: int = Field(
-        65_536, ge=0, description="tokens the kept context tables counted, in all (~1.2 KB each in memory)"
+        32_768, ge=0, description="tokens the kept context tables counted, in all; the oldest table goes first"
     )
 
 

@@ -86,7 +86,7 @@ class SuffixParams(BaseModel):
         "conversation's next turn starts from it and inserts only its new tokens); 0: none kept"
     )
     keep_finished_tokens: int = Field(
-        65_536, ge=0, description="tokens the kept per-request tries hold, in all; the oldest go first"
+        65_536, ge=0, description="tokens the kept per-request tries hold, in all; the oldest trie goes first"
     )
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from specray.cli import main as cli
 
-from .conftest import API_KEY
+from .conftest import API_KEY, AUTH
 
 TURNS = 4
 MAX_TOKENS = 12
@@ -19,6 +20,7 @@ MAX_TOKENS = 12
 @pytest.mark.model
 def test_multiturn_bench_against_the_served_app(rel_server, tmp_path, capsys):
     out = tmp_path / "mt.json"
+    before = httpx.get(f"{rel_server}/v1/stats", headers=AUTH, timeout=30).json()["speculators"]["suffix"]
     rc = cli.main(["bench", "--url", rel_server, "--api-key", API_KEY, "--turns", str(TURNS), "--conversations",
                    "1", "--max-tokens", str(MAX_TOKENS), "--json", str(out)])
     printed = capsys.readouterr().out
@@ -49,3 +51,8 @@ def test_multiturn_bench_against_the_served_app(rel_server, tmp_path, capsys):
     assert target["summary"]["last_turn"] == TURNS and target["summary"]["ratio"] == rows[-1]["ratio"]
     assert target["summary"]["requests_per_arm"] == TURNS
     assert f"turn {TURNS}: TTFT cache off / on" in printed
+    # every later turn's prompt starts with everything the last turn's suffix trie held (its prompt and answer, as
+    # the server tokenised them): the speculator continued that trie instead of inserting the history again
+    after = httpx.get(f"{rel_server}/v1/stats", headers=AUTH, timeout=30).json()["speculators"]["suffix"]
+    assert after["continued"] - before["continued"] >= TURNS - 1, (before, after)
+    assert after["continued_tokens"] - before["continued_tokens"] >= sum(prompt[:-1])
