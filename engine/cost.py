@@ -247,10 +247,7 @@ class DecodeCostModel:
                 implied = (ref - base) / extra
                 self._attn_ref += self._ema * 0.5 * (implied - self._attn_ref)
             ref = max(ref - self._attn(n, cells), 0.25 * ref)
-            seen = self._seen[n] = self._seen.get(n, 0) + 1
-            anchor = self._anchor  # the counts only grow, one at a time: the most seen is it or n
-            if anchor is None or seen > self._seen[anchor] or (seen == self._seen[anchor] and n < anchor):
-                anchor = self._anchor = n
+            anchor = self._count(n)
             i = bisect.bisect_left(self._ns, n)
             if i < len(self._ns) and self._ns[i] == n:
                 if n != anchor:
@@ -260,6 +257,15 @@ class DecodeCostModel:
                 self._ns.insert(i, n)
                 self._secs.insert(i, ref)
                 self._keep_monotone(i)
+
+    def _count(self, n: int) -> int:
+        """One more decode of n rows seen; returns the most seen size (ties: the smaller), which the table keeps
+        as it is. The counts only grow, one at a time, so that is the last one or n."""
+        seen = self._seen[n] = self._seen.get(n, 0) + 1
+        anchor = self._anchor
+        if anchor is None or seen > self._seen[anchor] or (seen == self._seen[anchor] and n < anchor):
+            anchor = self._anchor = n
+        return anchor
 
     def _keep_monotone(self, changed: int = 0) -> None:
         """A decode of more tokens never costs less, nor more than decoding them in smaller batches (n/n0

@@ -4,8 +4,6 @@ version learns, whatever the decodes observed."""
 
 from __future__ import annotations
 
-import bisect
-
 import numpy as np
 
 from specray.engine.cost import DecodeCostModel
@@ -14,39 +12,11 @@ from specray.engine.cost import DecodeCostModel
 class WholeTable(DecodeCostModel):
     """The model as it was: the anchor found by a max over every size seen, the whole table passed each time."""
 
-    def observe(self, n, seconds, cells=None, since_change=None):
-        if n <= 0 or seconds <= 0 or not self.learn:
-            return
-        predicted = self._table_cost(n) + self._attn(n, cells)
-        if since_change is not None and predicted > 0:
-            r = min(seconds / (self._speed * predicted), 4.0)
-            if since_change < 2:
-                self._ratio_after[since_change] += self._ema * (r - self._ratio_after[since_change])
-                seconds *= self._ratio_same / self._ratio_after[since_change]
-            else:
-                self._ratio_same += self._ema * (r - self._ratio_same)
-        if predicted > 0:
-            ratio = min(max(seconds / predicted, 0.75 * self._speed), 1.5 * self._speed)
-            self._speed += self._speed_ema * (ratio - self._speed)
-        ref = seconds / self._speed
-        extra = n * (cells - self.ref_cells) if cells is not None else 0.0
-        base = self._table_cost(n)
-        if extra > 256 * max(1, n) and ref > base:
-            implied = (ref - base) / extra
-            self._attn_ref += self._ema * 0.5 * (implied - self._attn_ref)
-        ref = max(ref - self._attn(n, cells), 0.25 * ref)
+    def _count(self, n):
         self._seen[n] = self._seen.get(n, 0) + 1
-        anchor = max(self._seen, key=lambda k: (self._seen[k], -k))
-        i = bisect.bisect_left(self._ns, n)
-        if i < len(self._ns) and self._ns[i] == n:
-            if n != anchor:
-                self._secs[i] += self._ema * (ref - self._secs[i])
-        elif n > self._ns[-1] or len(self._ns) < 64:
-            self._ns.insert(i, n)
-            self._secs.insert(i, ref)
-        self._whole_pass()
+        return max(self._seen, key=lambda k: (self._seen[k], -k))
 
-    def _whole_pass(self):
+    def _keep_monotone(self, changed=0):
         n0, s0 = self._ns[0], self._secs[0]
         for j in range(1, len(self._secs)):
             if self._secs[j] < self._secs[j - 1]:
