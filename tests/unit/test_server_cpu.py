@@ -63,6 +63,7 @@ def test_a_named_thread_and_the_threads_it_starts_count_as_decode():
     burned, done = threading.Event(), threading.Event()
 
     def live_decoder() -> None:
+        ids["live"] = threading.get_native_id()
         decode_threads.name_os_thread()
         _burn(0.3)
         burned.set()
@@ -76,9 +77,13 @@ def test_a_named_thread_and_the_threads_it_starts_count_as_decode():
     mid, threads1 = server_cpu.cpu_seconds(pid), _thread_seconds()
     done.set()
     t.join()
-    busy = sorted(((threads1[k] - threads0.get(k, 0.0), k) for k in threads1), reverse=True)[:4]
+    spent = {k: threads1[k] - threads0.get(k, 0.0) for k in threads1}
+    busy = sorted(((s, k) for k, s in spent.items()), reverse=True)[:4]
     assert mid["decode"] - before["decode"] >= 0.25, busy
-    assert mid["other"] - before["other"] < 0.25, busy  # this thread only waited meanwhile
+    # "other" grew by what the process's other threads burnt meanwhile (a thread left running by an earlier test
+    # may burn some), not by the named thread's burn
+    elsewhere = sum(s for (tid, _), s in spent.items() if tid != str(ids["live"]))
+    assert mid["other"] - before["other"] < elsewhere + 0.1, busy
 
 
 def _thread_seconds() -> dict[tuple[str, str], float]:
