@@ -54,6 +54,27 @@ MIN_PERCENT_STRICT = (75, 66, 66, 66)
 
 _ISZ = 4  # bytes per token in keys (int32)
 
+# An entry is one dict: its next tokens' counts under their ids (>= 0), and under these three negative keys the
+# entry's total, its best count and its best token. A dict of ints only is a container Python's cyclic garbage
+# collector does not track: a long-running server's tables hold hundreds of thousands of entries, and a list per
+# entry (as before) made each full collection walk every one of them
+_TOTAL, _BEST_COUNT, _BEST_TOKEN = -2, -3, -4
+_META = 3  # keys of an entry that are not tokens
+
+
+def _entry(token: int, count: int) -> dict[int, int]:
+    return {token: count, _TOTAL: count, _BEST_COUNT: count, _BEST_TOKEN: token}
+
+
+def entry_counts(e: dict[int, int]) -> dict[int, int]:
+    """The next tokens' counts of an entry (NgramCountTable.get), without its summary keys."""
+    return {t: c for t, c in e.items() if t >= 0}
+
+
+def entry_summary(e: dict[int, int]) -> tuple[int, int, int]:
+    """(total, best count, best token) of an entry (NgramCountTable.get)."""
+    return e[_TOTAL], e[_BEST_COUNT], e[_BEST_TOKEN]
+
 
 class NgramCacheParams(BaseModel):
     """Parameters of ngram_cache."""
@@ -69,8 +90,8 @@ class NgramCacheParams(BaseModel):
     )
     update_dynamic: bool = Field(True, description="merge each finished sequence's context counts into dynamic")
     dynamic_max_ngrams: int = Field(
-        250_000, ge=0, description="bound on dynamic n-grams; the oldest inserted are dropped beyond it "
-        "(~400 bytes each in memory: 250k ~ 100 MB; ngram_cache is in the default chain of every server)"
+        250_000, ge=0, description="bound on dynamic n-grams; the oldest inserted are dropped beyond it (each "
+        "holds a few hundred bytes: docs/benchmarks.md; ngram_cache is in the default chain of every server)"
     )
     keep_finished: int = Field(
         16, ge=0, description="finished sequences whose context table is kept for a request that continues one (a "
@@ -86,8 +107,8 @@ class NgramCacheParams(BaseModel):
 class NgramCountTable:
     """n-gram (1..4 tokens, as int32 bytes) -> next-token counts.
 
-    Each entry is ``[total, best count, best token, {token: count}]`` so the
-    best token is known without a scan.
+    Each entry is one dict of ints (see `_TOTAL`): the next tokens' counts and the entry's total, best count
+    and best token, so the best token is known without a scan (`entry_summary`, `entry_counts`).
 
     >>> t = NgramCountTable()
     >>> t.update(np.array([1, 2, 1, 2, 1, 3], np.int32))
@@ -95,6 +116,8 @@ class NgramCountTable:
     {2: 2, 3: 1}
     >>> t.counts([2, 1]), t.counts([1, 2, 1, 2, 1]), len(t)
     ({2: 1, 3: 1}, {}, 8)
+    >>> entry_summary(t.get(np.array([1], np.int32).tobytes()))   # total, best count, best token
+    (3, 2, 2)
     """
 
     __slots__ = ("table",)
@@ -110,20 +133,18 @@ class NgramCountTable:
 
     def counts(self, ngram) -> dict[int, int]:
         e = self.table.get(as_tokens(ngram).tobytes())
-        return dict(e[3]) if e else {}
+        return entry_counts(e) if e else {}
 
     def add(self, key: bytes, token: int, count: int = 1) -> None:
         e = self.table.get(key)
         if e is None:
-            self.table[key] = [count, count, token, {token: count}]
+            self.table[key] = _entry(token, count)
             return
-        d = e[3]
-        c = d.get(token, 0) + count
-        d[token] = c
-        e[0] += count
-        if c > e[1]:
-            e[1] = c
-            e[2] = token
+        c = e[token] = e.get(token, 0) + count
+        e[_TOTAL] += count
+        if c > e[_BEST_COUNT]:
+            e[_BEST_COUNT] = c
+            e[_BEST_TOKEN] = token
 
     def update(self, tokens: np.ndarray, start: int = 0, ngram_min: int = NGRAM_MIN, ngram_max: int = NGRAM_MAX) -> None:
         """Count (tokens[i-s:i] -> tokens[i]) for every new i >= start and s in [ngram_min, ngram_max]."""
@@ -143,14 +164,13 @@ class NgramCountTable:
                 key = hb[end - s * _ISZ : end]
                 e = table.get(key)
                 if e is None:
-                    table[key] = [1, 1, tok, {tok: 1}]
+                    table[key] = {tok: 1, _TOTAL: 1, _BEST_COUNT: 1, _BEST_TOKEN: tok}
                     continue
-                d = e[3]
-                c = d[tok] = d.get(tok, 0) + 1
-                e[0] += 1
-                if c > e[1]:
-                    e[1] = c
-                    e[2] = tok
+                c = e[tok] = e.get(tok, 0) + 1
+                e[_TOTAL] += 1
+                if c > e[_BEST_COUNT]:
+                    e[_BEST_COUNT] = c
+                    e[_BEST_TOKEN] = tok
 
     def merge(self, other: "NgramCountTable") -> None:
         """Add all of `other`'s counts (llama.cpp `common_ngram_cache_merge`), taking its entries: `other` is
@@ -161,7 +181,7 @@ class NgramCountTable:
         >>> a, b = NgramCountTable(), NgramCountTable()
         >>> a.update(np.array([1, 2, 1, 3], np.int32)); b.update(np.array([1, 3, 1, 3], np.int32))
         >>> a.merge(b)
-        >>> a.counts([1]), a.get(np.array([1], np.int32).tobytes())[2], len(b)   # 3 now leads after 1
+        >>> a.counts([1]), entry_summary(a.get(np.array([1], np.int32).tobytes()))[2], len(b)   # 3 now leads
         ({2: 1, 3: 3}, 3, 0)
         """
         mine = self.table
@@ -170,15 +190,17 @@ class NgramCountTable:
             if m is None:
                 mine[key] = e
                 continue
-            d, best = m[3], m[1]
-            for tok, c in e[3].items():  # add()'s rule: a token leads once its count beats the leader's
-                c += d.get(tok, 0)
-                d[tok] = c
+            best = m[_BEST_COUNT]
+            for tok, c in e.items():  # add()'s rule: a token leads once its count beats the leader's
+                if tok < 0:
+                    continue
+                c += m.get(tok, 0)
+                m[tok] = c
                 if c > best:
                     best = c
-                    m[2] = tok
-            m[0] += e[0]
-            m[1] = best
+                    m[_BEST_TOKEN] = tok
+            m[_TOTAL] += e[_TOTAL]
+            m[_BEST_COUNT] = best
         other.table = {}
 
     def trim(self, max_ngrams: int) -> int:
@@ -196,11 +218,11 @@ class NgramCountTable:
         for key, e in self.table.items():
             ng = np.frombuffer(key, dtype=np.int32).tolist()
             out.extend(ng + [TOKEN_NULL] * (NGRAM_MAX - len(ng)))
-            d = e[3]
-            out.append(len(d))
-            for tok, c in d.items():
-                out.append(tok)
-                out.append(c)
+            out.append(len(e) - _META)
+            for tok, c in e.items():
+                if tok >= 0:
+                    out.append(tok)
+                    out.append(c)
         return np.array(out, dtype=np.int32).tobytes()
 
     @classmethod
@@ -230,6 +252,8 @@ class NgramCountTable:
                 tok, c = a[q], a[q + 1]
                 if c <= 0:
                     raise ValueError(f"non-positive count in ngram cache at int32 offset {q}")
+                if tok < 0:
+                    raise ValueError(f"negative token id in ngram cache at int32 offset {q}")
                 d[tok] = d.get(tok, 0) + c
                 tot += c
             for tok, c in d.items():
@@ -240,7 +264,8 @@ class NgramCountTable:
                 for tok, c in d.items():
                     t.add(key, tok, c)
             else:
-                table[key] = [tot, best_c, best_t, d]
+                d[_TOTAL], d[_BEST_COUNT], d[_BEST_TOKEN] = tot, best_c, best_t
+                table[key] = d
         return t
 
     def save(self, path: str | os.PathLike) -> None:
@@ -265,16 +290,17 @@ def build_static_cache(corpus: np.ndarray) -> NgramCountTable:
 def _best(entry, part_static) -> tuple[int, int, int]:
     """(total, best count, best token) of an entry, weighted by the static part if any."""
     if not part_static:
-        return entry[0], entry[1], entry[2]
-    pd = part_static[3]
+        return entry[_TOTAL], entry[_BEST_COUNT], entry[_BEST_TOKEN]
     best_p = best_s = 0
     best_t = TOKEN_NULL
-    for tok, c in entry[3].items():
-        s = pd.get(tok)
+    for tok, c in entry.items():
+        if tok < 0:
+            continue
+        s = part_static.get(tok)
         s = 100 * s if s is not None else 1
         if c * s > best_p * best_s:
             best_t, best_p, best_s = tok, c, s
-    return entry[0], best_p, best_t
+    return entry[_TOTAL], best_p, best_t
 
 
 def _try_primary(table: dict, buf: bytes, avail: int, part_static, min_sample, min_percent) -> int:
@@ -325,7 +351,7 @@ def ngram_cache_draft(
         if tok == TOKEN_NULL and dyn_t is not None:
             tok = _try_primary(dyn_t, buf, avail, part_static, MIN_SAMPLE_STRICT, MIN_PERCENT_STRICT)
         if tok == TOKEN_NULL and part_static is not None:
-            tot, best_c, best_t = part_static[0], part_static[1], part_static[2]
+            tot, best_c, best_t = part_static[_TOTAL], part_static[_BEST_COUNT], part_static[_BEST_TOKEN]
             i = NGRAM_STATIC - 1
             if tot >= MIN_SAMPLE_LAX[i] and 100 * best_c >= MIN_PERCENT_LAX[i] * tot:
                 tok = best_t
@@ -341,12 +367,15 @@ def _runner_up(table: dict, buf: bytes, avail: int, main_token: int) -> tuple[in
     longest qualifying n-gram, as _try_primary), the most frequent other token; None where there is none."""
     for size in range(min(NGRAM_MAX, avail), NGRAM_MIN - 1, -1):
         e = table.get(buf[-size * _ISZ :])
-        if e is None or e[0] < MIN_SAMPLE_LAX[size - 1] or 100 * e[1] < MIN_PERCENT_LAX[size - 1] * e[0]:
+        if e is None:
             continue
-        if e[2] != main_token or len(e[3]) < 2:
+        tot, best_c = e[_TOTAL], e[_BEST_COUNT]
+        if tot < MIN_SAMPLE_LAX[size - 1] or 100 * best_c < MIN_PERCENT_LAX[size - 1] * tot:
+            continue
+        if e[_BEST_TOKEN] != main_token or len(e) - _META < 2:
             return None
-        tok, c = max(((t, c) for t, c in e[3].items() if t != main_token), key=lambda tc: tc[1])
-        return tok, c / e[1]
+        tok, c = max(((t, c) for t, c in e.items() if t >= 0 and t != main_token), key=lambda tc: tc[1])
+        return tok, c / best_c
     return None
 
 

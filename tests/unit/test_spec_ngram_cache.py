@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,8 @@ from specray.engine.speculators.ngram_cache import (
     NgramCacheSpeculator,
     NgramCountTable,
     build_static_cache,
+    entry_counts,
+    entry_summary,
     ngram_cache_draft,
 )
 
@@ -47,8 +51,33 @@ def test_update_counts_and_incremental():
     for key in full.table:
         ng = np.frombuffer(key, np.int32).tolist()
         assert full.counts(ng) == inc.counts(ng) == brute_counts(seq.tolist(), ng)
-        e = full.table[key]
-        assert e[0] == sum(e[3].values()) and e[1] == max(e[3].values()) and e[3][e[2]] == e[1]
+        counts = entry_counts(full.table[key])
+        total, best_count, best_token = entry_summary(full.table[key])
+        assert total == sum(counts.values()) and best_count == max(counts.values()) == counts[best_token]
+
+
+def test_entries_are_not_tracked_by_the_garbage_collector(tmp_path):
+    """A long-running server's tables hold hundreds of thousands of entries: none of them may be an object the
+    cyclic collector walks, however the entry was made (counted, merged, loaded)."""
+    rng = np.random.default_rng(3)
+    a, b = NgramCountTable(), NgramCountTable()
+    a.update(rng.integers(0, 30, 400).astype(np.int32))
+    b.update(rng.integers(0, 30, 400).astype(np.int32))
+    a.add(arr(7, 7).tobytes(), 5, 3)
+    a.merge(b)
+    a.save(tmp_path / "t.bin")
+    loaded = NgramCountTable.load(tmp_path / "t.bin")
+    for t in (a, loaded):
+        assert len(t) > 100
+        assert not any(gc.is_tracked(e) for e in t.table.values())
+        assert all(min(entry_counts(e)) >= 0 and sum(entry_counts(e).values()) == entry_summary(e)[0]
+                   for e in t.table.values())
+
+
+def test_a_negative_next_token_in_a_file_is_refused():
+    raw = np.array([1, 2, -1, -1, 1, -5, 3], np.int32).tobytes()  # n-gram [1 2], one next token: -5, count 3
+    with pytest.raises(ValueError, match="negative token"):
+        NgramCountTable.from_bytes(raw)
 
 
 def test_context_lax_thresholds():
@@ -141,7 +170,7 @@ def test_save_load_roundtrip(tmp_path):
     assert len(u) == len(t)
     for key, e in t.table.items():
         f = u.table[key]
-        assert f[3] == e[3] and f[0] == e[0] and f[1] == e[1]
+        assert entry_counts(f) == entry_counts(e) and entry_summary(f)[:2] == entry_summary(e)[:2]
     with pytest.raises(ValueError):
         NgramCountTable.from_bytes(path.read_bytes()[:-4])  # truncated
 
