@@ -94,90 +94,25 @@ def _leaf(sid: int, pos: int) -> int:
     return (sid << _SHIFT) | pos
 
 
-class _Node:
-    """Explicit trie node: the number of occurrences of its string, and its children.
-
-    A child is a _Node, or a leaf: an int ``sid << 32 | pos`` meaning the
-    string continues with seqs[sid][pos] and occurs only there; below it the
-    path follows the sequence (count 1 at every depth) until max_depth or the
-    sequence end. A node with one child keeps it in `one` (token = `best`);
-    from two children on they live in the dict `kids`. `bestc == -1` marks a
-    stale best child (after a removal): `fresh()` rescans before it is read, so
-    removals never scan wide nodes (the root has a child per vocabulary token).
-    """
-
-    __slots__ = ("count", "best", "bestc", "one", "kids")
-
-    def __init__(self, count: int = 0) -> None:
-        self.count = count
-        self.best = -1  # token of the most frequent child (first to reach the top count)
-        self.bestc = 0  # its count
-        self.one = None  # the only child, while kids is None
-        self.kids: dict | None = None
-
-    def child(self, t: int):
-        kids = self.kids
-        if kids is None:
-            return self.one if self.best == t else None
-        return kids.get(t)
-
-    def items(self) -> list:
-        if self.kids is not None:
-            return list(self.kids.items())
-        return [] if self.one is None else [(self.best, self.one)]
-
-    def put_new(self, t: int, ch, c: int) -> None:
-        """Add child t (not a child yet) with count c."""
-        kids = self.kids
-        if kids is None:
-            if self.one is None:
-                self.one, self.best, self.bestc = ch, t, c
-                return
-            self.kids = kids = {self.best: self.one}
-            self.one = None
-        kids[t] = ch
-        if c > self.bestc >= 0:
-            self.best, self.bestc = t, c
-
-    def replace(self, t: int, ch) -> None:
-        if self.kids is None:
-            self.one = ch
-        else:
-            self.kids[t] = ch
-
-    def drop(self, t: int) -> None:
-        kids = self.kids
-        if kids is None:
-            self.one, self.best, self.bestc = None, -1, 0
-            return
-        del kids[t]
-        if len(kids) == 1:
-            ((tt, cc),) = kids.items()
-            self.kids, self.one, self.best, self.bestc = None, cc, tt, _count(cc)
-        elif self.best == t:
-            self.bestc = -1  # stale (dict nodes only read best after fresh())
-
-    def fresh(self) -> "_Node":
-        if self.bestc < 0:
-            self.rescan()
-        return self
-
-    def rescan(self) -> None:
-        """Recompute the best child (after counts went down)."""
-        items = self.items()  # before best is reset: a lone child is keyed by it
-        self.best, self.bestc = -1, 0
-        for t, ch in items:
-            c = _count(ch)
-            if c > self.bestc:
-                self.best, self.bestc = t, c
-
-
-def _count(obj) -> int:
-    return obj.count if type(obj) is _Node else 1
+def _is_node(ref) -> bool:
+    """A child reference is a node (~index, negative) or a leaf (sid << 32 | pos, not negative)."""
+    return ref < 0
 
 
 class SuffixTrie:
     """Depth-bounded trie of all suffixes of one or more token sequences.
+
+    Node i's fields live in flat lists (`_cnt`, `_best`, `_bestc`, `_one`, `_kids`), not in an object of its
+    own, and a child is referred to by an int: ``~i`` (negative) for node i, or a leaf ``sid << 32 | pos``
+    (not negative) meaning the string continues with seqs[sid][pos] and occurs only there; below a leaf the
+    path follows the sequence (count 1 at every depth) until max_depth or the sequence end. A node with one
+    child keeps it in `_one` (its token in `_best`); from two children on they live in a dict in `_kids`
+    (token -> reference: ints only). A filled global trie holds hundreds of thousands of nodes, and ints and
+    dicts of ints are nothing Python's cyclic garbage collector walks, where an object per node made every
+    full collection walk them all. `_bestc[i] == -1` marks a stale best child (after a removal): it is
+    rescanned before it is read, so removals never scan wide nodes (the root has a child per vocabulary
+    token). Nodes a removal takes out keep their fields, so a state matched before the removal walks as it did,
+    until `bump_version` says no state refers to them any more and they are reused.
 
     >>> t = SuffixTrie(max_depth=8)
     >>> t.extend(0, [1, 2, 3, 1, 2, 4, 1, 2])
@@ -192,13 +127,133 @@ class SuffixTrie:
     ([], [])
     """
 
+    #: the root's reference
+    ROOT = ~0
+
     def __init__(self, max_depth: int) -> None:
         self.max_depth = int(max_depth)
-        self.root = _Node()
+        self._cnt: list[int] = [0]  # occurrences of node i's string
+        self._best: list[int] = [-1]  # token of its most frequent child (first to reach the top count)
+        self._bestc: list[int] = [0]  # that child's count; -1: stale
+        self._one: list = [None]  # its only child's reference, while _kids[i] is None
+        self._kids: list = [None]  # its children from two on: {token: reference}
+        self._free: list[int] = []  # node indices to reuse
+        self._taken_out: list[int] = []  # removed nodes, reused after the next bump_version
         self.seqs: dict[int, list[int]] = {}
-        self._active: dict[int, list[_Node]] = {}
+        self._active: dict[int, list[int]] = {}
         self.n_tokens = 0
-        self.version = 0  # bumped by owners when matching states must be recomputed
+        self.version = 0  # bumped by owners (bump_version) when matching states must be recomputed
+
+    # ---- nodes ---------------------------------------------------------------
+    def count_of(self, ref) -> int:
+        """Occurrences of the string a child reference (a node or a leaf) stands for."""
+        return self._cnt[~ref] if ref < 0 else 1
+
+    def children(self, ref: int) -> list[tuple[int, int]]:
+        """(token, reference) of node `ref`'s children."""
+        i = ~ref
+        kids = self._kids[i]
+        if kids is not None:
+            return list(kids.items())
+        return [] if self._one[i] is None else [(self._best[i], self._one[i])]
+
+    def best_of(self, ref: int) -> tuple[int, int]:
+        """(token, count) of node `ref`'s most frequent child, (-1, 0) without children."""
+        i = ~ref
+        if self._bestc[i] < 0:
+            self._rescan(i)
+        return self._best[i], self._bestc[i]
+
+    def holds_children_inline(self, ref: int) -> bool:
+        """Whether node `ref` keeps its children without a dict (it has at most one)."""
+        return self._kids[~ref] is None
+
+    @property
+    def n_nodes(self) -> int:
+        """Nodes in use (the root included)."""
+        return len(self._cnt) - len(self._free) - len(self._taken_out)
+
+    @property
+    def n_slots(self) -> int:
+        """Node slots the lists hold: in use, free, or taken out and awaiting the next bump_version."""
+        return len(self._cnt)
+
+    def _new(self, count: int) -> int:
+        free = self._free
+        if free:
+            i = free.pop()
+            self._cnt[i], self._best[i], self._bestc[i], self._one[i], self._kids[i] = count, -1, 0, None, None
+        else:
+            i = len(self._cnt)
+            self._cnt.append(count)
+            self._best.append(-1)
+            self._bestc.append(0)
+            self._one.append(None)
+            self._kids.append(None)
+        return ~i
+
+    def _child(self, i: int, t: int):
+        kids = self._kids[i]
+        if kids is None:
+            return self._one[i] if self._best[i] == t else None
+        return kids.get(t)
+
+    def _put_new(self, i: int, t: int, ch, c: int) -> None:
+        """Add child t (not a child yet) with count c to node i."""
+        kids = self._kids[i]
+        if kids is None:
+            if self._one[i] is None:
+                self._one[i], self._best[i], self._bestc[i] = ch, t, c
+                return
+            self._kids[i] = kids = {self._best[i]: self._one[i]}
+            self._one[i] = None
+        kids[t] = ch
+        if c > self._bestc[i] >= 0:
+            self._best[i], self._bestc[i] = t, c
+
+    def _drop(self, i: int, t: int) -> None:
+        """Node i loses child t; a node child is taken out with everything below it."""
+        kids = self._kids[i]
+        if kids is None:
+            ch = self._one[i]
+            self._one[i], self._best[i], self._bestc[i] = None, -1, 0
+        else:
+            ch = kids.pop(t)
+            if len(kids) == 1:
+                ((tt, cc),) = kids.items()
+                self._kids[i], self._one[i], self._best[i], self._bestc[i] = None, cc, tt, self.count_of(cc)
+            elif self._best[i] == t:
+                self._bestc[i] = -1  # stale (dict nodes only read best after a rescan)
+        if ch is not None and ch < 0:  # its fields stay as they are until reused: a state may still walk it
+            one, kids_of, taken = self._one, self._kids, self._taken_out
+            stack = [~ch]
+            while stack:
+                j = stack.pop()
+                taken.append(j)
+                below = kids_of[j]
+                if below is None:
+                    r = one[j]
+                    if r is not None and r < 0:
+                        stack.append(~r)
+                else:
+                    stack += [~r for r in below.values() if r < 0]
+
+    def _rescan(self, i: int) -> None:
+        """Recompute node i's best child (after counts went down)."""
+        items = self.children(~i)  # before best is reset: a lone child is keyed by it
+        best, bestc = -1, 0
+        for t, ch in items:
+            c = self.count_of(ch)
+            if c > bestc:
+                best, bestc = t, c
+        self._best[i], self._bestc[i] = best, bestc
+
+    def bump_version(self) -> None:
+        """The trie gained or lost a sequence: matching states made before must be recomputed (`version`), and
+        the nodes removals took out since the last bump, which such states may still name, can be reused."""
+        self.version += 1
+        self._free += self._taken_out
+        self._taken_out = []
 
     # ---- building ----------------------------------------------------------
     def extend(self, sid: int, tokens) -> None:
@@ -210,67 +265,67 @@ class SuffixTrie:
         token extends them shortest first (O(K) per token).
         """
         seq = self.seqs.setdefault(sid, [])
-        act = self._active.get(sid, [])  # act[i]: node of the suffix of length i + 1
+        act = self._active.get(sid, [])  # act[i]: node index of the suffix of length i + 1
         D = self.max_depth
-        root = self.root
         seqs = self.seqs
         actives = self._active
-        Node = _Node
+        cnt, best, bestc, one, kids_of = self._cnt, self._best, self._bestc, self._one, self._kids
         base = sid << _SHIFT
         for t in tokens:
             t = int(t)
             cur = len(seq)
             seq.append(t)
-            root.count += 1
-            new: list[_Node] = []
-            node = root
+            cnt[0] += 1
+            new: list[int] = []
+            node = 0  # the root's index
             i = 0  # act index of the next node; `node` has depth i
             n_act = len(act)
             while True:
-                kids = node.kids
+                kids = kids_of[node]
                 if kids is None:
-                    ch = node.one if node.best == t else None
+                    ch = one[node] if best[node] == t else None
                 else:
                     ch = kids.get(t)
                 if ch is None:
                     # the string is new here, hence also for every longer suffix
                     leaf = base | cur
                     while True:
-                        node.put_new(t, leaf, 1)
+                        self._put_new(node, t, leaf, 1)
                         if i >= n_act:
                             break
                         node = act[i]
                         i += 1
                     break
-                if type(ch) is Node:
-                    c = ch.count = ch.count + 1
+                if ch < 0:
+                    j = ~ch
+                    c = cnt[j] = cnt[j] + 1
                 else:  # split a leaf: its occurrence and ours
                     q = ch & _POS
                     sid2 = ch >> _SHIFT
                     seq2 = seqs[sid2]
-                    m = Node(2)
+                    m = self._new(2)
+                    j = ~m
                     if q + 1 < len(seq2):
                         if i + 2 <= D:
-                            m.one, m.best, m.bestc = ch + 1, seq2[q + 1], 1
+                            one[j], best[j], bestc[j] = ch + 1, seq2[q + 1], 1
                     elif sid2 in actives and i + 1 < D:
                         # the leaf was the growing end of another (unfinished) sequence:
                         # that suffix is now explicit and must grow with its sequence
                         act2 = actives[sid2]
                         if len(act2) == i:
-                            act2.append(m)
+                            act2.append(j)
                     if kids is None:
-                        node.one = m
+                        one[node] = m
                     else:
                         kids[t] = m
-                    ch = m
                     c = 2
-                bc = node.bestc
+                bc = bestc[node]
                 if c > bc:
                     if bc < 0:
-                        node.rescan()
+                        self._rescan(node)
                     else:
-                        node.best, node.bestc = t, c
-                new.append(ch)
+                        best[node], bestc[node] = t, c
+                new.append(j)
                 if i >= n_act:
                     break
                 node = act[i]
@@ -290,26 +345,31 @@ class SuffixTrie:
         seq = self.seqs[sid]
         D = self.max_depth
         L = len(seq)
-        root = self.root
+        cnt, best, bestc, one, kids_of = self._cnt, self._best, self._bestc, self._one, self._kids
         for s in range(start, min(stop, L)):
-            root.count -= 1
-            node, pos = root, s
+            cnt[0] -= 1
+            node, pos = 0, s
             while True:
                 t = seq[pos]
-                ch = node.child(t)
+                kids = kids_of[node]  # _child, inlined: the walk down runs for every removed suffix
+                if kids is None:
+                    ch = one[node] if best[node] == t else None
+                else:
+                    ch = kids.get(t)
                 if ch is None:
                     break
-                if type(ch) is not _Node:
+                if ch >= 0:
                     if ch >> _SHIFT == sid:
-                        node.drop(t)
+                        self._drop(node, t)
                     break
-                ch.count -= 1
-                if ch.count <= 0:
-                    node.drop(t)
+                j = ~ch
+                cnt[j] -= 1
+                if cnt[j] <= 0:
+                    self._drop(node, t)
                     break
-                if node.best == t:
-                    node.bestc = -1  # maybe no longer the top child: rescan when read
-                node = ch
+                if best[node] == t:
+                    bestc[node] = -1  # maybe no longer the top child: rescan when read
+                node = j
                 pos += 1
                 if pos >= L or pos - s >= D:
                     break
@@ -328,25 +388,26 @@ class SuffixTrie:
             self.drop_seq(sid)
 
     # ---- queries -----------------------------------------------------------
-    def active_states(self, sid: int) -> list[tuple[int, _Node]]:
-        """(match length, node) of the suffixes ending at the last token of `sid` that occur >= 2 times."""
-        return [(i + 1, node) for i, node in enumerate(self._active.get(sid, ()))]
+    def active_states(self, sid: int) -> list[tuple[int, int]]:
+        """(match length, node reference) of the suffixes ending at the last token of `sid` that occur >= 2
+        times."""
+        return [(i + 1, ~j) for i, j in enumerate(self._active.get(sid, ()))]
 
     def advance(self, states: list, t: int) -> list:
         """Matching states of a context after appending token t.
 
         states[i] is the state of the context's suffix of length i + 1 (those
-        found in the trie have contiguous lengths): its _Node, or the leaf int
-        if the string occurs once (ending at seqs[sid][pos]).
+        found in the trie have contiguous lengths): its node's reference, or the
+        leaf if the string occurs once (ending at seqs[sid][pos]).
         """
-        ch = self.root.child(t)
+        ch = self._child(0, t)
         if ch is None:
             return []
         out = [ch]
         seqs = self.seqs
         for obj in states[: self.max_depth - 1]:
-            if type(obj) is _Node:
-                ch = obj.child(t)
+            if obj < 0:
+                ch = self._child(~obj, t)
                 if ch is None:
                     break
                 out.append(ch)
@@ -372,7 +433,7 @@ class SuffixTrie:
         states = self.match(tokens)
         if not tokens or len(states) < len(tokens):
             return 0
-        return _count(states[len(tokens) - 1])
+        return self.count_of(states[len(tokens) - 1])
 
     def walk(self, k: int, obj, budget: int, p_min: float) -> tuple[list[int], list[float]]:
         """Greedy most-frequent-child path from a state at depth k.
@@ -385,19 +446,29 @@ class SuffixTrie:
         prob = 1.0
         depth = k
         D = self.max_depth
+        cnt, best, bestc, one, kids_of = self._cnt, self._best, self._bestc, self._one, self._kids
         while len(toks) < budget and depth < D:
-            if type(obj) is _Node:
-                if obj.bestc <= 0:
-                    if obj.bestc == 0 or obj.fresh().bestc == 0:
+            if obj < 0:
+                i = ~obj
+                if cnt[i] <= 0:  # taken out by a removal a state made before it still names
+                    break
+                bc = bestc[i]
+                if bc <= 0:
+                    if bc == 0:
                         break
-                prob *= obj.bestc / obj.count
+                    self._rescan(i)
+                    bc = bestc[i]
+                    if bc == 0:
+                        break
+                prob *= bc / cnt[i]
                 if prob < p_min:
                     break
-                t = obj.best
+                t = best[i]
                 toks.append(t)
                 probs.append(prob)
                 depth += 1
-                obj = obj.one if obj.kids is None else obj.kids[t]
+                kids = kids_of[i]
+                obj = one[i] if kids is None else kids[t]
             else:  # single occurrence: the rest of the path is the sequence itself
                 pos = obj & _POS
                 seq = self.seqs[obj >> _SHIFT]
@@ -407,7 +478,6 @@ class SuffixTrie:
                     probs.extend([prob] * m)
                 break
         return toks, probs
-
 
     def runner_ups(self, k: int, obj, main: list[int], budget: int, p_min: float) -> list[Branch]:
         """Beside the greedy walk from a state at depth k whose first tokens are `main`: at each of its nodes
@@ -424,20 +494,22 @@ class SuffixTrie:
         """
         out: list[Branch] = []
         for j, want in enumerate(main):
-            if type(obj) is not _Node:
+            if obj >= 0:
                 break  # a single occurrence from here: one continuation
-            obj.fresh()
-            if obj.best != want or obj.bestc <= 0:
+            i = ~obj
+            b, bc = self.best_of(obj)
+            if b != want or bc <= 0:
                 break
-            if obj.kids is not None:
+            kids = self._kids[i]
+            if kids is not None:
                 t2, c2 = -1, 0
-                for t, ch in obj.kids.items():
-                    if t != want and (c := _count(ch)) > c2:
+                for t, ch in kids.items():
+                    if t != want and (c := self.count_of(ch)) > c2:
                         t2, c2 = t, c
                 if c2 > 0 and budget - j - 1 >= 0:
-                    rest, _ = self.walk(k + j + 1, obj.kids[t2], budget - j - 1, p_min)
-                    out.append(Branch(j, np.array([t2] + rest, np.int32), c2 / obj.bestc))
-            obj = obj.one if obj.kids is None else obj.kids[want]
+                    rest, _ = self.walk(k + j + 1, kids[t2], budget - j - 1, p_min)
+                    out.append(Branch(j, np.array([t2] + rest, np.int32), c2 / bc))
+            obj = self._one[i] if kids is None else kids[want]
         out.sort(key=lambda b: -b.weight)
         return out
 
@@ -488,15 +560,16 @@ def suffix_draft(
         budget = min(n_max, int(k * max_spec_factor + max_spec_offset + 1e-6), trie.max_depth - k)
         if budget <= 0:
             continue
-        key = (id(trie), _count(state))
+        key = (id(trie), trie.count_of(state))
         g = groups.get(key)
         if g is None or (budget, k) > (g[0], g[1]):
             groups[key] = (budget, k, trie, source, i, state)
     # longest match first (ties keep the longer match); skip what cannot beat the best
     for budget, k, trie, source, _, state in sorted(groups.values(), key=lambda g: (-g[1], g[4])):
-        if type(state) is _Node:
-            state.fresh()
-            if state.bestc <= 0 or budget * state.bestc / state.count <= best_score:
+        if state < 0:  # a node (a leaf's walk is the rest of its sequence, each token at probability 1)
+            _, bc = trie.best_of(state)
+            n = trie.count_of(state)  # 0: taken out by a removal since the state was matched
+            if bc <= 0 or n <= 0 or budget * bc / n <= best_score:
                 continue
         elif budget <= best_score:
             continue
@@ -671,7 +744,7 @@ class SuffixSpeculator(Speculator):
                 if done >= len(toks):
                     jobs.popleft()
                     g.finish(sid)
-                    g.version += 1
+                    g.bump_version()
                     self._global_order[sid] = len(toks)
                     self._global_tokens += len(toks)
                     self._evict()
@@ -683,7 +756,7 @@ class SuffixSpeculator(Speculator):
                 if done >= L:
                     jobs.popleft()
                     g.drop_seq(sid)
-                    g.version += 1
+                    g.bump_version()
             if budget is not None:
                 budget -= max(n, 1)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -9,11 +11,11 @@ from specray.engine.speculators.suffix import (
     SuffixParams,
     SuffixSpeculator,
     SuffixTrie,
-    _Node,
     suffix_draft,
 )
 
 from ._spec_helpers import arr, check_stats, draft1, run_lifecycle
+from ._suffix_trie_objects import ObjectSuffixTrie
 
 
 def brute_count(seqs, s):
@@ -29,21 +31,25 @@ def check_trie(trie: SuffixTrie, seqs: list[list[int]], rng, n_probe=300):
     for _ in range(n_probe):  # absent strings
         s = rng.integers(0, 4, int(rng.integers(1, D + 1))).tolist()
         assert trie.count(s) == brute_count(seqs, s)
-    assert trie.root.count == sum(len(q) for q in seqs)
+    assert trie.count_of(trie.ROOT) == sum(len(q) for q in seqs)
     # cached best child is a true maximum at every explicit node (once refreshed)
-    stack = [trie.root]
+    stack = [trie.ROOT]
+    reached = 0
     while stack:
-        node = stack.pop().fresh()
-        items = node.items()
-        counts = {t: (c.count if type(c) is _Node else 1) for t, c in items}
+        node = stack.pop()
+        reached += 1
+        best, bestc = trie.best_of(node)
+        items = trie.children(node)
+        counts = {t: trie.count_of(c) for t, c in items}
         assert len(counts) == len(items)
         if counts:
-            assert node.bestc == max(counts.values()) and counts[node.best] == node.bestc
-            assert sum(counts.values()) <= node.count
+            assert bestc == max(counts.values()) and counts[best] == bestc
+            assert sum(counts.values()) <= trie.count_of(node)
         else:
-            assert node.bestc == 0
-        assert (node.kids is None) == (len(items) <= 1)  # one child inline, 2+ in a dict
-        stack.extend(c for _, c in items if type(c) is _Node)
+            assert bestc == 0
+        assert trie.holds_children_inline(node) == (len(items) <= 1)  # one child inline, 2+ in a dict
+        stack.extend(c for _, c in items if c < 0)
+    assert reached == trie.n_nodes  # every node in use hangs off the root: removals took out whole subtrees
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -65,7 +71,8 @@ def test_trie_counts_match_brute_force(seed):
     trie.remove(0)
     trie.remove(2)
     trie.remove(5)
-    assert trie.root.count == 0 and trie.root.items() == [] and trie.n_tokens == 0
+    assert trie.count_of(trie.ROOT) == 0 and trie.children(trie.ROOT) == [] and trie.n_tokens == 0
+    assert trie.n_nodes == 1  # the root: every other node was taken out
 
 
 def test_random_interleaved_extend_finish_remove():
@@ -261,3 +268,126 @@ def test_lifecycle_and_stats():
     assert sp.global_trie.n_tokens == 0 and len(sp._jobs) == 1  # queued at end ...
     sp.flush_global()
     assert sp.global_trie.n_tokens == len(block) + 3 - 1  # ... generated tokens seen by drafts
+
+
+def _same_trie(flat: SuffixTrie, ref: ObjectSuffixTrie, rng, sids) -> None:
+    """Counts, growing suffixes, walks and runner-ups of the flat trie equal the object-per-node reference's."""
+    for _ in range(30):
+        s = rng.integers(0, 4, int(rng.integers(1, flat.max_depth + 1))).tolist()
+        assert flat.count(s) == ref.count(s), s
+    for sid in sids:
+        mine, theirs = flat.active_states(sid), ref.active_states(sid)
+        assert [k for k, _ in mine] == [k for k, _ in theirs]
+        for (k, a), (_, b) in zip(mine, theirs):
+            assert flat.count_of(a) == b.count
+            for budget, p_min in ((8, 0.0), (4, 0.3)):
+                walk = flat.walk(k, a, budget, p_min)
+                assert walk == ref.walk(k, b, budget, p_min)
+                got = [(x.at, x.tokens.tolist(), x.weight) for x in flat.runner_ups(k, a, walk[0], budget, p_min)]
+                want = [(x.at, x.tokens.tolist(), x.weight) for x in ref.runner_ups(k, b, walk[0], budget, p_min)]
+                assert got == want
+    for _ in range(10):  # a context's states, matched afresh, walk alike
+        ctx = rng.integers(0, 4, int(rng.integers(1, 12))).tolist()
+        a, b = flat.match(ctx), ref.match(ctx)
+        assert len(a) == len(b)
+        for k in range(len(a)):
+            assert flat.walk(k + 1, a[k], 6, 0.1) == ref.walk(k + 1, b[k], 6, 0.1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_flat_trie_equals_the_object_per_node_trie(seed):
+    """Operation by operation (sequences grown interleaved, finished, removed whole or in slices as the global
+    trie does), the flat trie answers as the trie with an object per node did."""
+    rng = np.random.default_rng(100 + seed)
+    D = int(rng.integers(3, 9))
+    flat, ref = SuffixTrie(D), ObjectSuffixTrie(D)
+    live: list[int] = []
+    done: list[int] = []
+    nid = 0
+    for step in range(120):
+        r = rng.random()
+        if r < 0.55 or not (live or done):
+            if not live or rng.random() < 0.25:
+                live.append(nid)
+                nid += 1
+            sid = live[int(rng.integers(0, len(live)))]
+            piece = rng.integers(0, 4, int(rng.integers(1, 9))).tolist()
+            flat.extend(sid, piece)
+            ref.extend(sid, piece)
+        elif r < 0.7 and live:
+            sid = live.pop(int(rng.integers(0, len(live))))
+            flat.finish(sid)
+            ref.finish(sid)
+            done.append(sid)
+        elif done:
+            sid = done.pop(int(rng.integers(0, len(done))))
+            if sid not in flat.seqs:  # begun but never grown
+                continue
+            L = len(flat.seqs[sid])
+            cut = int(rng.integers(0, L + 1))  # in two slices, as SuffixSpeculator._pump spreads an eviction
+            for a, b in ((0, cut), (cut, L)):
+                flat.remove_range(sid, a, b)
+                ref.remove_range(sid, a, b)
+            flat.drop_seq(sid)
+            ref.drop_seq(sid)
+            flat.bump_version()
+        if step % 10 == 9:
+            _same_trie(flat, ref, rng, live + done)
+    _same_trie(flat, ref, rng, live + done)
+    assert sum(len(flat.seqs.get(s, ())) for s in live + done) > 50  # the trie held something to compare
+
+
+def test_removed_nodes_are_reused_after_a_version_bump():
+    """A global trie that keeps evicting its oldest sequence holds about as many node slots as its peak use:
+    what a removal takes out is reused once bump_version has run, not before."""
+    rng = np.random.default_rng(5)
+    trie = SuffixTrie(8)
+    peak = 0
+    for sid in range(200):
+        trie.extend(sid, rng.integers(0, 5, 60).tolist())
+        trie.finish(sid)
+        peak = max(peak, trie.n_nodes)
+        if sid >= 4:
+            used = trie.n_nodes
+            trie.remove(sid - 4)
+            assert trie.n_nodes < used and trie.n_slots >= used  # taken out, not yet reusable
+            trie.bump_version()
+    assert trie.n_slots <= peak + 60 * 8  # at most one sequence's worth of new nodes beyond the peak in use
+
+
+def test_a_filled_trie_adds_no_object_per_node_to_the_garbage_collector():
+    """A filled global trie holds hundreds of thousands of nodes: they must not be objects Python's cyclic
+    collector walks at every full collection."""
+    rng = np.random.default_rng(6)
+    text = np.tile(rng.integers(0, 50, 400), 12) + rng.integers(0, 2, 4800)  # repeats: many explicit nodes
+    gc.collect()
+    before = len(gc.get_objects())
+    trie = SuffixTrie(32)
+    trie.extend(0, text.tolist())
+    trie.extend(1, text[::-1].tolist())
+    added = len(gc.get_objects()) - before
+    assert trie.n_nodes > 5000
+    assert added < 50, added
+
+
+def test_a_state_matched_before_a_removal_walks_as_it_did_until_the_version_moves():
+    """The global trie evicts a sequence in slices over several rounds and bumps its version only at the end:
+    in between, a request's matching states may name nodes the removal took out. They must walk as the
+    object-per-node trie's detached nodes did, not as whatever a new sequence made of their slots."""
+    flat, ref = SuffixTrie(8), ObjectSuffixTrie(8)
+    for t in (flat, ref):
+        t.extend(0, [1, 2, 3, 4, 1, 2, 3, 4])
+        t.finish(0)
+    stale, stale_ref = flat.match([1, 2, 3]), ref.match([1, 2, 3])
+    for t in (flat, ref):
+        t.remove_range(0, 0, 8)  # every suffix out: "1" and everything below it taken out
+        t.extend(1, [5, 6, 5, 6, 5, 6, 5, 6])  # new nodes, before the version moves
+    assert flat.count([1, 2]) == ref.count([1, 2]) == 0
+    for k in (2, 3):  # taken out below "1", their counts as the removal left them
+        assert flat.walk(k, stale[k - 1], 6, 0.0) == ref.walk(k, stale_ref[k - 1], 6, 0.0)
+    assert flat.walk(1, stale[0], 6, 0.0) == ([], [])  # "1" itself: count 0, no walk (the reference divided by 0)
+    assert flat.walk(3, stale[2], 6, 0.0)[0] == [4]  # the detached node's best child, as the removal left it
+    flat.drop_seq(0)
+    flat.bump_version()  # now the slots are reused
+    flat.extend(2, [7, 8, 7, 8, 7, 8])
+    assert flat.count([7, 8]) == 3 and flat.count([5, 6]) == 4
