@@ -90,15 +90,6 @@ class SuffixParams(BaseModel):
     )
 
 
-def _leaf(sid: int, pos: int) -> int:
-    return (sid << _SHIFT) | pos
-
-
-def _is_node(ref) -> bool:
-    """A child reference is a node (~index, negative) or a leaf (sid << 32 | pos, not negative)."""
-    return ref < 0
-
-
 class SuffixTrie:
     """Depth-bounded trie of all suffixes of one or more token sequences.
 
@@ -262,8 +253,11 @@ class SuffixTrie:
         The suffixes ending at the last token that occur more than once are
         explicit nodes and have contiguous lengths 1..K (a suffix of a repeated
         string is repeated): they are kept as a list by length, and each new
-        token extends them shortest first (O(K) per token).
+        token extends them shortest first (O(K) per token). `sid` is not negative: a leaf names it, and a
+        negative leaf would read as a node.
         """
+        if sid < 0:
+            raise ValueError(f"sequence id must be >= 0, got {sid}")
         seq = self.seqs.setdefault(sid, [])
         act = self._active.get(sid, [])  # act[i]: node index of the suffix of length i + 1
         D = self.max_depth

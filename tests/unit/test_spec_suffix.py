@@ -391,3 +391,8 @@ def test_a_state_matched_before_a_removal_walks_as_it_did_until_the_version_move
     flat.bump_version()  # now the slots are reused
     flat.extend(2, [7, 8, 7, 8, 7, 8])
     assert flat.count([7, 8]) == 3 and flat.count([5, 6]) == 4
+
+
+def test_a_negative_sequence_id_is_refused():
+    with pytest.raises(ValueError, match="sequence id"):
+        SuffixTrie(8).extend(-1, [1, 2, 3])
