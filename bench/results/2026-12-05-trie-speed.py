@@ -1,5 +1,5 @@
 """The suffix trie's own speed with the garbage collector off, flat (engine/speculators/suffix.py) against the
-object-per-node trie it replaced (tests/unit/_suffix_trie_objects.py): Spec-Bench's 480 questions (both turns'
+object-per-node trie it replaced (tests/unit/suffix_trie_reference.py): Spec-Bench's 480 questions (both turns'
 text, SmolLM2's tokenizer) inserted 4 tokens at a time, then all removed; each trie twice, alternating
 (benchmarks page, "The speculators' tables and the garbage collector").
 
@@ -11,7 +11,7 @@ import sys
 import time
 
 sys.path.insert(0, "tests/unit")
-from _suffix_trie_objects import ObjectSuffixTrie  # noqa: E402
+from suffix_trie_reference import ObjectSuffixTrie  # noqa: E402
 
 from specray.engine.speculators.suffix import SuffixTrie  # noqa: E402
 from specray.native.model import Model  # noqa: E402

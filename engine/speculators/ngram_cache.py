@@ -136,6 +136,8 @@ class NgramCountTable:
         return entry_counts(e) if e else {}
 
     def add(self, key: bytes, token: int, count: int = 1) -> None:
+        if token < 0:  # the entry's negative keys are its summary (_TOTAL)
+            raise ValueError(f"token id must be >= 0, got {token}")
         e = self.table.get(key)
         if e is None:
             self.table[key] = _entry(token, count)

@@ -74,10 +74,12 @@ def test_entries_are_not_tracked_by_the_garbage_collector(tmp_path):
                    for e in t.table.values())
 
 
-def test_a_negative_next_token_in_a_file_is_refused():
+def test_a_negative_next_token_is_refused():
     raw = np.array([1, 2, -1, -1, 1, -5, 3], np.int32).tobytes()  # n-gram [1 2], one next token: -5, count 3
     with pytest.raises(ValueError, match="negative token"):
         NgramCountTable.from_bytes(raw)
+    with pytest.raises(ValueError, match="token id"):
+        NgramCountTable().add(arr(1, 2).tobytes(), -2)
 
 
 def test_context_lax_thresholds():

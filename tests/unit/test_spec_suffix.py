@@ -15,7 +15,7 @@ from specray.engine.speculators.suffix import (
 )
 
 from ._spec_helpers import arr, check_stats, draft1, run_lifecycle
-from ._suffix_trie_objects import ObjectSuffixTrie
+from .suffix_trie_reference import ObjectSuffixTrie
 
 
 def brute_count(seqs, s):
