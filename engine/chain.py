@@ -132,6 +132,11 @@ class Chain:
                 spec.set_grammar(seq_id, grammar)
             spec.begin(seq_id, prompt)
 
+    def prefilling(self, seq_id: int, names: tuple[str, ...], n: int) -> None:
+        """The target prefills seq_id's prompt up to its token `n` this round (Speculator.prefilling)."""
+        for name in names:
+            self.instances[name].prefilling(seq_id, n)
+
     def end(self, seq_id: int, names: tuple[str, ...]) -> None:
         for name in names:
             self.instances[name].end(seq_id)

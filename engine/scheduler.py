@@ -432,20 +432,39 @@ class Scheduler:
         if reuse:  # what a prefill of the reused prefix would have told the speculators
             self._mirror(seq, prompt[:reuse], 0)
 
+    def _index_prompts(self, chunks: list[tuple[Sequence, int]]) -> None:
+        """The speculators index the prompt rows this round prefills (Speculator.prefilling), as they are
+        prefilled: a long prompt's indexing is spread over its prefill, a chunk a round, where all of it in the
+        round that admits it would stall every other sequence's next token. With overlapped rounds, where the
+        chain is model-free, it runs while this round decodes, as the set-up does."""
+        for s, n in chunks:
+            if s.chain:
+                self._speculators(s.chain, functools.partial(self._prefilling, s, s.slot, s.n_prefilled + n),
+                                  wait=False)
+
+    def _prefilling(self, seq: Sequence, slot: int, n: int) -> None:
+        try:
+            self.chain.prefilling(slot, seq.chain, n)
+        except Exception:  # a failing speculator degrades to plain decoding
+            log.exception("speculator prefilling failed; sequence %s decodes without speculation", seq.id)
+            seq.chain = ()
+
     def _end(self, slot: int, names: tuple[str, ...]) -> None:
         try:
             self.chain.end(slot, names)
         except Exception:
             log.exception("speculator end failed")
 
-    def _speculators(self, names: tuple[str, ...], op: Callable[[], None]) -> None:
+    def _speculators(self, names: tuple[str, ...], op: Callable[[], None], wait: bool = True) -> None:
         """Run a sequence's speculator set-up or merge (`op`) now, or, in overlapped rounds where `names` are
         all model-free, while the next round decodes. A model speculator decodes in a context of its own, kept
-        on the round thread: its ops run now, after those still waiting (a slot's end before its next begin)."""
+        on the round thread: its ops run now, after those still waiting (a slot's end before its next begin;
+        `wait` False: an op of a sequence already begun, which need not wait for others' ops)."""
         if self.overlap and names and not any(self.chain.is_model(n) for n in names):
             self._chain_later.append(op)
             return
-        self._run_chain_later()
+        if wait:
+            self._run_chain_later()
         op()
 
     def _run_chain_later(self) -> None:
@@ -535,6 +554,10 @@ class Scheduler:
         # rows the target replays in front of decoding sequences' own (a restored recurrent state: rollback.py)
         replay = sum(s.replay_rows for s in decoding)
         chunks = self._prompt_chunks(prefilling, budget - len(decoding) - replay, bool(decoding))
+        if chunks:
+            clock.lap("plan")
+            self._index_prompts(chunks)
+            clock.lap("admit")
         n_prefill = sum(n for _, n in chunks)
         # KV cells a token of this round attends, on average: with one shared KV stream every slot's cells
         # (masked, but computed; idle caches too), with a stream per slot its own sequence's

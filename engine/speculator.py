@@ -141,6 +141,21 @@ class Speculator(ABC):
         self._begin(seq_id, np.asarray(prompt, dtype=TOKEN_DTYPE))
         self.stats.time_begin_s += time.perf_counter() - t0
 
+    def prefilling(self, seq_id: int, n: int) -> None:
+        """The target prefills seq_id's prompt up to its token `n` this round (a long prompt takes many rounds,
+        a chunk each). A speculator that indexes the prompt indexes it up to there, so a long prompt's indexing
+        is spread over the rounds of its prefill instead of stalling the one that admits it; whatever is left
+        when it first drafts, it indexes then. Timed as set-up (`time_begin_s`).
+
+        >>> from specray.engine.speculators.ngram_cache import NgramCacheSpeculator
+        >>> s = NgramCacheSpeculator(); s.begin(0, np.arange(600) % 50)
+        >>> s.indexed(0), (s.prefilling(0, 256), s.indexed(0))[1], (s.prefilling(0, 600), s.indexed(0))[1]
+        (0, 256, 600)
+        """
+        t0 = time.perf_counter()
+        self._prefilling(seq_id, n)
+        self.stats.time_begin_s += time.perf_counter() - t0
+
     def process(self, seq_id: int, tokens: np.ndarray, pos: int) -> None:
         """Mirror of a target batch for this sequence. Model-free: no-op."""
 
@@ -206,6 +221,9 @@ class Speculator(ABC):
 
     # ---- hooks for subclasses ---------------------------------------------
     def _begin(self, seq_id: int, prompt: np.ndarray) -> None:
+        pass
+
+    def _prefilling(self, seq_id: int, n: int) -> None:
         pass
 
     @abstractmethod

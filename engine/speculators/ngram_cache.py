@@ -418,6 +418,7 @@ class _SeqState:
     cursor: HistoryCursor = field(default_factory=HistoryCursor)
     history: np.ndarray | None = None  # the last draft's history, for its runner-ups (same round only)
     tokens: np.ndarray | None = None  # the tokens the context table counted
+    prompt: np.ndarray | None = None  # the prompt, counted as the target prefills it (prefilling)
 
 
 class NgramCacheSpeculator(Speculator):
@@ -456,8 +457,18 @@ class NgramCacheSpeculator(Speculator):
             self.stats.continued += 1
             self.stats.continued_tokens += st.cursor.n
         st.history = None
+        st.prompt = prompt  # counted as the target prefills it (prefilling), or when it first drafts
         self._seqs[seq_id] = st
-        self._sync(st, prompt)
+
+    def _prefilling(self, seq_id: int, n: int) -> None:
+        st = self._seqs.get(seq_id)
+        if st is not None and st.prompt is not None and n > st.cursor.n:
+            self._sync(st, st.prompt[:n])
+
+    def indexed(self, seq_id: int) -> int:
+        """How many tokens of seq_id's history its context table has counted (0: none, or no such sequence)."""
+        st = self._seqs.get(seq_id)
+        return st.cursor.n if st is not None else 0
 
     def _draft_one(self, req: DraftRequest) -> np.ndarray:
         st = self._seqs.get(req.seq_id)

@@ -578,11 +578,12 @@ def suffix_draft(
 
 
 class _ReqState:
-    __slots__ = ("trie", "cursor", "prompt_len", "gstates", "gversion")
+    __slots__ = ("trie", "cursor", "prompt_len", "gstates", "gversion", "prompt")
 
     def __init__(self, max_depth: int) -> None:
         self.trie = SuffixTrie(max_depth)
         self.cursor = HistoryCursor()
+        self.prompt: np.ndarray | None = None  # indexed as the target prefills it (prefilling)
         self.prompt_len = -1  # unknown until begin / first draft
         self.gstates: list = []  # matches of the history's suffixes in the global trie
         self.gversion = -1
@@ -643,9 +644,19 @@ class SuffixSpeculator(Speculator):
             self.stats.continued += 1
             self.stats.continued_tokens += st.cursor.n
         self._seqs[seq_id] = st
-        self._sync(st, prompt)
-        st.prompt_len = len(prompt)
+        st.prompt, st.prompt_len = prompt, len(prompt)  # indexed as the target prefills it, or at the first draft
         self.last_confidence.pop(seq_id, None)
+
+    def _prefilling(self, seq_id: int, n: int) -> None:
+        st = self._seqs.get(seq_id)
+        if st is not None and st.prompt is not None and n > st.cursor.n:
+            self._sync(st, st.prompt[:n])
+            st.prompt_len = len(st.prompt)  # _sync starts a new trie where the history changed
+
+    def indexed(self, seq_id: int) -> int:
+        """How many tokens of seq_id's history its trie holds (0: none, or no such sequence)."""
+        st = self._seqs.get(seq_id)
+        return st.cursor.n if st is not None else 0
 
     def draft(self, requests: list[DraftRequest]) -> list[np.ndarray]:
         if self._jobs and self.params.global_work_per_call > 0:

@@ -88,6 +88,7 @@ def _counted(tokens: np.ndarray) -> dict:
     """The context table of `tokens` counted from scratch."""
     sp = NgramCacheSpeculator(NgramCacheParams(update_dynamic=False))
     sp.begin(0, tokens)
+    sp.prefilling(0, len(tokens))
     sp.end(0)
     return sp.kept.take(tokens).context.table
 

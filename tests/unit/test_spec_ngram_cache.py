@@ -231,6 +231,7 @@ def test_rebuild_on_reused_seq_id():
 def test_state_roundtrip():
     sp = NgramCacheSpeculator()
     sp.begin(0, arr(4, 5, 6))
+    sp.prefilling(0, 3)  # the target prefilled the prompt: counted
     sp.end(0)
     sp2 = NgramCacheSpeculator()
     sp2.set_state(sp.get_state())
