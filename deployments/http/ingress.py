@@ -43,6 +43,7 @@ from ray import serve
 from ray.serve._private import constants as serve_constants  # read once at import, as Serve itself does
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specray.deployments import heap
 from specray.deployments.ab.stats import merge_snapshots
 from specray.deployments.ab.arms import ARM_HEADER, SESSION_HEADER
 from specray.deployments.models.config import model_configs
@@ -408,3 +409,6 @@ class Ingress(IngressRoutes):
         super().__init__({m: {arm: HandleEngine(h) for arm, h in arms.items()} for m, arms in engines.items()},
                          config)
         self.solo = self.cfg.ingress_replicas <= 1
+        heap.watch()
+        if self.cfg.freeze_gc:
+            heap.freeze_startup()

@@ -27,6 +27,7 @@ from ray import serve
 
 from specray.engine.config import ChainConfig
 
+from specray.deployments import heap
 from specray.deployments.ab.arms import DEFAULT_ARM
 from specray.deployments.replica.core import RouterCore
 from specray.deployments.replica.errors import BadRequest, EngineFailure, ServeError
@@ -68,6 +69,9 @@ class EngineReplica:
             self.core.observer = EngineMetrics(arm, self.cfg.engine.slots, model=self.cfg.model_id)
         except Exception:  # no metrics (e.g. outside Ray): serving goes on
             log.exception("Prometheus metrics unavailable")
+        heap.watch()
+        if self.cfg.freeze_gc:  # the engine is up: what is left now lives as long as the process
+            heap.freeze_startup()
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve's lightweight update (the deployment's `user_config`, also applied at start):

@@ -11,6 +11,7 @@ import logging
 import os
 from dataclasses import asdict
 
+from specray.deployments import heap
 from specray.deployments.actors.supervisor import UP, short_error
 from specray.engine.round_stages import breakdown
 from specray.native import decode_threads
@@ -75,7 +76,9 @@ def round_snapshot(core) -> dict:
         "round_failures": core.rel.round_failures,
         "reliability": asdict(core.rel),
         "last_error": core.faults.last_error,
-        "process": {"pid": os.getpid(), "rss_bytes": process_rss()},
+        # the garbage collector's collections in this process by generation, their time, the objects frozen at
+        # start (deployments/heap.py)
+        "process": {"pid": os.getpid(), "rss_bytes": process_rss(), "gc": heap.watch().snapshot()},
     }
     if parts.runner is not None:
         r = parts.runner

@@ -187,6 +187,10 @@ def test_load_200_mixed_requests_at_concurrency_16(rel_server, solo):
           f"429s {rel['rejected_queue_full'] - st0['reliability']['rejected_queue_full']}")
     print(f"  replica RSS: {rss0 / 2**20:.1f} MiB before, {rss1 / 2**20:.1f} MiB after "
           f"({(rss1 - rss0) / 2**20:+.1f} MiB; bound {RSS_BOUND / 2**20:.0f} MiB)")
+    gc0, gc1 = st0["process"]["gc"], st["process"]["gc"]
+    print(f"  garbage collector: {gc1['frozen']} start-up objects frozen; collections during the load by "
+          f"generation {[b - a for a, b in zip(gc0['collections'], gc1['collections'])]}, "
+          f"{gc1['ms'][2] - gc0['ms'][2]:.1f} ms in full ones")
     bad = [r for r in results if not r["ok"]]
     for r in bad:
         print(f"  failed: {r}")
@@ -196,4 +200,5 @@ def test_load_200_mixed_requests_at_concurrency_16(rel_server, solo):
     assert st["round_failures"] == 0
     assert rel["cancelled"] - st0["reliability"]["cancelled"] == kinds["cancel"]
     assert rss1 - rss0 < RSS_BOUND
+    assert gc1["frozen"] > 10_000  # the replica froze its start-up heap (ServeConfig.freeze_gc, on by default)
     assert wall < TIME_BOUND

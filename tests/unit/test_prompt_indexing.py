@@ -6,6 +6,8 @@ The real model's lossless runs go through this path too (tests/integration/test_
 
 from __future__ import annotations
 
+import doctest
+
 import numpy as np
 import pytest
 
@@ -211,3 +213,10 @@ def test_a_speculator_that_fails_indexing_leaves_the_sequence_decoding_without_s
         s.step()
     assert [e for e in log if e[0] == "prefilling"] == [("prefilling", seq.slot, 32)]  # then no more asked
     assert seq.chain == () and seq.generated == [5, 5, 5, 5] and seq.error is None
+
+
+def test_doctests():
+    from specray.engine import speculator
+
+    failed, attempted = doctest.testmod(speculator)
+    assert attempted and not failed
