@@ -149,10 +149,12 @@ class ServeConfig(BaseModel):
     arm_salt: str = Field("specray", description="salt of the sticky user -> arm hash (change it to reshuffle users "
                           "for a new experiment)")
     freeze_gc: bool = Field(
-        True, description="once an engine replica (or an ingress replica) has started, freeze what start-up left "
+        True, description="once an engine replica (an ingress replica, a target or companion actor) has started, "
+        "freeze what start-up left "
         "out of Python's garbage collector (gc.freeze, as vLLM does): its full collections, which stop every "
         "stream of the process while they run, then walk only what serving made since. The cost: a start-up "
-        "object that later becomes cyclic garbage is never freed. /v1/stats `process.gc` counts the collections")
+        "object that later becomes cyclic garbage is never freed. /v1/stats `process.gc` (the actors: `target.gc`, "
+        "`companion.gc`) counts the collections")
     stats_max_records: int = Field(
         20000, ge=0, description="per-request records (timings, tokens, drafts) the ingress keeps per arm for "
         "/v1/stats and `specray ab-report` (the oldest are dropped; totals are kept regardless)")

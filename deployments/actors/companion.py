@@ -33,6 +33,7 @@ from specray.engine.draft_tree import Branch, runner_ups_within
 from specray.engine.speculator import EMPTY_DRAFT, TOKEN_DTYPE
 from specray.engine.speculators.draft_base import DraftParams
 
+from specray.deployments import heap
 from specray.deployments.actors.companion_proxy import CompanionProxy, answer_draft_requests
 from specray.engine.speculators.registry import MODEL_SPECULATOR_PARAMS, Factory, speculator_factory
 
@@ -42,7 +43,9 @@ EMPTY = EMPTY_DRAFT
 class CompanionService:
     """The draft model + context; callable locally or as a Ray actor (`CompanionActor`)."""
 
-    def __init__(self, engine_config: dict | EngineConfig) -> None:
+    def __init__(self, engine_config: dict | EngineConfig, freeze_gc: bool = False) -> None:
+        """`freeze_gc`: as an actor, freeze what start-up left out of the garbage collector once the draft model
+        is up (ServeConfig.freeze_gc, deployments/heap.py)."""
         from specray.deployments.builder import usable_cpus
 
         from specray.deployments.actors.decode_thread import DecodeThread
@@ -60,6 +63,9 @@ class CompanionService:
         self.rounds = 0
         self.inside_seconds = 0.0
         self.unsynced = 0
+        heap.watch()
+        if freeze_gc:
+            heap.freeze_startup()
 
     def _build(self) -> None:
         self.draft_model = None
@@ -222,7 +228,8 @@ class CompanionService:
             d |= self.hidden.counters()
         from specray.native import decode_threads
 
-        return d | {"decode_threads": len(decode_threads.live()), "decode_tids": decode_threads.native_ids()}
+        return d | {"decode_threads": len(decode_threads.live()), "decode_tids": decode_threads.native_ids(),
+                    "gc": heap.watch().snapshot()}
 
 
 CompanionActor = ray.remote(CompanionService)

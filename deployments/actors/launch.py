@@ -80,11 +80,11 @@ def start_actors(cfg, tag: str, on_change: Callable[[ActorSupervisor], None] | N
     def make_target(gen: int):
         # two calls at once: a ping or counters read must not wait behind a round
         opts = actor_options("target", gen, cfg.target_cpus, cfg.target_gpus, TARGET_BUNDLE, max_concurrency=2)
-        return TargetActor.options(**opts).remote(engine), opts["name"]
+        return TargetActor.options(**opts).remote(engine, cfg.freeze_gc), opts["name"]
 
     def make_companion(gen: int):
         opts = actor_options("companion", gen, cfg.companion_cpus, cfg.companion_gpus, COMPANION_BUNDLE)
-        return CompanionActor.options(**opts).remote(engine), opts["name"]
+        return CompanionActor.options(**opts).remote(engine, cfg.freeze_gc), opts["name"]
 
     common = dict(max_attempts=cfg.actor_restart_attempts, on_change=on_change)
     target = ActorSupervisor("target", make_target, ready, **common)

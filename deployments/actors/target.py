@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 
+from specray.deployments import heap
 from specray.engine.config import EngineConfig
 from specray.engine.hidden_rows import HiddenRows
 from specray.engine.sampling import SamplingParams
@@ -40,7 +41,9 @@ DECODE_GROUP = "context"
 class TargetService:
     """Model + Context + TargetRunner, callable locally or as a Ray actor."""
 
-    def __init__(self, engine_config: dict | EngineConfig) -> None:
+    def __init__(self, engine_config: dict | EngineConfig, freeze_gc: bool = False) -> None:
+        """`freeze_gc`: as an actor (a process of its own), freeze what start-up left out of the garbage
+        collector once the target is up (ServeConfig.freeze_gc, deployments/heap.py)."""
         from specray.deployments.builder import open_target, target_runner  # llama.cpp stays out of module import
 
         from specray.deployments.builder import usable_cpus
@@ -62,6 +65,9 @@ class TargetService:
         self._lock = threading.Lock()  # the context is not thread-safe; ping/counters don't need it
         self._wake = threading.Event()  # ends a compiled graph's park (target_channel.py)
         self.calls = 0
+        heap.watch()
+        if freeze_gc:
+            heap.freeze_startup()
 
     def info(self) -> dict:
         from specray.deployments.builder import usable_cpus
@@ -179,6 +185,7 @@ class TargetService:
             "pad_rows": r.pad_rows,
             "tile_pad_rows": r.tile_pad_rows,
             "rollback": r.rollback.stats.to_dict(),  # a recurrent target's saves, restores and replays
+            "gc": heap.watch().snapshot(),  # this process's collections and the objects frozen at start
         }
 
 

@@ -59,6 +59,9 @@ def test_health_models_stats(http, server):
         assert pl["target"]["n_gpu_layers"] == 0 and pl["target"]["gpu_split"]["split_mode"] == "layer"
         assert st["target"]["where"] == "actor"
         assert st["companion"]["calls"] == 0  # model-free chain: the companion is not called per round
+        # each serving process froze what its start-up left out of the garbage collector (ServeConfig.freeze_gc)
+        assert st["process"]["gc"]["frozen"] > 10_000
+        assert st["target"]["gc"]["frozen"] > 10_000 and st["companion"]["gc"]["frozen"] > 10_000
         # calibrated in the target actor (ENGINE there has calibrate on): the batch-size table from 1 to 32
         # rows and what attending a longer context adds, which the verify price of a long sequence needs
         assert {1, 8, 32} <= {int(n) for n in st["cost_table"]} and st["attention_ns_per_token_cell"] > 0
