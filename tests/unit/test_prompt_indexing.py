@@ -19,7 +19,8 @@ from specray.engine.speculator import DraftRequest
 from specray.engine.speculators.ngram_cache import NgramCacheParams, NgramCacheSpeculator
 from specray.engine.speculators.registry import speculator_factory
 from specray.engine.speculators.suffix import SuffixParams, SuffixSpeculator
-from specray.engine.target import StepOutput, StepResult
+
+from .standin_target import LaunchedTarget, Tok
 
 SPECS = {
     "suffix": lambda **kw: SuffixSpeculator(SuffixParams(global_work_per_call=0, **kw)),
@@ -111,41 +112,6 @@ def test_a_continued_conversation_is_not_counted_again_by_its_prefill(name):
 # ---- the scheduler: each round's prompt chunk reaches the speculators ----------------------------------------
 
 
-class ChunkTarget:
-    """Emits token 5 for every sampled row; records when a decode was in flight (`log`)."""
-
-    def __init__(self, log: list) -> None:
-        self.log, self.items = log, None
-
-    def start(self, seq_id, params, prompt, n_keep=0, copy_from=None, restore=None, share=None):
-        pass
-
-    def release(self, seq_id, keep=0):
-        pass
-
-    def step(self, items):
-        self.launch(items)
-        return self.collect()
-
-    def launch(self, items):
-        self.items = items
-        self.log.append(("launch", tuple(len(it.tokens) for it in items)))
-
-    def collect(self):
-        items, self.items = self.items, None
-        self.log.append(("collect",))
-        results = [StepResult(it.seq_id, np.array([5] if it.sample else [], np.int32)) for it in items]
-        return StepOutput(results, 0.001, sum(len(it.tokens) for it in items), 1)
-
-
-class Tok:
-    def token_to_piece(self, token, special=False):
-        return b"x"
-
-    def is_eog(self, token):
-        return False
-
-
 class LoggedSuffix(SuffixSpeculator):
     def __init__(self, params, log: list, fail: bool = False) -> None:
         super().__init__(params)
@@ -163,7 +129,7 @@ def _scheduler(log: list, overlap: bool = False, fail: bool = False) -> Schedule
     config = EngineConfig(slots=2, calibrate=False, chain=ChainConfig(speculators=names), cache_ram=0,
                           prompt_cache=False, prefill_chunk=32, n_batch=64)
     chain = Chain(config.chain, speculator_factory({"suffix": lambda p: LoggedSuffix(p, log, fail)}))
-    s = Scheduler(config, ChunkTarget(log), Tok(), chain, n_ctx=4096)
+    s = Scheduler(config, LaunchedTarget(log), Tok(), chain, n_ctx=4096)
     if overlap:
         s.use_overlap(decode_blocks=False)  # the launch returns at once, as a GPU's: the work sits in the decode
     return s
