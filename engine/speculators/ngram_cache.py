@@ -54,25 +54,58 @@ MIN_PERCENT_STRICT = (75, 66, 66, 66)
 
 _ISZ = 4  # bytes per token in keys (int32)
 
-# An entry is one dict: its next tokens' counts under their ids (>= 0), and under these three negative keys the
-# entry's total, its best count and its best token. A dict of ints only is a container Python's cyclic garbage
-# collector does not track: a long-running server's tables hold hundreds of thousands of entries, and a list per
-# entry (as before) made each full collection walk every one of them
+# An entry is one of two things, neither of them a container Python's cyclic garbage collector tracks (a
+# long-running server's tables hold hundreds of thousands of entries, and a list per entry, as at first, made each
+# full collection walk every one of them):
+# - an n-gram seen once is the int of the token that followed it: most n-grams of a text are seen once (3- and
+#   4-grams nearly all), and an int costs neither the time nor the memory of a dict per n-gram;
+# - from its second occurrence on, a dict of ints: its next tokens' counts under their ids (>= 0), and under these
+#   three negative keys the entry's total, its best count and its best token.
 _TOTAL, _BEST_COUNT, _BEST_TOKEN = -2, -3, -4
-_META = 3  # keys of an entry that are not tokens
+_META = 3  # keys of a dict entry that are not tokens
 
 
 def _entry(token: int, count: int) -> dict[int, int]:
     return {token: count, _TOTAL: count, _BEST_COUNT: count, _BEST_TOKEN: token}
 
 
-def entry_counts(e: dict[int, int]) -> dict[int, int]:
-    """The next tokens' counts of an entry (NgramCountTable.get), without its summary keys."""
+def _grown(e, token: int) -> dict[int, int]:
+    """The entry after one more occurrence followed by `token`, where `e` is a once-seen entry (an int): its token
+    leads a tie (add()'s rule: a token leads once its count beats the leader's)."""
+    if e == token:
+        return {e: 2, _TOTAL: 2, _BEST_COUNT: 2, _BEST_TOKEN: e}
+    return {e: 1, token: 1, _TOTAL: 2, _BEST_COUNT: 1, _BEST_TOKEN: e}
+
+
+def _counted(e: dict[int, int], token: int) -> dict[int, int]:
+    """A dict entry `e` after one more occurrence followed by `token` (add()'s rule); returns `e`."""
+    c = e[token] = e.get(token, 0) + 1
+    e[_TOTAL] += 1
+    if c > e[_BEST_COUNT]:
+        e[_BEST_COUNT] = c
+        e[_BEST_TOKEN] = token
+    return e
+
+
+def entry_counts(e) -> dict[int, int]:
+    """The next tokens' counts of an entry (NgramCountTable.get), without its summary keys.
+
+    >>> entry_counts(7), entry_counts(_grown(7, 9))
+    ({7: 1}, {7: 1, 9: 1})
+    """
+    if e.__class__ is int:
+        return {e: 1}
     return {t: c for t, c in e.items() if t >= 0}
 
 
-def entry_summary(e: dict[int, int]) -> tuple[int, int, int]:
-    """(total, best count, best token) of an entry (NgramCountTable.get)."""
+def entry_summary(e) -> tuple[int, int, int]:
+    """(total, best count, best token) of an entry (NgramCountTable.get).
+
+    >>> entry_summary(7), entry_summary(_grown(7, 7)), entry_summary(_grown(7, 9))
+    ((1, 1, 7), (2, 2, 7), (2, 1, 7))
+    """
+    if e.__class__ is int:
+        return 1, 1, e
     return e[_TOTAL], e[_BEST_COUNT], e[_BEST_TOKEN]
 
 
@@ -90,8 +123,9 @@ class NgramCacheParams(BaseModel):
     )
     update_dynamic: bool = Field(True, description="merge each finished sequence's context counts into dynamic")
     dynamic_max_ngrams: int = Field(
-        250_000, ge=0, description="bound on dynamic n-grams; the oldest inserted are dropped beyond it (each "
-        "holds a few hundred bytes: docs/benchmarks.md; ngram_cache is in the default chain of every server)"
+        250_000, ge=0, description="bound on dynamic n-grams; the oldest inserted are dropped beyond it (one seen "
+        "more than once holds a few hundred bytes, one seen once much less: docs/benchmarks.md; ngram_cache is in "
+        "the default chain of every server)"
     )
     keep_finished: int = Field(
         16, ge=0, description="finished sequences whose context table is kept for a request that continues one (a "
@@ -107,8 +141,9 @@ class NgramCacheParams(BaseModel):
 class NgramCountTable:
     """n-gram (1..4 tokens, as int32 bytes) -> next-token counts.
 
-    Each entry is one dict of ints (see `_TOTAL`): the next tokens' counts and the entry's total, best count
-    and best token, so the best token is known without a scan (`entry_summary`, `entry_counts`).
+    An n-gram seen once is the int of the token that followed it; from its second occurrence on its entry is a
+    dict of ints (see `_TOTAL`): the next tokens' counts and the entry's total, best count and best token, so the
+    best token is known without a scan. Read entries with `entry_summary` and `entry_counts`.
 
     >>> t = NgramCountTable()
     >>> t.update(np.array([1, 2, 1, 2, 1, 3], np.int32))
@@ -118,12 +153,14 @@ class NgramCountTable:
     ({2: 1, 3: 1}, {}, 8)
     >>> entry_summary(t.get(np.array([1], np.int32).tobytes()))   # total, best count, best token
     (3, 2, 2)
+    >>> t.get(np.array([2, 1, 2], np.int32).tobytes())             # seen once, followed by 1
+    1
     """
 
     __slots__ = ("table",)
 
     def __init__(self) -> None:
-        self.table: dict[bytes, list] = {}
+        self.table: dict[bytes, int | dict[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self.table)
@@ -133,15 +170,18 @@ class NgramCountTable:
 
     def counts(self, ngram) -> dict[int, int]:
         e = self.table.get(as_tokens(ngram).tobytes())
-        return entry_counts(e) if e else {}
+        return {} if e is None else entry_counts(e)
 
     def add(self, key: bytes, token: int, count: int = 1) -> None:
+        token = int(token)  # a once-seen entry is a Python int (a numpy one would read as a dict entry)
         if token < 0:  # the entry's negative keys are its summary (_TOTAL)
             raise ValueError(f"token id must be >= 0, got {token}")
         e = self.table.get(key)
         if e is None:
-            self.table[key] = _entry(token, count)
+            self.table[key] = token if count == 1 else _entry(token, count)
             return
+        if e.__class__ is int:
+            e = self.table[key] = _entry(e, 1)
         c = e[token] = e.get(token, 0) + count
         e[_TOTAL] += count
         if c > e[_BEST_COUNT]:
@@ -166,7 +206,10 @@ class NgramCountTable:
                 key = hb[end - s * _ISZ : end]
                 e = table.get(key)
                 if e is None:
-                    table[key] = {tok: 1, _TOTAL: 1, _BEST_COUNT: 1, _BEST_TOKEN: tok}
+                    table[key] = tok
+                    continue
+                if e.__class__ is int:
+                    table[key] = _grown(e, tok)
                     continue
                 c = e[tok] = e.get(tok, 0) + 1
                 e[_TOTAL] += 1
@@ -192,6 +235,11 @@ class NgramCountTable:
             if m is None:
                 mine[key] = e
                 continue
+            if e.__class__ is int:
+                mine[key] = _grown(m, e) if m.__class__ is int else _counted(m, e)
+                continue
+            if m.__class__ is int:
+                m = mine[key] = _entry(m, 1)
             best = m[_BEST_COUNT]
             for tok, c in e.items():  # add()'s rule: a token leads once its count beats the leader's
                 if tok < 0:
@@ -220,6 +268,9 @@ class NgramCountTable:
         for key, e in self.table.items():
             ng = np.frombuffer(key, dtype=np.int32).tolist()
             out.extend(ng + [TOKEN_NULL] * (NGRAM_MAX - len(ng)))
+            if e.__class__ is int:  # seen once
+                out += (1, e, 1)
+                continue
             out.append(len(e) - _META)
             for tok, c in e.items():
                 if tok >= 0:
@@ -265,6 +316,8 @@ class NgramCountTable:
             if key in table:  # duplicate n-gram in a file: merge
                 for tok, c in d.items():
                     t.add(key, tok, c)
+            elif tot == 1:  # seen once: the entry is its token
+                table[key] = best_t
             else:
                 d[_TOTAL], d[_BEST_COUNT], d[_BEST_TOKEN] = tot, best_c, best_t
                 table[key] = d
@@ -290,7 +343,9 @@ def build_static_cache(corpus: np.ndarray) -> NgramCountTable:
 
 
 def _best(entry, part_static) -> tuple[int, int, int]:
-    """(total, best count, best token) of an entry, weighted by the static part if any."""
+    """(total, best count, best token) of an entry, weighted by the static part (a dict entry) if any."""
+    if entry.__class__ is int:  # seen once: its one token, however weighted
+        return 1, 1, entry
     if not part_static:
         return entry[_TOTAL], entry[_BEST_COUNT], entry[_BEST_TOKEN]
     best_p = best_s = 0
@@ -349,6 +404,8 @@ def ngram_cache_draft(
     while len(out) < n_draft:
         avail = L + len(out)
         part_static = sta_t.get(buf[-NGRAM_STATIC * _ISZ :]) if sta_t is not None else None
+        if part_static.__class__ is int:  # a 2-gram the corpus has once: weigh by it as a dict entry
+            part_static = _entry(part_static, 1)
         tok = _try_primary(ctx_t, buf, avail, part_static, MIN_SAMPLE_LAX, MIN_PERCENT_LAX)
         if tok == TOKEN_NULL and dyn_t is not None:
             tok = _try_primary(dyn_t, buf, avail, part_static, MIN_SAMPLE_STRICT, MIN_PERCENT_STRICT)
@@ -371,10 +428,10 @@ def _runner_up(table: dict, buf: bytes, avail: int, main_token: int) -> tuple[in
         e = table.get(buf[-size * _ISZ :])
         if e is None:
             continue
-        tot, best_c = e[_TOTAL], e[_BEST_COUNT]
+        tot, best_c, best_t = entry_summary(e)
         if tot < MIN_SAMPLE_LAX[size - 1] or 100 * best_c < MIN_PERCENT_LAX[size - 1] * tot:
             continue
-        if e[_BEST_TOKEN] != main_token or len(e) - _META < 2:
+        if best_t != main_token or e.__class__ is int or len(e) - _META < 2:
             return None
         tok, c = max(((t, c) for t, c in e.items() if t >= 0 and t != main_token), key=lambda tc: tc[1])
         return tok, c / best_c

@@ -8,6 +8,11 @@ import numpy as np
 import pytest
 
 from specray.engine.speculators.ngram_cache import (
+    MIN_PERCENT_LAX,
+    MIN_PERCENT_STRICT,
+    MIN_SAMPLE_LAX,
+    MIN_SAMPLE_STRICT,
+    NGRAM_MAX,
     NgramCacheParams,
     NgramCacheSpeculator,
     NgramCountTable,
@@ -250,3 +255,131 @@ def test_lifecycle_and_stats():
     assert len(sp.kept) == 1 and len(sp.dynamic) == 0
     sp.merge_kept()
     assert len(sp.kept) == 0 and len(sp.dynamic) > 0
+
+
+class DictEntries:
+    """The reference: every entry a dict of its next tokens' counts, its leader the first token to reach the top
+    count (llama.cpp's rule, as add() and merge() keep it), whether the n-gram was seen once or many times."""
+
+    def __init__(self):
+        self.entries: dict[bytes, dict] = {}  # key -> {"counts": {token: count}, "best": token}
+
+    def add(self, key, token, count=1):
+        e = self.entries.setdefault(key, {"counts": {}, "best": None})
+        c = e["counts"][token] = e["counts"].get(token, 0) + count
+        if e["best"] is None or c > e["counts"][e["best"]]:
+            e["best"] = token
+
+    def update(self, tokens, start=0, lo=1, hi=4):
+        toks = [int(t) for t in tokens]
+        for i in range(max(start, lo), len(toks)):
+            for s in range(lo, min(hi, i) + 1):
+                self.add(arr(*toks[i - s : i]).tobytes(), toks[i])
+
+    def merge(self, other):
+        for key, e in other.entries.items():
+            for token, count in e["counts"].items():  # in the order the other table first saw them
+                self.add(key, token, count)
+        other.entries = {}
+
+    def summary(self, key):
+        e = self.entries[key]
+        return sum(e["counts"].values()), e["counts"][e["best"]], e["best"]
+
+
+def same_as_reference(t: NgramCountTable, ref: DictEntries) -> None:
+    assert t.table.keys() == ref.entries.keys()
+    for key, e in t.table.items():
+        assert entry_counts(e) == ref.entries[key]["counts"]
+        assert entry_summary(e) == ref.summary(key)
+        # an n-gram seen once is the int of its token; a dict from the second occurrence on
+        assert isinstance(e, int) == (ref.summary(key)[0] == 1)
+
+
+def test_once_seen_entries_count_and_merge_as_dict_entries_do():
+    """Random texts over small vocabularies (many repeats) and large ones (mostly once-seen n-grams), counted in
+    increments and merged table into table, every combination of once-seen and repeated entries on both sides:
+    every entry's counts, total, best count and leader equal the dict-per-entry reference's, and drafts made from
+    the tables are the same as from tables rebuilt from those counts alone (the file format)."""
+    rng = np.random.default_rng(11)
+    for vocab in (3, 12, 400):
+        tables, refs = [], []
+        for _ in range(4):
+            seq = rng.integers(0, vocab, int(rng.integers(5, 120))).astype(np.int32)
+            t, ref = NgramCountTable(), DictEntries()
+            pos = 0
+            while pos < len(seq):
+                nxt = min(len(seq), pos + int(rng.integers(1, 9)))
+                t.update(seq[:nxt], pos)
+                ref.update(seq[:nxt], pos)
+                pos = nxt
+            same_as_reference(t, ref)
+            tables.append(t)
+            refs.append(ref)
+        merged, ref = tables[0], refs[0]
+        for t, r in zip(tables[1:], refs[1:]):
+            merged.merge(t)
+            ref.merge(r)
+            same_as_reference(merged, ref)
+            assert len(t) == 0
+        key = arr(int(rng.integers(0, vocab))).tobytes()
+        merged.add(key, np.int32(vocab + 1))  # a numpy id is stored as a Python int
+        ref.add(key, vocab + 1)
+        same_as_reference(merged, ref)
+        for _ in range(20):
+            h = rng.integers(0, vocab, int(rng.integers(2, 12))).astype(np.int32)
+            assert ngram_cache_draft(h, 6, merged).tolist() == reference_draft(h, 6, ref)
+            assert ngram_cache_draft(h, 6, NgramCountTable(), merged).tolist() == reference_draft(h, 6, None, ref)
+        # a file keeps counts, not which token reached a tied top count first: a reloaded leader is one of them
+        reloaded = NgramCountTable.from_bytes(merged.to_bytes())
+        assert reloaded.table.keys() == ref.entries.keys()
+        for key, e in reloaded.table.items():
+            counts = ref.entries[key]["counts"]
+            total, top, leader = entry_summary(e)
+            assert entry_counts(e) == counts and (total, top) == ref.summary(key)[:2] and counts[leader] == top
+            assert isinstance(e, int) == (total == 1)
+
+
+def reference_draft(h, n_draft, context: DictEntries | None, dynamic: DictEntries | None = None) -> list[int]:
+    """llama.cpp's draft rule over the reference's entries: per token, the context table (lax thresholds), then
+    the dynamic one (strict), each from the longest n-gram down; an entry qualifies on its total and its
+    leader's share."""
+    def primary(ref, toks, min_sample, min_percent):
+        for size in range(min(NGRAM_MAX, len(toks)), 0, -1):
+            key = arr(*toks[-size:]).tobytes()
+            if ref is None or key not in ref.entries:
+                continue
+            total, top, leader = ref.summary(key)
+            if total >= min_sample[size - 1] and 100 * top >= min_percent[size - 1] * total:
+                return leader
+        return None
+
+    toks, out = [int(t) for t in h], []
+    while len(out) < n_draft and len(toks) >= 2:
+        tok = primary(context, toks, MIN_SAMPLE_LAX, MIN_PERCENT_LAX)
+        if tok is None:
+            tok = primary(dynamic, toks, MIN_SAMPLE_STRICT, MIN_PERCENT_STRICT)
+        if tok is None:
+            break
+        out.append(tok)
+        toks.append(tok)
+    return out
+
+
+def test_a_static_2gram_seen_once_weights_as_a_counted_one():
+    # the static table has [1 2] -> 7 once (an int entry): 7 is weighted 100 x 1 over [1 2] -> 8 twice
+    static = build_static_cache(arr(1, 2, 7))
+    assert static.table[arr(1, 2).tobytes()] == 7
+    ctx = table([1, 2, 8, 1, 2, 8, 1, 2, 7])
+    assert ngram_cache_draft(arr(0, 1, 2), 1, ctx, None, static).tolist() == []  # 7: 1 of 3 < 50 %
+    ctx = table([1, 2, 7, 5, 1, 2, 7])
+    assert ngram_cache_draft(arr(0, 1, 2), 1, ctx, None, static).tolist() == [7]
+
+
+def test_doctests():
+    import doctest
+
+    from specray.engine.speculators import ngram_cache
+
+    failed, attempted = doctest.testmod(ngram_cache)
+    assert attempted > 10 and failed == 0
