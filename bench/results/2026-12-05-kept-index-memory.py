@@ -21,6 +21,7 @@ for sp in (NgramCacheSpeculator(NgramCacheParams(update_dynamic=False)),
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     sp.begin(0, toks)
+    sp.prefilling(0, len(toks))  # the prompt is indexed as the target prefills it
     sp.end(0)
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
