@@ -70,8 +70,8 @@ def _entry(token: int, count: int) -> dict[int, int]:
 
 
 def _grown(e, token: int) -> dict[int, int]:
-    """The entry after one more occurrence followed by `token`, where `e` is a once-seen entry (an int): its token
-    leads a tie (add()'s rule: a token leads once its count beats the leader's)."""
+    """A once-seen entry `e` (an int) after one more occurrence, followed by `token`: a dict entry in which `e`'s
+    token keeps the lead on a tie (add()'s rule: a token leads once its count beats the leader's)."""
     if e == token:
         return {e: 2, _TOTAL: 2, _BEST_COUNT: 2, _BEST_TOKEN: e}
     return {e: 1, token: 1, _TOTAL: 2, _BEST_COUNT: 1, _BEST_TOKEN: e}
