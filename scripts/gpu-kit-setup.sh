@@ -3,7 +3,8 @@
 # folder ($SPECRAY_KIT, default /tmp/specray-kit, which outlives a device call while the machine stays warm);
 # once a group's parts are all there, checks their hash and unpacks them. When the core group is in, unzips
 # its wheels (no index, no build), lays out llama_cpp over the prebuilt libraries, exposes the checkout as the
-# `specray` namespace and writes $SPECRAY_KIT/env.sh. Nothing is compiled: a few seconds.
+# `specray` namespace, builds the engine's compiled cores (two small C files) and writes $SPECRAY_KIT/env.sh: a few
+# seconds.
 #
 #   bash scripts/gpu-kit-setup.sh .gpu/p1     # every part, in any order; then:
 #   source /tmp/specray-kit/env.sh && OUT=/some/dir bash scripts/gpu-measure.sh
@@ -64,6 +65,22 @@ for pkg, d in re.findall(r'^"?([\w.]+)"?\s*=\s*"([^"]+)"', block, re.M):
     parts = pkg.split(".")
     if parts[0] == "specray" and len(parts) == 2:
         os.symlink(os.path.join(repo, d), os.path.join(dest, parts[1]))
+PY
+
+# the engine's compiled cores (setup.py: every engine/**/_*_core.c) for this Python, beside their sources in the
+# checkout, as pip install would build them; where this machine cannot (no C compiler or no Python headers), the
+# speculators run their pure-Python references and the bench's JSON says so (meta.compiled_cores)
+"$PY" - "$REPO" <<'PY' || echo "gpu-kit-setup.sh: compiled cores not built; the pure-Python references run" >&2
+import os, pathlib, subprocess, sys, sysconfig
+repo = pathlib.Path(sys.argv[1])
+inc, ext = sysconfig.get_paths()["include"], sysconfig.get_config_var("EXT_SUFFIX")
+for src in sorted((repo / "engine").rglob("_*_core.c")):
+    lib = str(src.with_suffix("")) + ext
+    # built aside, then renamed over: a process that loaded the old one keeps its own copy
+    subprocess.run([(sysconfig.get_config_var("CC") or "cc").split()[0], "-O2", "-shared", "-fPIC", f"-I{inc}", "-o",
+                    lib + ".tmp", str(src)], check=True)
+    os.replace(lib + ".tmp", lib)
+    print(f"gpu-kit-setup.sh: built {src.relative_to(repo)}", file=sys.stderr)
 PY
 
 # CUDA's runtime and cuBLAS: the libraries were linked against libcudart.so.13 and libcublas.so.13; the machine's

@@ -55,7 +55,7 @@ reqs = list(p["dependencies"]) + [r for e in sys.argv[2:] for r in p["optional-d
 name = lambda r: re.split(r"[\s<>=!~\[;]", r, 1)[0].lower().replace("_", "-")
 out = [r for r in reqs if name(r) != "llama-cpp-python"]
 # what specray's own build and llama-cpp-python's sdist build take from an index
-out += ["setuptools>=68", "wheel", "scikit-build-core>=0.9.2", "cmake>=3.21", "ninja"]
+out += ["setuptools>=77", "wheel", "scikit-build-core>=0.9.2", "cmake>=3.21", "ninja"]
 print("\n".join(dict.fromkeys(out)))
 PY
 )

@@ -42,6 +42,13 @@ from specray.engine.speculator import DraftRequest, Speculator
 from ._util import EMPTY_DRAFT, HistoryCursor, as_tokens
 from .kept_states import KeptStates
 
+try:  # the compiled core of NgramCountTable.update and .merge (setup.py builds it)
+    from ._ngram_core import SUMMARY_KEYS as _CORE_KEYS
+    from ._ngram_core import merge as _core_merge
+    from ._ngram_core import update as _core_update
+except ImportError:  # a source tree that was never built: update_reference and merge_reference run instead
+    _CORE_KEYS = _core_merge = _core_update = None
+
 NGRAM_MIN = 1  # LLAMA_NGRAM_MIN
 NGRAM_MAX = 4  # LLAMA_NGRAM_MAX
 NGRAM_STATIC = 2  # LLAMA_NGRAM_STATIC
@@ -63,6 +70,10 @@ _ISZ = 4  # bytes per token in keys (int32)
 #   three negative keys the entry's total, its best count and its best token.
 _TOTAL, _BEST_COUNT, _BEST_TOKEN = -2, -3, -4
 _META = 3  # keys of a dict entry that are not tokens
+if _core_update is not None and _CORE_KEYS != (_TOTAL, _BEST_COUNT, _BEST_TOKEN):
+    raise ImportError(f"_ngram_core.c's summary keys {_CORE_KEYS} are not ngram_cache.py's: rebuild it")
+#: whether NgramCountTable.update and .merge run compiled here
+COMPILED_CORE = _core_update is not None
 
 
 def _entry(token: int, count: int) -> dict[int, int]:
@@ -159,6 +170,9 @@ class NgramCountTable:
 
     __slots__ = ("table",)
 
+    #: update and merge with the compiled core where it is built; False (on the class) runs the references
+    compiled = True
+
     def __init__(self) -> None:
         self.table: dict[bytes, int | dict[int, int]] = {}
 
@@ -189,7 +203,19 @@ class NgramCountTable:
             e[_BEST_TOKEN] = token
 
     def update(self, tokens: np.ndarray, start: int = 0, ngram_min: int = NGRAM_MIN, ngram_max: int = NGRAM_MAX) -> None:
-        """Count (tokens[i-s:i] -> tokens[i]) for every new i >= start and s in [ngram_min, ngram_max]."""
+        """Count (tokens[i-s:i] -> tokens[i]) for every new i >= start and s in [ngram_min, ngram_max]. Runs the
+        compiled core (_ngram_core.c) where it is built, else `update_reference`: the two count the same table."""
+        if _core_update is None or not self.compiled:
+            self.update_reference(tokens, start, ngram_min, ngram_max)
+            return
+        tokens = as_tokens(tokens)
+        lo = max(0, start - ngram_max)
+        _core_update(self.table, tokens[lo:].tobytes(), lo, start, ngram_min, ngram_max)
+
+    def update_reference(self, tokens: np.ndarray, start: int = 0, ngram_min: int = NGRAM_MIN,
+                         ngram_max: int = NGRAM_MAX) -> None:
+        """`update` in pure Python: the reference the compiled core is held to (tests/unit/test_spec_ngram_core.py),
+        and what runs where the core is not built."""
         tokens = as_tokens(tokens)
         L = len(tokens)
         lo = max(0, start - ngram_max)
@@ -228,7 +254,19 @@ class NgramCountTable:
         >>> a.merge(b)
         >>> a.counts([1]), entry_summary(a.get(np.array([1], np.int32).tobytes()))[2], len(b)   # 3 now leads
         ({2: 1, 3: 3}, 3, 0)
+
+        Runs the compiled core (_ngram_core.c) where it is built, else `merge_reference`: the two leave the same
+        table.
         """
+        if _core_merge is None or not self.compiled:
+            self.merge_reference(other)
+            return
+        _core_merge(self.table, other.table)
+        other.table = {}
+
+    def merge_reference(self, other: "NgramCountTable") -> None:
+        """`merge` in pure Python: the reference the compiled core is held to (tests/unit/test_spec_ngram_core.py),
+        and what runs where the core is not built."""
         mine = self.table
         for key, e in other.table.items():
             m = mine.get(key)

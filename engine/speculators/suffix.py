@@ -52,6 +52,13 @@ from specray.engine.speculator import DraftRequest, Speculator
 from ._util import EMPTY_DRAFT, HistoryCursor, as_tokens
 from .kept_states import KeptStates
 
+try:  # the compiled core of SuffixTrie.extend (setup.py builds it)
+    from ._suffix_core import extend as _core_extend
+except ImportError:  # a source tree that was never built: extend_reference runs instead
+    _core_extend = None
+#: whether SuffixTrie.extend runs compiled here
+COMPILED_CORE = _core_extend is not None
+
 _SHIFT = 32
 _POS = (1 << _SHIFT) - 1
 
@@ -121,8 +128,13 @@ class SuffixTrie:
     #: the root's reference
     ROOT = ~0
 
-    def __init__(self, max_depth: int) -> None:
+    #: extend with the compiled core where it is built; False (on the class or a trie) runs extend_reference
+    compiled = True
+
+    def __init__(self, max_depth: int, compiled: bool | None = None) -> None:
         self.max_depth = int(max_depth)
+        if compiled is not None:
+            self.compiled = compiled
         self._cnt: list[int] = [0]  # occurrences of node i's string
         self._best: list[int] = [-1]  # token of its most frequent child (first to reach the top count)
         self._bestc: list[int] = [0]  # that child's count; -1: stale
@@ -134,6 +146,18 @@ class SuffixTrie:
         self._active: dict[int, list[int]] = {}
         self.n_tokens = 0
         self.version = 0  # bumped by owners (bump_version) when matching states must be recomputed
+
+    def contents(self) -> tuple:
+        """Everything the trie holds, for comparing two tries: its node fields, the nodes to reuse and those
+        awaiting the next bump_version, its sequences, their growing suffixes, its token count and version.
+
+        >>> a, b = SuffixTrie(8), SuffixTrie(8, compiled=False)
+        >>> a.extend(0, [1, 2, 1, 2, 3]); b.extend(0, [1, 2, 1, 2, 3])
+        >>> a.contents() == b.contents()
+        True
+        """
+        return (self._cnt, self._best, self._bestc, self._one, self._kids, self._free, self._taken_out, self.seqs,
+                self._active, self.n_tokens, self.version)
 
     # ---- nodes ---------------------------------------------------------------
     def count_of(self, ref) -> int:
@@ -254,8 +278,24 @@ class SuffixTrie:
         explicit nodes and have contiguous lengths 1..K (a suffix of a repeated
         string is repeated): they are kept as a list by length, and each new
         token extends them shortest first (O(K) per token). `sid` is not negative: a leaf names it, and a
-        negative leaf would read as a node.
+        negative leaf would read as a node. Runs the compiled core (_suffix_core.c) where it is built, else
+        `extend_reference`: the two leave the same trie.
         """
+        if _core_extend is None or not self.compiled:
+            self.extend_reference(sid, tokens)
+            return
+        if sid < 0:
+            raise ValueError(f"sequence id must be >= 0, got {sid}")
+        seq = self.seqs.setdefault(sid, [])
+        n0 = len(seq)
+        self._active[sid] = _core_extend(seq, self._active.get(sid, []), tokens, sid << _SHIFT, self.max_depth,
+                                         self.seqs, self._active, self._cnt, self._best, self._bestc, self._one,
+                                         self._kids, self._free, self._rescan)
+        self.n_tokens += len(seq) - n0
+
+    def extend_reference(self, sid: int, tokens) -> None:
+        """`extend` in pure Python: the reference the compiled core is held to (tests/unit/test_spec_suffix_core.py),
+        and what runs where the core is not built."""
         if sid < 0:
             raise ValueError(f"sequence id must be >= 0, got {sid}")
         seq = self.seqs.setdefault(sid, [])

@@ -76,6 +76,9 @@ def test_setup_waits_for_every_part_then_lays_out_one_library_folder(kit):
     assert pkg == str(site / "llama_cpp" / "__init__.py")
     assert engine == str(kit["home"] / "pkg" / "specray" / "engine" / "__init__.py")
     assert json.loads(lib_dirs.replace("'", '"')) == [str(site / "llama_cpp" / "lib")]
+    # the engine's compiled cores, built there for the kit's Python
+    assert "built engine/speculators/_suffix_core.c" in kit["setups"][-1].stderr
+    assert "built engine/speculators/_ngram_core.c" in kit["setups"][-1].stderr
 
 
 def test_measure_script_runs_every_step_with_small_counts(kit):
@@ -100,6 +103,7 @@ def test_measure_script_runs_every_step_with_small_counts(kit):
     assert {"none@overlap", "ngram_mod,suffix,ngram_cache@overlap"} <= set(overlap), overlap
     s1 = json.loads((out / "s1.json").read_text())
     assert {"none", "ngram_mod", "ngram_mod,suffix,ngram_cache"} <= set(s1["configs"])
+    assert s1["meta"]["compiled_cores"] == {"suffix": True, "ngram_cache": True}
     assert (out / "results.tgz").stat().st_size > 0
 
 

@@ -1,0 +1,287 @@
+/* The compiled core of suffix.py's SuffixTrie.extend: the same algorithm over the same Python lists and dicts,
+ * step for step, so a trie grown by either is the same trie. SuffixTrie.extend_reference is the pure-Python
+ * reference the tests hold this to (tests/unit/test_spec_suffix_core.py).
+ *
+ * Why C: extending runs for every prompt token as the target prefills it and for every emitted token, on the
+ * round thread, and costs O(suffixes ending at the token that occur twice or more) steps, up to max_depth each;
+ * interpreted, those steps are most of a prompt's set-up.
+ *
+ * extend(seq, act, tokens, base, max_depth, seqs, actives, cnt, best, bestc, one, kids_of, free, rescan) -> act
+ *   seq: the sequence's token list (appended to); act: its growing suffixes' node indices (read, not changed);
+ *   base: sid << 32 (a leaf of this sequence at position p is base | p); seqs, actives: the trie's sequences
+ *   and growing-suffix lists by sid; cnt .. kids_of: the node fields; free: node indices to reuse; rescan: the
+ *   trie's _rescan(i) (a node's stale best child, after a removal). Returns the new growing-suffix list.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define SHIFT 32
+#define POS ((1LL << SHIFT) - 1)
+
+typedef struct {
+    PyObject *cnt, *best, *bestc, *one, *kids_of, *free;
+} Nodes;
+
+static int get_ll(PyObject *list, Py_ssize_t i, long long *out) {
+    long long v = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+    if (v == -1 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+static int set_ll(PyObject *list, Py_ssize_t i, long long v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (o == NULL) return -1;
+    return PyList_SetItem(list, i, o); /* steals o, releases the old item */
+}
+
+static int set_obj(PyObject *list, Py_ssize_t i, PyObject *o) {
+    Py_INCREF(o);
+    return PyList_SetItem(list, i, o);
+}
+
+static int check_index(PyObject *list, Py_ssize_t i) {
+    if (i < 0 || i >= PyList_GET_SIZE(list)) {
+        PyErr_Format(PyExc_IndexError, "suffix trie node %zd out of range", i);
+        return -1;
+    }
+    return 0;
+}
+
+/* _new(count): a node with `count` occurrences and no children; returns its index (the caller takes ~index). */
+static Py_ssize_t new_node(Nodes *n, long long count) {
+    Py_ssize_t nf = PyList_GET_SIZE(n->free);
+    if (nf > 0) {
+        long long i;
+        if (get_ll(n->free, nf - 1, &i) < 0) return -1;
+        if (PyList_SetSlice(n->free, nf - 1, nf, NULL) < 0) return -1;
+        if (check_index(n->cnt, (Py_ssize_t)i) < 0) return -1;
+        if (set_ll(n->cnt, i, count) < 0 || set_ll(n->best, i, -1) < 0 || set_ll(n->bestc, i, 0) < 0 ||
+            set_obj(n->one, i, Py_None) < 0 || set_obj(n->kids_of, i, Py_None) < 0)
+            return -1;
+        return (Py_ssize_t)i;
+    }
+    Py_ssize_t i = PyList_GET_SIZE(n->cnt);
+    PyObject *c = PyLong_FromLongLong(count), *m1 = PyLong_FromLong(-1), *z = PyLong_FromLong(0);
+    int bad = c == NULL || m1 == NULL || z == NULL || PyList_Append(n->cnt, c) < 0 || PyList_Append(n->best, m1) < 0 ||
+              PyList_Append(n->bestc, z) < 0 || PyList_Append(n->one, Py_None) < 0 ||
+              PyList_Append(n->kids_of, Py_None) < 0;
+    Py_XDECREF(c);
+    Py_XDECREF(m1);
+    Py_XDECREF(z);
+    return bad ? -1 : i;
+}
+
+/* _put_new(i, t, ch, c): add child t (not a child yet) with reference ch and count c to node i. */
+static int put_new(Nodes *n, Py_ssize_t i, PyObject *t, long long tv, PyObject *ch, long long c) {
+    PyObject *kids = PyList_GET_ITEM(n->kids_of, i);
+    if (kids == Py_None) {
+        PyObject *one = PyList_GET_ITEM(n->one, i);
+        if (one == Py_None) {
+            if (set_obj(n->one, i, ch) < 0 || set_obj(n->best, i, t) < 0 || set_ll(n->bestc, i, c) < 0) return -1;
+            return 0;
+        }
+        kids = PyDict_New();
+        if (kids == NULL) return -1;
+        if (PyDict_SetItem(kids, PyList_GET_ITEM(n->best, i), one) < 0) {
+            Py_DECREF(kids);
+            return -1;
+        }
+        if (PyList_SetItem(n->kids_of, i, kids) < 0) return -1; /* steals kids */
+        if (set_obj(n->one, i, Py_None) < 0) return -1;
+    }
+    if (PyDict_SetItem(kids, t, ch) < 0) return -1;
+    long long bc;
+    if (get_ll(n->bestc, i, &bc) < 0) return -1;
+    if (c > bc && bc >= 0) {
+        if (set_obj(n->best, i, t) < 0 || set_ll(n->bestc, i, c) < 0) return -1;
+    }
+    (void)tv;
+    return 0;
+}
+
+/* One token: the body of SuffixTrie.extend_reference's loop. `act` is this token's starting list; returns the
+ * new one (a new reference). */
+static PyObject *extend_one(Nodes *n, PyObject *seq, PyObject *act, PyObject *t, long long tv, long long base,
+                            long long D, PyObject *seqs, PyObject *actives, PyObject *rescan) {
+    Py_ssize_t cur = PyList_GET_SIZE(seq);
+    if (PyList_Append(seq, t) < 0) return NULL;
+    long long c0;
+    if (get_ll(n->cnt, 0, &c0) < 0 || set_ll(n->cnt, 0, c0 + 1) < 0) return NULL;
+    PyObject *newl = PyList_New(0);
+    if (newl == NULL) return NULL;
+    Py_ssize_t node = 0, i = 0, n_act = PyList_GET_SIZE(act);
+    for (;;) {
+        if (check_index(n->kids_of, node) < 0) goto fail;
+        PyObject *kids = PyList_GET_ITEM(n->kids_of, node);
+        PyObject *ch; /* borrowed, or NULL: no child t */
+        if (kids == Py_None) {
+            long long b;
+            if (get_ll(n->best, node, &b) < 0) goto fail;
+            ch = b == tv ? PyList_GET_ITEM(n->one, node) : NULL;
+            if (ch == Py_None) ch = NULL;
+        } else {
+            ch = PyDict_GetItemWithError(kids, t);
+            if (ch == NULL && PyErr_Occurred()) goto fail;
+        }
+        if (ch == NULL) { /* the string is new here, hence also for every longer suffix */
+            PyObject *leaf = PyLong_FromLongLong(base | (long long)cur);
+            if (leaf == NULL) goto fail;
+            for (;;) {
+                if (put_new(n, node, t, tv, leaf, 1) < 0) {
+                    Py_DECREF(leaf);
+                    goto fail;
+                }
+                if (i >= n_act) break;
+                long long a;
+                if (get_ll(act, i, &a) < 0) {
+                    Py_DECREF(leaf);
+                    goto fail;
+                }
+                node = (Py_ssize_t)a;
+                i++;
+                if (check_index(n->kids_of, node) < 0) {
+                    Py_DECREF(leaf);
+                    goto fail;
+                }
+            }
+            Py_DECREF(leaf);
+            break;
+        }
+        long long chv = PyLong_AsLongLong(ch);
+        if (chv == -1 && PyErr_Occurred()) goto fail;
+        long long j, c;
+        if (chv < 0) {
+            j = ~chv;
+            if (check_index(n->cnt, (Py_ssize_t)j) < 0 || get_ll(n->cnt, j, &c) < 0) goto fail;
+            c += 1;
+            if (set_ll(n->cnt, j, c) < 0) goto fail;
+        } else { /* split a leaf: its occurrence and ours */
+            long long q = chv & POS, sid2 = chv >> SHIFT;
+            PyObject *k2 = PyLong_FromLongLong(sid2);
+            if (k2 == NULL) goto fail;
+            PyObject *seq2 = PyDict_GetItemWithError(seqs, k2);
+            if (seq2 == NULL || !PyList_Check(seq2)) {
+                if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "suffix trie: no sequence %lld", sid2);
+                Py_DECREF(k2);
+                goto fail;
+            }
+            Py_INCREF(seq2); /* new_node may run Python code (freeing), keep it alive */
+            Py_ssize_t mi = new_node(n, 2);
+            if (mi < 0) {
+                Py_DECREF(seq2);
+                Py_DECREF(k2);
+                goto fail;
+            }
+            j = mi;
+            int err = 0;
+            if (q + 1 < PyList_GET_SIZE(seq2)) {
+                if (i + 2 <= D) {
+                    err = set_ll(n->one, j, chv + 1) < 0 || set_obj(n->best, j, PyList_GET_ITEM(seq2, q + 1)) < 0 ||
+                          set_ll(n->bestc, j, 1) < 0;
+                }
+            } else if (i + 1 < D) {
+                /* the leaf was the growing end of another (unfinished) sequence: that suffix is now explicit
+                 * and must grow with its sequence */
+                PyObject *act2 = PyDict_GetItemWithError(actives, k2);
+                if (act2 == NULL) {
+                    err = PyErr_Occurred() != NULL;
+                } else if (PyList_GET_SIZE(act2) == i) {
+                    PyObject *jo = PyLong_FromLongLong(j);
+                    err = jo == NULL || PyList_Append(act2, jo) < 0;
+                    Py_XDECREF(jo);
+                }
+            }
+            Py_DECREF(seq2);
+            Py_DECREF(k2);
+            if (err) goto fail;
+            PyObject *m = PyLong_FromLongLong(~j);
+            if (m == NULL) goto fail;
+            if (kids == Py_None) {
+                err = PyList_SetItem(n->one, node, m) < 0; /* steals m */
+            } else {
+                err = PyDict_SetItem(kids, t, m) < 0;
+                Py_DECREF(m);
+            }
+            if (err) goto fail;
+            c = 2;
+        }
+        long long bc;
+        if (get_ll(n->bestc, node, &bc) < 0) goto fail;
+        if (c > bc) {
+            if (bc < 0) {
+                PyObject *r = PyObject_CallFunction(rescan, "n", node);
+                if (r == NULL) goto fail;
+                Py_DECREF(r);
+            } else if (set_obj(n->best, node, t) < 0 || set_ll(n->bestc, node, c) < 0) {
+                goto fail;
+            }
+        }
+        PyObject *jo = PyLong_FromLongLong(j);
+        if (jo == NULL) goto fail;
+        int bad = PyList_Append(newl, jo) < 0;
+        Py_DECREF(jo);
+        if (bad) goto fail;
+        if (i >= n_act) break;
+        long long a;
+        if (get_ll(act, i, &a) < 0) goto fail;
+        node = (Py_ssize_t)a;
+        i++;
+    }
+    if (PyList_GET_SIZE(newl) >= D && PyList_SetSlice(newl, D - 1, PyList_GET_SIZE(newl), NULL) < 0) goto fail;
+    return newl;
+fail:
+    Py_DECREF(newl);
+    return NULL;
+}
+
+static PyObject *extend(PyObject *self, PyObject *args) {
+    PyObject *seq, *act, *tokens, *seqs, *actives, *rescan;
+    long long base, D;
+    Nodes n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!O!OLLO!O!O!O!O!O!O!O!O", &PyList_Type, &seq, &PyList_Type, &act, &tokens, &base,
+                          &D, &PyDict_Type, &seqs, &PyDict_Type, &actives, &PyList_Type, &n.cnt, &PyList_Type,
+                          &n.best, &PyList_Type, &n.bestc, &PyList_Type, &n.one, &PyList_Type, &n.kids_of,
+                          &PyList_Type, &n.free, &rescan))
+        return NULL;
+    PyObject *it = PyObject_GetIter(tokens);
+    if (it == NULL) return NULL;
+    Py_INCREF(act);
+    PyObject *tok;
+    while ((tok = PyIter_Next(it)) != NULL) {
+        PyObject *t = PyNumber_Index(tok); /* int(t) for a numpy integer */
+        Py_DECREF(tok);
+        if (t == NULL) goto fail;
+        long long tv = PyLong_AsLongLong(t);
+        if (tv == -1 && PyErr_Occurred()) {
+            Py_DECREF(t);
+            goto fail;
+        }
+        PyObject *next = extend_one(&n, seq, act, t, tv, base, D, seqs, actives, rescan);
+        Py_DECREF(t);
+        if (next == NULL) goto fail;
+        Py_DECREF(act);
+        act = next;
+    }
+    if (PyErr_Occurred()) goto fail;
+    Py_DECREF(it);
+    return act;
+fail:
+    Py_DECREF(it);
+    Py_DECREF(act);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"extend", extend, METH_VARARGS,
+     "extend(seq, act, tokens, base, max_depth, seqs, actives, cnt, best, bestc, one, kids_of, free, rescan) -> "
+     "act: SuffixTrie.extend_reference's loop, compiled"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_suffix_core",
+                                    "The compiled core of suffix.py's SuffixTrie.extend.", -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__suffix_core(void) { return PyModule_Create(&module); }

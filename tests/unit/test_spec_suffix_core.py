@@ -1,0 +1,106 @@
+"""SuffixTrie.extend's compiled core (engine/speculators/_suffix_core.c) against its pure-Python reference,
+SuffixTrie.extend_reference: after every operation, two tries grown alike hold the same contents, node for node."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specray.engine.speculator import DraftRequest
+from specray.engine.speculators import suffix
+from specray.engine.speculators.suffix import SuffixSpeculator, SuffixTrie
+
+
+def test_the_core_is_built():
+    """setup (pip install) builds it: a tree where it is missing would run every extend interpreted."""
+    assert suffix.COMPILED_CORE
+
+
+def _pair(depth: int) -> tuple[SuffixTrie, SuffixTrie]:
+    return SuffixTrie(depth), SuffixTrie(depth, compiled=False)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_core_grows_the_same_trie_as_the_reference(seed):
+    """Random operations, as the per-request and global tries see them: sequences grown interleaved (prompts in
+    one piece, generated tokens a few at a time), finished, removed whole or in slices, and the version bumped
+    (freed nodes reused). Vocabularies from 2 tokens (deep repeats, leaf splits at max_depth) to 300."""
+    rng = np.random.default_rng(seed)
+    depth = int(rng.choice([2, 3, 4, 8, 16, 64]))
+    vocab = int(rng.choice([2, 3, 5, 20, 300]))
+    core, ref = _pair(depth)
+    grown = peak = 0
+    for step in range(60):
+        sid = int(rng.integers(0, 5))
+        r = rng.random()
+        if r < 0.65:
+            n = int(rng.integers(40, 200)) if rng.random() < 0.2 else int(rng.integers(0, 6))
+            toks = rng.integers(0, vocab, n)
+            core.extend(sid, toks.astype(np.int32))  # numpy ints in, Python ints stored
+            ref.extend(sid, toks.tolist())
+            grown += n
+        elif r < 0.8 and sid in core.seqs:
+            L = len(core.seqs[sid])
+            a = int(rng.integers(0, L + 1))
+            b = int(rng.integers(a, L + 1))
+            core.remove_range(sid, a, b)
+            ref.remove_range(sid, a, b)
+        elif r < 0.88:
+            core.remove(sid)
+            ref.remove(sid)
+        elif r < 0.95:
+            core.finish(sid)
+            ref.finish(sid)
+        else:
+            core.bump_version()
+            ref.bump_version()
+        assert core.contents() == ref.contents(), f"step {step}"
+        peak = max(peak, core.n_nodes)
+    assert grown > 100 and peak > 5  # there was a trie to compare
+
+
+def test_a_long_repeat_splits_leaves_at_every_depth():
+    """A period-3 text, deeper than max_depth: every new token extends max_depth - 1 growing suffixes and splits
+    leaves of its own sequence, the case where the core appends to a growing-suffix list it is walking."""
+    core, ref = _pair(16)
+    text = [1, 2, 3] * 40
+    for t in (core, ref):
+        t.extend(0, text[:7])
+        for i in range(7, len(text), 5):
+            t.extend(0, text[i : i + 5])
+        t.extend(1, text[:30])
+    assert core.contents() == ref.contents()
+    assert len(core.active_states(0)) == 15 and core.count([1, 2, 3]) == 40 + 10
+
+
+def test_the_speculator_drafts_alike_with_either():
+    """A per-request and a global trie in use: every draft and its confidence are the same."""
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 30, 80)
+    texts = [np.concatenate([base[: 40 + 5 * sid], rng.integers(0, 30, 40), base[:20]]) for sid in range(6)]
+    out = {}
+    for compiled in (True, False):
+        SuffixTrie.compiled = compiled
+        try:
+            spec = SuffixSpeculator()
+            drafts = []
+            for sid, text in enumerate(texts):
+                spec.begin(sid, text[:30].astype(np.int32))
+                for pos in range(30, len(text), 3):
+                    (d,) = spec.draft([DraftRequest(sid, text[:pos].astype(np.int32), 8)])
+                    drafts.append((d.tolist(), [round(p, 9) for p in spec.last_confidence.get(sid, [])]))
+                spec.end(sid)
+            out[compiled] = drafts
+        finally:
+            SuffixTrie.compiled = True
+    assert out[True] == out[False]
+    assert sum(len(d) for d, _ in out[True]) > 20  # it drafted
+
+
+def test_bad_input_is_refused_by_either():
+    for compiled in (True, False):
+        t = SuffixTrie(8, compiled=compiled)
+        with pytest.raises(ValueError, match="sequence id"):
+            t.extend(-1, [1, 2])
+        with pytest.raises((TypeError, ValueError)):
+            t.extend(0, ["a"])
