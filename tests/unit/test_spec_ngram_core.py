@@ -14,7 +14,7 @@ from specray.engine.speculators.ngram_cache import NgramCacheSpeculator, NgramCo
 
 def test_the_core_is_built():
     """setup (pip install) builds it: a tree where it is missing would count every n-gram interpreted."""
-    assert ngram_cache.COMPILED_CORE
+    assert ngram_cache.COMPILED_CORE, "not built: docs/troubleshooting.md, 'The compiled cores were not built'"
 
 
 def layout(t: NgramCountTable) -> list:
@@ -109,3 +109,35 @@ def test_a_numpy_token_is_stored_as_a_python_int():
     t = NgramCountTable()
     t.update(np.array([5, 6, 5, 6], np.int32))
     assert all(type(k) is int for e in t.table.values() for k in ([e] if e.__class__ is int else e))
+
+
+def test_the_core_leaks_nothing():
+    """Tables counted, merged and dropped again and again hold no more Python memory than the first time
+    (tracemalloc sees the objects a C extension allocates)."""
+    import gc
+    import tracemalloc
+
+    rng = np.random.default_rng(9)
+    texts = [rng.integers(0, 6, 300).astype(np.int32) for _ in range(12)]
+
+    def count_and_drop() -> None:
+        dynamic = NgramCountTable()
+        for x in texts:
+            context = NgramCountTable()
+            context.update(x[:150])
+            context.update(x, 150)
+            dynamic.merge(context)
+
+    count_and_drop()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        count_and_drop()
+        gc.collect()
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(5):
+            count_and_drop()
+        gc.collect()
+        assert tracemalloc.get_traced_memory()[0] - base < 4096
+    finally:
+        tracemalloc.stop()
