@@ -9,7 +9,7 @@ import pytest
 
 from specray.engine.speculator import DraftRequest
 from specray.engine.speculators import ngram_cache
-from specray.engine.speculators.ngram_cache import NgramCacheSpeculator, NgramCountTable
+from specray.engine.speculators.ngram_cache import NgramCacheParams, NgramCacheSpeculator, NgramCountTable
 
 
 def test_the_core_is_built():
@@ -78,8 +78,10 @@ def test_a_table_does_not_merge_into_itself():
         t.merge(t)
 
 
-def test_the_speculator_drafts_alike_with_either():
-    """Context, dynamic and kept tables in use over several sequences: every draft is the same."""
+@pytest.mark.parametrize("keep", [0, 16])
+def test_the_speculator_drafts_alike_with_either(keep):
+    """Context, dynamic and kept tables in use over several sequences (keep 0: every sequence merged into the
+    dynamic table at its end, which the next ones draft from): every draft is the same."""
     rng = np.random.default_rng(4)
     base = rng.integers(0, 20, 60)
     texts = [np.concatenate([base[: 30 + 4 * s], rng.integers(0, 20, 30), base[:25]]).astype(np.int32)
@@ -88,7 +90,7 @@ def test_the_speculator_drafts_alike_with_either():
     for compiled in (True, False):
         NgramCountTable.compiled = compiled
         try:
-            spec = NgramCacheSpeculator()
+            spec = NgramCacheSpeculator(NgramCacheParams(keep_finished=keep))
             drafts = []
             for sid, text in enumerate(texts):
                 spec.begin(sid, text[:20])
