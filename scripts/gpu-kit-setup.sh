@@ -77,9 +77,12 @@ inc, ext = sysconfig.get_paths()["include"], sysconfig.get_config_var("EXT_SUFFI
 for src in sorted((repo / "engine").rglob("_*_core.c")):
     lib = str(src.with_suffix("")) + ext
     # built aside, then renamed over: a process that loaded the old one keeps its own copy
-    subprocess.run([(sysconfig.get_config_var("CC") or "cc").split()[0], "-O2", "-shared", "-fPIC", f"-I{inc}", "-o",
-                    lib + ".tmp", str(src)], check=True)
-    os.replace(lib + ".tmp", lib)
+    try:
+        subprocess.run([(sysconfig.get_config_var("CC") or "cc").split()[0], "-O2", "-shared", "-fPIC", f"-I{inc}",
+                        "-o", lib + ".tmp", str(src)], check=True)
+        os.replace(lib + ".tmp", lib)
+    finally:
+        pathlib.Path(lib + ".tmp").unlink(missing_ok=True)
     print(f"gpu-kit-setup.sh: built {src.relative_to(repo)}", file=sys.stderr)
 PY
 

@@ -7,7 +7,7 @@
  * interpreted, those steps are most of a prompt's set-up.
  *
  * extend(seq, act, tokens, base, max_depth, seqs, actives, cnt, best, bestc, one, kids_of, free, rescan) -> act
- *   seq: the sequence's token list (appended to); act: its growing suffixes' node indices (read, not changed);
+ *   seq: the sequence's token list (appended to); act: its growing suffixes' node indices before the tokens;
  *   base: sid << 32 (a leaf of this sequence at position p is base | p); seqs, actives: the trie's sequences
  *   and growing-suffix lists by sid; cnt .. kids_of: the node fields; free: node indices to reuse; rescan: the
  *   trie's _rescan(i) (a node's stale best child, after a removal). Returns the new growing-suffix list.
@@ -73,7 +73,7 @@ static Py_ssize_t new_node(Nodes *n, long long count) {
 }
 
 /* _put_new(i, t, ch, c): add child t (not a child yet) with reference ch and count c to node i. */
-static int put_new(Nodes *n, Py_ssize_t i, PyObject *t, long long tv, PyObject *ch, long long c) {
+static int put_new(Nodes *n, Py_ssize_t i, PyObject *t, PyObject *ch, long long c) {
     PyObject *kids = PyList_GET_ITEM(n->kids_of, i);
     if (kids == Py_None) {
         PyObject *one = PyList_GET_ITEM(n->one, i);
@@ -96,7 +96,6 @@ static int put_new(Nodes *n, Py_ssize_t i, PyObject *t, long long tv, PyObject *
     if (c > bc && bc >= 0) {
         if (set_obj(n->best, i, t) < 0 || set_ll(n->bestc, i, c) < 0) return -1;
     }
-    (void)tv;
     return 0;
 }
 
@@ -128,7 +127,7 @@ static PyObject *extend_one(Nodes *n, PyObject *seq, PyObject *act, PyObject *t,
             PyObject *leaf = PyLong_FromLongLong(base | (long long)cur);
             if (leaf == NULL) goto fail;
             for (;;) {
-                if (put_new(n, node, t, tv, leaf, 1) < 0) {
+                if (put_new(n, node, t, leaf, 1) < 0) {
                     Py_DECREF(leaf);
                     goto fail;
                 }
@@ -284,4 +283,12 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_suffix_core",
                                     "The compiled core of suffix.py's SuffixTrie.extend.", -1, methods,
                                     NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__suffix_core(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__suffix_core(void) {
+    PyObject *m = PyModule_Create(&module);
+    /* suffix.py checks it against its own _SHIFT at import */
+    if (m != NULL && PyModule_AddIntConstant(m, "LEAF_SHIFT", SHIFT) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -53,14 +53,17 @@ from ._util import EMPTY_DRAFT, HistoryCursor, as_tokens
 from .kept_states import KeptStates
 
 try:  # the compiled core of SuffixTrie.extend (setup.py builds it)
+    from ._suffix_core import LEAF_SHIFT as _CORE_SHIFT
     from ._suffix_core import extend as _core_extend
 except ImportError:  # a source tree that was never built: extend_reference runs instead
-    _core_extend = None
+    _CORE_SHIFT = _core_extend = None
 #: whether SuffixTrie.extend runs compiled here
 COMPILED_CORE = _core_extend is not None
 
 _SHIFT = 32
 _POS = (1 << _SHIFT) - 1
+if _core_extend is not None and _CORE_SHIFT != _SHIFT:
+    raise ImportError(f"_suffix_core.c's leaf shift {_CORE_SHIFT} is not suffix.py's {_SHIFT}: rebuild it")
 
 
 class SuffixParams(BaseModel):
