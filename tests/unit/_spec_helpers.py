@@ -66,3 +66,24 @@ def check_stats(spec: Speculator, mine: dict) -> None:
         assert st.drafted_per_pos[0] == mine["nonempty"]
         assert sum(st.accepted_per_pos) == mine["tok_acc"]
     assert st.time_draft_s > 0
+
+
+def memory_growth(run) -> int:
+    """Bytes of Python memory that five more calls of `run()` keep beyond one warm call: 0 where `run` drops all
+    it makes (tracemalloc also sees the objects a C extension allocates)."""
+    import gc
+    import tracemalloc
+
+    run()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        run()
+        gc.collect()
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(5):
+            run()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()

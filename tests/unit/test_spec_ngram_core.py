@@ -11,6 +11,8 @@ from specray.engine.speculator import DraftRequest
 from specray.engine.speculators import ngram_cache
 from specray.engine.speculators.ngram_cache import NgramCacheParams, NgramCacheSpeculator, NgramCountTable
 
+from ._spec_helpers import memory_growth
+
 
 def test_the_core_is_built():
     """setup (pip install) builds it: a tree where it is missing would count every n-gram interpreted."""
@@ -116,9 +118,6 @@ def test_a_numpy_token_is_stored_as_a_python_int():
 def test_the_core_leaks_nothing():
     """Tables counted, merged and dropped again and again hold no more Python memory than the first time
     (tracemalloc sees the objects a C extension allocates)."""
-    import gc
-    import tracemalloc
-
     rng = np.random.default_rng(9)
     texts = [rng.integers(0, 6, 300).astype(np.int32) for _ in range(12)]
 
@@ -130,16 +129,4 @@ def test_the_core_leaks_nothing():
             context.update(x, 150)
             dynamic.merge(context)
 
-    count_and_drop()
-    gc.collect()
-    tracemalloc.start()
-    try:
-        count_and_drop()
-        gc.collect()
-        base = tracemalloc.get_traced_memory()[0]
-        for _ in range(5):
-            count_and_drop()
-        gc.collect()
-        assert tracemalloc.get_traced_memory()[0] - base < 4096
-    finally:
-        tracemalloc.stop()
+    assert memory_growth(count_and_drop) < 4096

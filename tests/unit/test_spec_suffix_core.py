@@ -10,6 +10,8 @@ from specray.engine.speculator import DraftRequest
 from specray.engine.speculators import suffix
 from specray.engine.speculators.suffix import SuffixSpeculator, SuffixTrie
 
+from ._spec_helpers import memory_growth
+
 
 def test_the_core_is_built():
     """setup (pip install) builds it: a tree where it is missing would run every extend interpreted."""
@@ -109,9 +111,6 @@ def test_bad_input_is_refused_by_either():
 def test_the_core_leaks_nothing():
     """Tries grown, cut and dropped again and again hold no more Python memory than the first time: the core
     releases every object it makes or replaces (tracemalloc sees the objects a C extension allocates)."""
-    import gc
-    import tracemalloc
-
     rng = np.random.default_rng(8)
     texts = [rng.integers(0, 6, 300).tolist() for _ in range(12)]
 
@@ -124,16 +123,4 @@ def test_the_core_leaks_nothing():
                 t.remove(i - 3)
                 t.bump_version()
 
-    grow_and_drop()
-    gc.collect()
-    tracemalloc.start()
-    try:
-        grow_and_drop()
-        gc.collect()
-        base = tracemalloc.get_traced_memory()[0]
-        for _ in range(5):
-            grow_and_drop()
-        gc.collect()
-        assert tracemalloc.get_traced_memory()[0] - base < 4096
-    finally:
-        tracemalloc.stop()
+    assert memory_growth(grow_and_drop) < 4096
