@@ -1,11 +1,14 @@
-/* The compiled core of ngram_cache.py's NgramCountTable.update and .merge: the same counting over the same dicts,
- * entry for entry and in the same insertion order, so a table counted or merged by either is the same table.
- * NgramCountTable.update_reference and .merge_reference are the pure-Python references the tests hold these to
+/* The compiled core of ngram_cache.py's NgramCountTable.update and .merge and of ngram_cache_draft: the same
+ * counting over the same dicts, entry for entry and in the same insertion order, so a table counted or merged by
+ * either is the same table, and the same walk over them. NgramCountTable.update_reference and .merge_reference and
+ * ngram_cache_draft_reference are the pure-Python references the tests hold these to
  * (tests/unit/test_spec_ngram_core.py).
  *
  * Why C: counting runs for every prompt token as the target prefills it and for every emitted one, about four
  * n-grams each, and a finished sequence's table is merged into the dynamic one, on the round thread; interpreted,
- * they are most of a sequence's set-up and end.
+ * they are most of a sequence's set-up and end. The walk runs for most sequences of every round, before its
+ * decode: interpreted, a bytes slice and a look-up per n-gram size and a Python step per token were most of a
+ * look-up.
  *
  * update(table, data, lo, first, ngram_min, ngram_max)
  *   table: {n-gram bytes: entry}; data: the int32 tokens from position lo on, as bytes. Counts
@@ -16,6 +19,13 @@
  *
  * merge(mine, theirs)
  *   adds every entry of `theirs` into `mine`; an entry `mine` lacks is taken as it is (the caller drops `theirs`).
+ *
+ * draft(context, dynamic, tail, n_history, n_draft)
+ *   ngram_cache_draft's walk without a static table (its reference: ngram_cache_draft_reference): up to n_draft
+ *   tokens, each the best token of the longest n-gram the context table holds with the lax thresholds, else of the
+ *   dynamic table's (None: none) with the strict ones; stops at the first step where neither has one. tail: the
+ *   history's last min(n_history, NGRAM_MAX) int32 tokens, as bytes. Returns a list of ints. The thresholds are
+ *   this file's (RULES below), which ngram_cache.py checks against its own at import.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,6 +33,14 @@
 #include <string.h>
 
 #define ISZ 4 /* bytes per token in keys (int32) */
+#define NGRAM_MIN 1
+#define NGRAM_MAX 4
+#define TOKEN_NULL (-1)
+/* thresholds by n-gram size 1..4 (llama.cpp draft_min_sample_size_* / draft_min_percent_*) */
+static const long long MIN_SAMPLE_LAX[NGRAM_MAX] = {2, 2, 1, 1};
+static const long long MIN_PERCENT_LAX[NGRAM_MAX] = {66, 50, 50, 50};
+static const long long MIN_SAMPLE_STRICT[NGRAM_MAX] = {4, 3, 2, 2};
+static const long long MIN_PERCENT_STRICT[NGRAM_MAX] = {75, 66, 66, 66};
 
 /* ngram_cache.py's _TOTAL, _BEST_COUNT, _BEST_TOKEN */
 static PyObject *K_TOTAL, *K_BEST_COUNT, *K_BEST_TOKEN;
@@ -231,17 +249,105 @@ static PyObject *merge(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* _try_primary without a static part: *out = the best token of the longest n-gram ending the window whose entry
+ * meets the thresholds, TOKEN_NULL where none does. Returns 0, or -1 with an exception set. */
+static int try_primary(PyObject *table, const int32_t *window, Py_ssize_t avail, const long long *min_sample,
+                       const long long *min_percent, long long *out) {
+    *out = TOKEN_NULL;
+    Py_ssize_t top = avail < NGRAM_MAX ? avail : NGRAM_MAX;
+    for (Py_ssize_t size = top; size >= NGRAM_MIN; size--) {
+        PyObject *key = PyBytes_FromStringAndSize((const char *)(window + NGRAM_MAX - size), size * ISZ);
+        if (key == NULL) return -1;
+        PyObject *e = PyDict_GetItemWithError(table, key); /* borrowed */
+        Py_DECREF(key);
+        if (e == NULL) {
+            if (PyErr_Occurred()) return -1;
+            continue;
+        }
+        long long tot, best_c, best_t;
+        if (PyLong_CheckExact(e)) { /* seen once: its one token */
+            tot = best_c = 1;
+            best_t = PyLong_AsLongLong(e);
+            if (best_t == -1 && PyErr_Occurred()) return -1;
+        } else if (PyDict_Check(e)) {
+            if (get_ll(e, K_TOTAL, &tot) < 0 || get_ll(e, K_BEST_COUNT, &best_c) < 0 ||
+                get_ll(e, K_BEST_TOKEN, &best_t) < 0)
+                return -1;
+        } else {
+            PyErr_SetString(PyExc_TypeError, "ngram_cache draft: an entry that is neither an int nor a dict");
+            return -1;
+        }
+        if (tot < min_sample[size - 1]) continue;
+        if (100 * best_c < min_percent[size - 1] * tot) continue;
+        *out = best_t;
+        return 0;
+    }
+    return 0;
+}
+
+static PyObject *draft(PyObject *self, PyObject *args) {
+    PyObject *ctx, *dyn;
+    Py_buffer tail;
+    Py_ssize_t n_history, n_draft;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!Oy*nn", &PyDict_Type, &ctx, &dyn, &tail, &n_history, &n_draft)) return NULL;
+    Py_ssize_t n_tail = tail.len / ISZ;
+    if (dyn != Py_None && !PyDict_Check(dyn)) {
+        PyBuffer_Release(&tail);
+        PyErr_SetString(PyExc_TypeError, "ngram_cache draft: the dynamic table must be a dict or None");
+        return NULL;
+    }
+    if (tail.len % ISZ || n_tail > NGRAM_MAX || n_tail != (n_history < NGRAM_MAX ? n_history : NGRAM_MAX)) {
+        PyBuffer_Release(&tail);
+        PyErr_SetString(PyExc_ValueError, "ngram_cache draft: the tail must be the history's last min(n, 4) tokens");
+        return NULL;
+    }
+    /* the window's last n_tail slots hold the tail; slots before it are never read (a key is at most avail long) */
+    int32_t window[NGRAM_MAX] = {0};
+    memcpy(window + NGRAM_MAX - n_tail, tail.buf, (size_t)tail.len);
+    PyBuffer_Release(&tail);
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < n_draft; k++) {
+        Py_ssize_t avail = n_history + k;
+        long long tok;
+        if (try_primary(ctx, window, avail, MIN_SAMPLE_LAX, MIN_PERCENT_LAX, &tok) < 0) goto fail;
+        if (tok == TOKEN_NULL && dyn != Py_None &&
+            try_primary(dyn, window, avail, MIN_SAMPLE_STRICT, MIN_PERCENT_STRICT, &tok) < 0)
+            goto fail;
+        if (tok == TOKEN_NULL) break;
+        if (tok < INT32_MIN || tok > INT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "ngram_cache draft: a token out of int32 range");
+            goto fail;
+        }
+        PyObject *t = PyLong_FromLongLong(tok);
+        if (t == NULL) goto fail;
+        int bad = PyList_Append(out, t) < 0;
+        Py_DECREF(t);
+        if (bad) goto fail;
+        memmove(window, window + 1, (NGRAM_MAX - 1) * sizeof(int32_t));
+        window[NGRAM_MAX - 1] = (int32_t)tok;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"update", update, METH_VARARGS,
      "update(table, data, lo, first, ngram_min, ngram_max): NgramCountTable.update_reference's loop, compiled"},
     {"merge", merge, METH_VARARGS,
      "merge(mine, theirs): NgramCountTable.merge_reference's loop, compiled (theirs is left as it was)"},
+    {"draft", draft, METH_VARARGS,
+     "draft(context, dynamic, tail, n_history, n_draft): ngram_cache_draft's walk without a static table, compiled"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ngram_core",
-                                    "The compiled core of ngram_cache.py's NgramCountTable.update and .merge.", -1, methods,
-                                    NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_ngram_core",
+    "The compiled core of ngram_cache.py's NgramCountTable.update and .merge and of ngram_cache_draft.", -1, methods,
+    NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__ngram_core(void) {
     K_TOTAL = PyLong_FromLong(-2);
@@ -254,6 +360,17 @@ PyMODINIT_FUNC PyInit__ngram_core(void) {
     PyObject *keys = PyTuple_Pack(3, K_TOTAL, K_BEST_COUNT, K_BEST_TOKEN);
     if (keys == NULL || PyModule_AddObject(m, "SUMMARY_KEYS", keys) < 0) {
         Py_XDECREF(keys);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *rules = Py_BuildValue("(ii(LLLL)(LLLL)(LLLL)(LLLL))", NGRAM_MIN, NGRAM_MAX, MIN_SAMPLE_LAX[0],
+                                    MIN_SAMPLE_LAX[1], MIN_SAMPLE_LAX[2], MIN_SAMPLE_LAX[3], MIN_PERCENT_LAX[0],
+                                    MIN_PERCENT_LAX[1], MIN_PERCENT_LAX[2], MIN_PERCENT_LAX[3], MIN_SAMPLE_STRICT[0],
+                                    MIN_SAMPLE_STRICT[1], MIN_SAMPLE_STRICT[2], MIN_SAMPLE_STRICT[3],
+                                    MIN_PERCENT_STRICT[0], MIN_PERCENT_STRICT[1], MIN_PERCENT_STRICT[2],
+                                    MIN_PERCENT_STRICT[3]);
+    if (rules == NULL || PyModule_AddObject(m, "RULES", rules) < 0) {
+        Py_XDECREF(rules);
         Py_DECREF(m);
         return NULL;
     }

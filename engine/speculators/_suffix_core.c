@@ -1,16 +1,23 @@
-/* The compiled core of suffix.py's SuffixTrie.extend: the same algorithm over the same Python lists and dicts,
- * step for step, so a trie grown by either is the same trie. SuffixTrie.extend_reference is the pure-Python
- * reference the tests hold this to (tests/unit/test_spec_suffix_core.py).
+/* The compiled core of suffix.py's SuffixTrie.extend and .advance_through: the same algorithms over the same
+ * Python lists and dicts, step for step, so a trie grown by either is the same trie and a context matched by
+ * either has the same states. SuffixTrie.extend_reference and .advance_through_reference are the pure-Python
+ * references the tests hold these to (tests/unit/test_spec_suffix_core.py).
  *
  * Why C: extending runs for every prompt token as the target prefills it and for every emitted token, on the
  * round thread, and costs O(suffixes ending at the token that occur twice or more) steps, up to max_depth each;
- * interpreted, those steps are most of a prompt's set-up.
+ * interpreted, those steps are most of a prompt's set-up. Advancing a sequence's matches in the global trie runs
+ * for every emitted token, and for the last max_depth tokens of every running sequence each time the global
+ * trie gains or loses a sequence: interpreted, those re-matches were most of the look-up of the round after.
  *
  * extend(seq, act, tokens, base, max_depth, seqs, actives, cnt, best, bestc, one, kids_of, free, rescan) -> act
  *   seq: the sequence's token list (appended to); act: its growing suffixes' node indices before the tokens;
  *   base: sid << 32 (a leaf of this sequence at position p is base | p); seqs, actives: the trie's sequences
  *   and growing-suffix lists by sid; cnt .. kids_of: the node fields; free: node indices to reuse; rescan: the
  *   trie's _rescan(i) (a node's stale best child, after a removal). Returns the new growing-suffix list.
+ *
+ * advance(states, tokens, max_depth, seqs, best, one, kids_of) -> states
+ *   SuffixTrie.advance for each token in turn: states[i] is the reference of the matched context's suffix of
+ *   length i + 1 (a node ~i, or a leaf sid << 32 | pos); returns the states after the last token.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -272,7 +279,121 @@ fail:
     return NULL;
 }
 
+/* _child(i, t): node i's child for token t (a new reference), or NULL without an exception where it has none */
+static PyObject *child(PyObject *best, PyObject *one, PyObject *kids_of, Py_ssize_t i, PyObject *t, long long tv) {
+    if (check_index(kids_of, i) < 0 || check_index(best, i) < 0 || check_index(one, i) < 0) return NULL;
+    PyObject *kids = PyList_GET_ITEM(kids_of, i);
+    if (kids == Py_None) {
+        long long b;
+        if (get_ll(best, i, &b) < 0) return NULL;
+        PyObject *o = PyList_GET_ITEM(one, i);
+        if (b != tv || o == Py_None) return NULL;
+        Py_INCREF(o);
+        return o;
+    }
+    if (!PyDict_CheckExact(kids)) {
+        PyErr_Format(PyExc_TypeError, "suffix trie node %zd: children that are not a dict", i);
+        return NULL;
+    }
+    PyObject *o = PyDict_GetItemWithError(kids, t);
+    Py_XINCREF(o);
+    return o;
+}
+
+/* SuffixTrie.advance(states, t) */
+static PyObject *advance_one(PyObject *states, PyObject *t, long long tv, long long D, PyObject *seqs, PyObject *best,
+                             PyObject *one, PyObject *kids_of) {
+    PyObject *ch = child(best, one, kids_of, 0, t, tv);
+    if (ch == NULL) return PyErr_Occurred() ? NULL : PyList_New(0);
+    PyObject *out = PyList_New(1);
+    if (out == NULL) {
+        Py_DECREF(ch);
+        return NULL;
+    }
+    PyList_SET_ITEM(out, 0, ch); /* steals ch */
+    Py_ssize_t n = PyList_GET_SIZE(states), lim = D - 1 < n ? (Py_ssize_t)(D - 1) : n;
+    for (Py_ssize_t k = 0; k < lim; k++) {
+        long long obj;
+        if (get_ll(states, k, &obj) < 0) goto fail;
+        if (obj < 0) {
+            ch = child(best, one, kids_of, (Py_ssize_t)~obj, t, tv);
+            if (ch == NULL) {
+                if (PyErr_Occurred()) goto fail;
+                break;
+            }
+            int bad = PyList_Append(out, ch) < 0;
+            Py_DECREF(ch);
+            if (bad) goto fail;
+        } else {
+            long long pos = obj & POS;
+            PyObject *sid = PyLong_FromLongLong(obj >> SHIFT);
+            if (sid == NULL) goto fail;
+            PyObject *seq = PyDict_GetItemWithError(seqs, sid); /* borrowed */
+            Py_DECREF(sid);
+            if (seq == NULL) {
+                if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "suffix trie: no sequence %lld", obj >> SHIFT);
+                goto fail;
+            }
+            if (!PyList_CheckExact(seq)) {
+                PyErr_SetString(PyExc_TypeError, "suffix trie: a sequence that is not a list");
+                goto fail;
+            }
+            long long next;
+            if (pos + 1 >= PyList_GET_SIZE(seq)) break;
+            if (get_ll(seq, (Py_ssize_t)(pos + 1), &next) < 0) goto fail;
+            if (next != tv) break;
+            PyObject *o = PyLong_FromLongLong(obj + 1);
+            if (o == NULL) goto fail;
+            int bad = PyList_Append(out, o) < 0;
+            Py_DECREF(o);
+            if (bad) goto fail;
+        }
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *advance(PyObject *self, PyObject *args) {
+    PyObject *states, *tokens, *seqs, *best, *one, *kids_of;
+    long long D;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!OLO!O!O!O!", &PyList_Type, &states, &tokens, &D, &PyDict_Type, &seqs,
+                          &PyList_Type, &best, &PyList_Type, &one, &PyList_Type, &kids_of))
+        return NULL;
+    PyObject *it = PyObject_GetIter(tokens);
+    if (it == NULL) return NULL;
+    Py_INCREF(states);
+    PyObject *tok;
+    while ((tok = PyIter_Next(it)) != NULL) {
+        PyObject *t = PyNumber_Index(tok); /* int(t) for a numpy integer */
+        Py_DECREF(tok);
+        if (t == NULL) goto fail;
+        long long tv = PyLong_AsLongLong(t);
+        if (tv == -1 && PyErr_Occurred()) {
+            Py_DECREF(t);
+            goto fail;
+        }
+        PyObject *next = advance_one(states, t, tv, D, seqs, best, one, kids_of);
+        Py_DECREF(t);
+        if (next == NULL) goto fail;
+        Py_DECREF(states);
+        states = next;
+    }
+    if (PyErr_Occurred()) goto fail;
+    Py_DECREF(it);
+    return states;
+fail:
+    Py_DECREF(it);
+    Py_DECREF(states);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"advance", advance, METH_VARARGS,
+     "advance(states, tokens, max_depth, seqs, best, one, kids_of) -> states: SuffixTrie.advance_through_reference's "
+     "loop, compiled"},
     {"extend", extend, METH_VARARGS,
      "extend(seq, act, tokens, base, max_depth, seqs, actives, cnt, best, bestc, one, kids_of, free, rescan) -> "
      "act: SuffixTrie.extend_reference's loop, compiled"},
@@ -280,8 +401,8 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_suffix_core",
-                                    "The compiled core of suffix.py's SuffixTrie.extend.", -1, methods,
-                                    NULL, NULL, NULL, NULL};
+                                    "The compiled core of suffix.py's SuffixTrie.extend and .advance_through.", -1,
+                                    methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__suffix_core(void) {
     PyObject *m = PyModule_Create(&module);

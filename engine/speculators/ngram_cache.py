@@ -42,12 +42,14 @@ from specray.engine.speculator import DraftRequest, Speculator
 from ._util import EMPTY_DRAFT, HistoryCursor, as_tokens
 from .kept_states import KeptStates
 
-try:  # the compiled core of NgramCountTable.update and .merge (setup.py builds it)
+try:  # the compiled core of NgramCountTable.update and .merge and of ngram_cache_draft (setup.py builds it)
+    from ._ngram_core import RULES as _CORE_RULES
     from ._ngram_core import SUMMARY_KEYS as _CORE_KEYS
+    from ._ngram_core import draft as _core_draft
     from ._ngram_core import merge as _core_merge
     from ._ngram_core import update as _core_update
-except ImportError:  # a source tree that was never built: update_reference and merge_reference run instead
-    _CORE_KEYS = _core_merge = _core_update = None
+except ImportError:  # a source tree that was never built: the references (update_reference, ...) run instead
+    _CORE_RULES = _CORE_KEYS = _core_draft = _core_merge = _core_update = None
 
 NGRAM_MIN = 1  # LLAMA_NGRAM_MIN
 NGRAM_MAX = 4  # LLAMA_NGRAM_MAX
@@ -72,7 +74,11 @@ _TOTAL, _BEST_COUNT, _BEST_TOKEN = -2, -3, -4
 _META = 3  # keys of a dict entry that are not tokens
 if _core_update is not None and _CORE_KEYS != (_TOTAL, _BEST_COUNT, _BEST_TOKEN):
     raise ImportError(f"_ngram_core.c's summary keys {_CORE_KEYS} are not ngram_cache.py's: rebuild it")
-#: whether NgramCountTable.update and .merge run compiled here
+_RULES = (NGRAM_MIN, NGRAM_MAX, MIN_SAMPLE_LAX, MIN_PERCENT_LAX, MIN_SAMPLE_STRICT, MIN_PERCENT_STRICT)
+if _core_draft is not None and _CORE_RULES != _RULES:
+    raise ImportError(f"_ngram_core.c's drafting thresholds {_CORE_RULES} are not ngram_cache.py's {_RULES}: "
+                      "rebuild it")
+#: whether NgramCountTable.update and .merge and ngram_cache_draft run compiled here
 COMPILED_CORE = _core_update is not None
 
 
@@ -170,7 +176,8 @@ class NgramCountTable:
 
     __slots__ = ("table",)
 
-    #: update and merge with the compiled core where it is built; False (on the class) runs the references
+    #: update, merge and ngram_cache_draft with the compiled core where it is built; False (on the class) runs the
+    #: references
     compiled = True
 
     def __init__(self) -> None:
@@ -419,7 +426,9 @@ def ngram_cache_draft(
     dynamic: NgramCountTable | None = None,
     static: NgramCountTable | None = None,
 ) -> np.ndarray:
-    """Draft up to `n_draft` tokens after `history` from the three tables (no update).
+    """Draft up to `n_draft` tokens after `history` from the three tables (no update). Without a static table the
+    compiled core (_ngram_core.c) walks them where it is built and NgramCountTable.compiled is on; else
+    `ngram_cache_draft_reference`, which drafts the same tokens.
 
     >>> h = np.array([5, 1, 2, 3, 9, 1, 2, 3, 7, 1, 2], np.int32)
     >>> ctx = NgramCountTable(); ctx.update(h)
@@ -429,6 +438,32 @@ def ngram_cache_draft(
     array([], dtype=int32)
     >>> ngram_cache_draft(h[:1], 4, ctx)                         # fewer than 2 tokens
     array([], dtype=int32)
+    """
+    if _core_draft is None or not NgramCountTable.compiled or (static is not None and len(static)):
+        return ngram_cache_draft_reference(history, n_draft, context, dynamic, static)
+    h = as_tokens(history)
+    L = len(h)
+    if L < NGRAM_STATIC or n_draft <= 0:
+        return EMPTY_DRAFT
+    dyn_t = dynamic.table if dynamic is not None and len(dynamic) else None
+    out = _core_draft(context.table, dyn_t, h[max(0, L - NGRAM_MAX) :].tobytes(), L, n_draft)
+    return np.array(out, dtype=np.int32) if out else EMPTY_DRAFT
+
+
+def ngram_cache_draft_reference(
+    history: np.ndarray,
+    n_draft: int,
+    context: NgramCountTable,
+    dynamic: NgramCountTable | None = None,
+    static: NgramCountTable | None = None,
+) -> np.ndarray:
+    """`ngram_cache_draft` in pure Python: the reference the compiled walk is held to
+    (tests/unit/test_spec_ngram_core.py), and what runs with a static table or where the core is not built.
+
+    >>> h = np.array([5, 1, 2, 3, 9, 1, 2, 3, 7, 1, 2], np.int32)
+    >>> ctx = NgramCountTable(); ctx.update(h)
+    >>> ngram_cache_draft_reference(h, 4, ctx)
+    array([3, 9, 1, 2], dtype=int32)
     """
     h = as_tokens(history)
     L = len(h)

@@ -52,12 +52,13 @@ from specray.engine.speculator import DraftRequest, Speculator
 from ._util import EMPTY_DRAFT, HistoryCursor, as_tokens
 from .kept_states import KeptStates
 
-try:  # the compiled core of SuffixTrie.extend (setup.py builds it)
+try:  # the compiled core of SuffixTrie.extend and .advance_through (setup.py builds it)
     from ._suffix_core import LEAF_SHIFT as _CORE_SHIFT
+    from ._suffix_core import advance as _core_advance
     from ._suffix_core import extend as _core_extend
-except ImportError:  # a source tree that was never built: extend_reference runs instead
-    _CORE_SHIFT = _core_extend = None
-#: whether SuffixTrie.extend runs compiled here
+except ImportError:  # a source tree that was never built: the references (extend_reference, ...) run instead
+    _CORE_SHIFT = _core_advance = _core_extend = None
+#: whether SuffixTrie.extend and .advance_through run compiled here
 COMPILED_CORE = _core_extend is not None
 
 _SHIFT = 32
@@ -131,7 +132,8 @@ class SuffixTrie:
     #: the root's reference
     ROOT = ~0
 
-    #: extend with the compiled core where it is built; False (on the class or a trie) runs extend_reference
+    #: extend and advance_through with the compiled core where it is built; False (on the class or a trie) runs
+    #: the references
     compiled = True
 
     def __init__(self, max_depth: int, compiled: bool | None = None) -> None:
@@ -457,12 +459,29 @@ class SuffixTrie:
                     break
         return out
 
-    def match(self, context) -> list:
-        """States for the suffixes of `context` (only its last max_depth tokens matter)."""
-        states: list = []
-        for t in list(context)[-self.max_depth :]:
+    def advance_through(self, states: list, tokens) -> list:
+        """`advance` by each of `tokens` in turn: the states of the context followed by them. Runs the compiled core
+        (_suffix_core.c) where it is built, else `advance_through_reference`: the two give the same states.
+
+        >>> t = SuffixTrie(max_depth=8)
+        >>> t.extend(0, [1, 2, 3, 1, 2, 4])
+        >>> [t.count_of(s) for s in t.advance_through([], [5, 1, 2])]   # "2" and "1 2" twice each; "5 1 2" never
+        [2, 2]
+        """
+        if _core_advance is None or not self.compiled:
+            return self.advance_through_reference(states, tokens)
+        return _core_advance(states, tokens, self.max_depth, self.seqs, self._best, self._one, self._kids)
+
+    def advance_through_reference(self, states: list, tokens) -> list:
+        """`advance_through` in pure Python: the reference the compiled core is held to
+        (tests/unit/test_spec_suffix_core.py), and what runs where the core is not built."""
+        for t in tokens:
             states = self.advance(states, int(t))
         return states
+
+    def match(self, context) -> list:
+        """States for the suffixes of `context` (only its last max_depth tokens matter)."""
+        return self.advance_through([], list(context)[-self.max_depth :])
 
     def count(self, tokens) -> int:
         """Occurrences of a string (<= max_depth tokens)."""
@@ -669,10 +688,7 @@ class SuffixSpeculator(Speculator):
                 if len(new) >= g.max_depth:  # only the last max_depth tokens matter
                     st.gstates = g.match(new)
                 else:
-                    states = st.gstates
-                    for t in new:
-                        states = g.advance(states, t)
-                    st.gstates = states
+                    st.gstates = g.advance_through(st.gstates, new)
         st.cursor.advance(h)
         if st.gversion != g.version:
             st.gstates = g.match(st.trie.seqs.get(0, [])[-g.max_depth :]) if g.n_tokens else []

@@ -1,6 +1,7 @@
-"""NgramCountTable.update's and .merge's compiled core (engine/speculators/_ngram_core.c) against their pure-Python
-references, update_reference and merge_reference: tables counted and merged alike hold the same entries, in the same
-order, with the same keys in each entry in the same order (a file written from either is the same file)."""
+"""NgramCountTable.update's and .merge's and ngram_cache_draft's compiled core (engine/speculators/_ngram_core.c)
+against their pure-Python references, update_reference, merge_reference and ngram_cache_draft_reference: tables
+counted and merged alike hold the same entries, in the same order, with the same keys in each entry in the same order
+(a file written from either is the same file), and the same tables draft the same tokens."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 
 from specray.engine.speculator import DraftRequest
 from specray.engine.speculators import ngram_cache
-from specray.engine.speculators.ngram_cache import NgramCacheParams, NgramCacheSpeculator, NgramCountTable
+from specray.engine.speculators.ngram_cache import (NgramCacheParams, NgramCacheSpeculator, NgramCountTable,
+                                                    ngram_cache_draft, ngram_cache_draft_reference)
 
 from ._spec_helpers import memory_growth
 
@@ -109,6 +111,76 @@ def test_the_speculator_drafts_alike_with_either(keep):
     assert sum(map(len, out[True][0])) > 20  # it drafted
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_the_core_drafts_what_the_reference_drafts(seed):
+    """Context and dynamic tables of texts over 2 to 40 tokens (every threshold passes and fails somewhere: once-seen
+    ints, dicts with a clear and a split lead, the strict rule's larger samples), histories of 0 to 5 tokens and
+    longer, context tables counted over the history or over half of it and other text, drafts of 0 to 60 tokens:
+    the compiled walk drafts what the reference drafts, with and without a dynamic table."""
+    rng = np.random.default_rng(70 + seed)
+    vocab = int(rng.choice([2, 3, 8, 40]))
+    dynamic = NgramCountTable()
+    for _ in range(4):
+        t = NgramCountTable()
+        t.update(rng.integers(0, vocab, 200).astype(np.int32))
+        dynamic.merge(t)
+    drafted = 0
+    for _ in range(60):
+        n_h = int(rng.choice([0, 1, 2, 3, 5, 40, 120]))
+        seg = rng.integers(0, vocab, 30)  # a passage the history repeats in part: its end has been seen before
+        text = np.concatenate([seg, rng.integers(0, vocab, 10), seg[: int(rng.integers(1, 30))]])
+        h = text[len(text) - min(n_h, len(text)) :]
+        h = np.concatenate([rng.integers(0, vocab, n_h - len(h)), h]).astype(np.int32)
+        # the history's own counts, or its first half's and other text's (a walk there can run into a dead end)
+        other = np.concatenate([h[: len(h) // 2], rng.integers(0, vocab, 30)]).astype(np.int32)
+        context = NgramCountTable()
+        context.update(h if rng.random() < 0.5 else other)
+        n = int(rng.choice([0, 1, 4, 12, 60]))
+        for dyn in (None, NgramCountTable(), dynamic):
+            mine, ref = ngram_cache_draft(h, n, context, dyn), ngram_cache_draft_reference(h, n, context, dyn)
+            assert mine.dtype == ref.dtype == np.int32
+            assert mine.tolist() == ref.tolist()
+            drafted += len(mine) > 0
+    assert drafted > 5  # (over 40 tokens few histories end in an n-gram seen before)
+
+
+def test_the_core_stops_where_the_reference_stops():
+    """A walk that runs into a dead end (6 was never followed) ends there, before its budget, in both."""
+    context = NgramCountTable()
+    context.update(np.array([1, 2, 3, 4, 5, 6], np.int32))
+    h = np.array([9, 1, 2, 3], np.int32)
+    assert ngram_cache_draft(h, 8, context).tolist() == [4, 5, 6]
+    assert ngram_cache_draft_reference(h, 8, context).tolist() == [4, 5, 6]
+
+
+def test_a_static_table_drafts_with_the_reference():
+    """The compiled walk leaves static weighting to the reference: with a static table both functions draft the
+    same, and the static table's 2-grams decide (the last resort no other table reaches)."""
+    static = NgramCountTable()
+    static.update(np.array([1, 2, 3, 1, 2, 3, 1, 2, 3], np.int32), ngram_min=2, ngram_max=2)
+    h = np.array([7, 1, 2], np.int32)
+    context = NgramCountTable()
+    context.update(h)
+    assert ngram_cache_draft(h, 3, context, None, static).tolist() == [3, 1, 2]
+    assert ngram_cache_draft_reference(h, 3, context, None, static).tolist() == [3, 1, 2]
+    assert ngram_cache_draft(h, 3, context).tolist() == []  # without it nothing qualifies
+
+
+def test_the_core_draft_refuses_a_tail_that_is_not_the_historys_end():
+    from specray.engine.speculators._ngram_core import draft
+
+    h = np.array([1, 2, 1, 2, 1, 2], np.int32)
+    t = NgramCountTable()
+    t.update(h)
+    assert draft(t.table, None, h[-4:].tobytes(), 6, 2) == [1, 2] == ngram_cache_draft_reference(h, 2, t).tolist()
+    with pytest.raises(ValueError, match="last min"):
+        draft(t.table, None, np.array([1, 2], np.int32).tobytes(), 9, 2)  # 4 tokens expected
+    with pytest.raises(ValueError, match="last min"):
+        draft(t.table, None, b"\x01\x02\x03", 1, 2)  # not whole int32s
+    with pytest.raises(TypeError, match="dict or None"):
+        draft(t.table, [], np.array([1, 2], np.int32).tobytes(), 2, 2)
+
+
 def test_a_numpy_token_is_stored_as_a_python_int():
     t = NgramCountTable()
     t.update(np.array([5, 6, 5, 6], np.int32))
@@ -116,7 +188,7 @@ def test_a_numpy_token_is_stored_as_a_python_int():
 
 
 def test_the_core_leaks_nothing():
-    """Tables counted, merged and dropped again and again hold no more Python memory than the first time
+    """Tables counted, drafted from, merged and dropped again and again hold no more Python memory than the first time
     (tracemalloc sees the objects a C extension allocates)."""
     rng = np.random.default_rng(9)
     texts = [rng.integers(0, 6, 300).astype(np.int32) for _ in range(12)]
@@ -127,6 +199,8 @@ def test_the_core_leaks_nothing():
             context = NgramCountTable()
             context.update(x[:150])
             context.update(x, 150)
+            for n in range(2, 300, 7):
+                ngram_cache_draft(x[:n], 8, context, dynamic)
             dynamic.merge(context)
 
     assert memory_growth(count_and_drop) < 4096

@@ -1,5 +1,6 @@
-"""SuffixTrie.extend's compiled core (engine/speculators/_suffix_core.c) against its pure-Python reference,
-SuffixTrie.extend_reference: after every operation, two tries grown alike hold the same contents, node for node."""
+"""SuffixTrie.extend's and .advance_through's compiled core (engine/speculators/_suffix_core.c) against their
+pure-Python references, SuffixTrie.extend_reference and .advance_through_reference: after every operation, two tries
+grown alike hold the same contents, node for node, and a context advanced through either trie has the same states."""
 
 from __future__ import annotations
 
@@ -61,6 +62,56 @@ def test_the_core_grows_the_same_trie_as_the_reference(seed):
     assert grown > 100 and peak > 5  # there was a trie to compare
 
 
+def _advanced(trie: SuffixTrie, states: list, tokens: list, compiled: bool):
+    """advance_through's states, or the exception's type where it raised (a leaf of a sequence removed since)."""
+    try:
+        if compiled:
+            return trie.advance_through(states, tokens)
+        return trie.advance_through_reference(states, tokens)
+    except KeyError as e:
+        return type(e)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_core_advances_as_the_reference(seed):
+    """Contexts matched in a trie that grows, loses sequences and slices and reuses nodes (as the global trie
+    does), advanced a few tokens at a time, re-matched from scratch and carried over removals (a state that refers
+    to taken-out nodes walks them as before): the core's states are the reference's, step after step."""
+    rng = np.random.default_rng(100 + seed)
+    depth = int(rng.choice([2, 4, 8, 64]))
+    vocab = int(rng.choice([2, 3, 8, 40]))
+    trie = SuffixTrie(depth)
+    contexts = [[] for _ in range(3)]  # each: its states, advanced through both ways and compared every step
+    matched = 0
+    for step in range(80):
+        sid = int(rng.integers(0, 4))
+        r = rng.random()
+        if r < 0.6:
+            trie.extend(sid, rng.integers(0, vocab, int(rng.integers(1, 40))).tolist())
+        elif r < 0.75 and sid in trie.seqs:
+            L = len(trie.seqs[sid])
+            a = int(rng.integers(0, L + 1))
+            trie.remove_range(sid, a, int(rng.integers(a, L + 1)))
+        elif r < 0.85:
+            trie.remove(sid)
+        else:
+            trie.bump_version()
+        for c, states in enumerate(contexts):
+            toks = rng.integers(0, vocab, int(rng.choice([1, 2, 5, 70]))).tolist()
+            if sid in trie.seqs and rng.random() < 0.3:  # a passage the trie holds: long matches, leaves
+                seq = trie.seqs[sid]
+                a = int(rng.integers(0, len(seq) + 1))
+                toks = seq[a : a + int(rng.integers(1, 12))] or toks
+            if isinstance(states, type):
+                states = []
+            mine, ref = _advanced(trie, list(states), toks, True), _advanced(trie, list(states), toks, False)
+            assert mine == ref, f"step {step}"
+            contexts[c] = mine
+            matched += isinstance(mine, list) and len(mine) > 1
+        assert trie.match(toks) == trie.advance_through_reference([], toks[-depth:])
+    assert matched > 20  # contexts matched suffixes longer than one token
+
+
 def test_a_long_repeat_splits_leaves_at_every_depth():
     """A period-3 text, deeper than max_depth: every new token extends max_depth - 1 growing suffixes and splits
     leaves of its own sequence, the case where the core appends to a growing-suffix list it is walking."""
@@ -106,10 +157,12 @@ def test_bad_input_is_refused_by_either():
             t.extend(-1, [1, 2])
         with pytest.raises((TypeError, ValueError)):
             t.extend(0, ["a"])
+        with pytest.raises((TypeError, ValueError)):
+            t.advance_through([], ["a"])
 
 
 def test_the_core_leaks_nothing():
-    """Tries grown, cut and dropped again and again hold no more Python memory than the first time: the core
+    """Tries grown, matched, cut and dropped again and again hold no more Python memory than the first time: the core
     releases every object it makes or replaces (tracemalloc sees the objects a C extension allocates)."""
     rng = np.random.default_rng(8)
     texts = [rng.integers(0, 6, 300).tolist() for _ in range(12)]
@@ -119,6 +172,7 @@ def test_the_core_leaks_nothing():
         for i, x in enumerate(texts):
             for j in range(0, len(x), 37):
                 t.extend(i, x[j : j + 37])
+                t.match(x[: j + 37])
             if i >= 3:
                 t.remove(i - 3)
                 t.bump_version()
