@@ -1,0 +1,40 @@
+#!/bin/bash
+# The compiled look-ups (benchmarks page, "Compiled look-ups for ngram_cache and suffix"): `specray bench` of this
+# checkout against BASE (the commit before them, built in a worktree of its own), interleaved: at 4 and then 1 slot,
+# the host replay at the H100 table in the order after, before, after, before; then the real run in the order
+# before, after, before, after. BASE runs from the worktree's sources through PYTHONPATH, with the same venv.
+#   bash bench/results/2026-12-05-compiled-lookups-ab.sh OUTDIR [BASE]
+set -e
+OUT=${1:?usage: $0 OUTDIR [BASE]}
+BASE=${2:-a41b35e}
+mkdir -p "$OUT"
+ROOT=$(pwd)
+WT=$(mktemp -d)/base
+git worktree add --detach "$WT" "$BASE" >/dev/null
+(cd "$WT" && "$ROOT/.venv/bin/python" setup.py -q build_ext --inplace >/dev/null 2>&1)
+PKG=$(mktemp -d)
+mkdir "$PKG/specray"
+for d in engine native deployments cluster bench cli train; do ln -s "$WT/$d" "$PKG/specray/$d"; done
+trap 'git worktree remove --force "$WT"; rm -rf "$PKG"' EXIT
+D=ngram_mod,suffix,ngram_cache
+B="--categories coding,math_reasoning,qa,rag,summarization,translation --per-category 2 --max-tokens 64
+   --no-llama-baseline"
+bench() {  # bench before|after ARGS...
+  if [ "$1" = before ]; then
+    (cd /tmp && PYTHONPATH="$PKG" "$ROOT/.venv/bin/python" -c \
+      'import sys, specray.cli.main as m; assert m.__file__.startswith(sys.argv[1]); sys.exit(m.main(sys.argv[2:]))' \
+      "$PKG" bench "${@:2}")
+  else
+    .venv/bin/specray bench "${@:2}"
+  fi
+}
+for S in 4 1; do
+  for v in after before after before; do
+    bench $v $B --slots $S --host-replay h100 --configs none $D $D@overlap --json "$OUT/replay-s$S-$v-$(date +%H%M%S).json"
+  done
+done
+for S in 4 1; do
+  for v in before after before after; do
+    bench $v $B --slots $S --configs none $D --json "$OUT/inplace-s$S-$v-$(date +%H%M%S).json"
+  done
+done

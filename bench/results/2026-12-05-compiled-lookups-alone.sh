@@ -1,0 +1,23 @@
+#!/bin/bash
+# The speculators alone, with the compiled look-ups and without (benchmarks page, "Compiled look-ups for ngram_cache
+# and suffix"): bench/results/2026-12-05-compiled-cores.py run from this checkout and from BASE (the commit before
+# them, built in a worktree of its own), alternately, three times each. Each run also times the references (every
+# core off), which both commits share.
+#   bash bench/results/2026-12-05-compiled-lookups-alone.sh OUTDIR [BASE]
+set -e
+OUT=${1:?usage: $0 OUTDIR [BASE]}
+BASE=${2:-a41b35e}
+mkdir -p "$OUT"
+ROOT=$(pwd)
+WT=$(mktemp -d)/base
+git worktree add --detach "$WT" "$BASE" >/dev/null
+(cd "$WT" && "$ROOT/.venv/bin/python" setup.py -q build_ext --inplace >/dev/null 2>&1)
+PKG=$(mktemp -d)
+mkdir "$PKG/specray"
+for d in engine native deployments cluster bench cli train; do ln -s "$WT/$d" "$PKG/specray/$d"; done
+trap 'git worktree remove --force "$WT"; rm -rf "$PKG"' EXIT
+SCRIPT=bench/results/2026-12-05-compiled-cores.py
+for i in 1 2 3; do
+  (cd /tmp && PYTHONPATH="$PKG" "$ROOT/.venv/bin/python" "$WT/$SCRIPT" "$OUT/before-$i.json")
+  .venv/bin/python "$SCRIPT" "$OUT/after-$i.json"
+done
