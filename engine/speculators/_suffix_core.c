@@ -311,7 +311,9 @@ static PyObject *advance_one(PyObject *states, PyObject *t, long long tv, long l
         return NULL;
     }
     PyList_SET_ITEM(out, 0, ch); /* steals ch */
+    /* states[: max_depth - 1], as Python slices it (a max_depth below 1 counts from the end) */
     Py_ssize_t n = PyList_GET_SIZE(states), lim = D - 1 < n ? (Py_ssize_t)(D - 1) : n;
+    if (lim < 0) lim = lim + n > 0 ? lim + n : 0;
     for (Py_ssize_t k = 0; k < lim; k++) {
         long long obj;
         if (get_ll(states, k, &obj) < 0) goto fail;
