@@ -9,13 +9,7 @@ OUT=${1:?usage: $0 OUTDIR [BASE]}
 BASE=${2:-a41b35e}
 mkdir -p "$OUT"
 ROOT=$(pwd)
-WT=$(mktemp -d)/base
-git worktree add --detach "$WT" "$BASE" >/dev/null
-(cd "$WT" && "$ROOT/.venv/bin/python" setup.py -q build_ext --inplace >/dev/null 2>&1)
-PKG=$(mktemp -d)
-mkdir "$PKG/specray"
-for d in engine native deployments cluster bench cli train; do ln -s "$WT/$d" "$PKG/specray/$d"; done
-trap 'git worktree remove --force "$WT"; rm -rf "$PKG"' EXIT
+source bench/results/2026-12-05-base-worktree.sh  # WT, PKG: BASE built in a worktree
 D=ngram_mod,suffix,ngram_cache
 B="--categories coding,math_reasoning,qa,rag,summarization,translation --per-category 2 --max-tokens 64
    --no-llama-baseline"

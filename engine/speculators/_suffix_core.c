@@ -241,6 +241,22 @@ fail:
     return NULL;
 }
 
+/* The next token of an iterator over ints (numpy integers too: int(t)): 1 with *t (a new reference) and its value
+ * *tv, 0 at the end, -1 with an exception set. */
+static int next_token(PyObject *it, PyObject **t, long long *tv) {
+    PyObject *tok = PyIter_Next(it);
+    if (tok == NULL) return PyErr_Occurred() ? -1 : 0;
+    *t = PyNumber_Index(tok);
+    Py_DECREF(tok);
+    if (*t == NULL) return -1;
+    *tv = PyLong_AsLongLong(*t);
+    if (*tv == -1 && PyErr_Occurred()) {
+        Py_CLEAR(*t);
+        return -1;
+    }
+    return 1;
+}
+
 static PyObject *extend(PyObject *self, PyObject *args) {
     PyObject *seq, *act, *tokens, *seqs, *actives, *rescan;
     long long base, D;
@@ -254,23 +270,17 @@ static PyObject *extend(PyObject *self, PyObject *args) {
     PyObject *it = PyObject_GetIter(tokens);
     if (it == NULL) return NULL;
     Py_INCREF(act);
-    PyObject *tok;
-    while ((tok = PyIter_Next(it)) != NULL) {
-        PyObject *t = PyNumber_Index(tok); /* int(t) for a numpy integer */
-        Py_DECREF(tok);
-        if (t == NULL) goto fail;
-        long long tv = PyLong_AsLongLong(t);
-        if (tv == -1 && PyErr_Occurred()) {
-            Py_DECREF(t);
-            goto fail;
-        }
+    PyObject *t;
+    long long tv;
+    int more;
+    while ((more = next_token(it, &t, &tv)) > 0) {
         PyObject *next = extend_one(&n, seq, act, t, tv, base, D, seqs, actives, rescan);
         Py_DECREF(t);
         if (next == NULL) goto fail;
         Py_DECREF(act);
         act = next;
     }
-    if (PyErr_Occurred()) goto fail;
+    if (more < 0) goto fail;
     Py_DECREF(it);
     return act;
 fail:
@@ -367,23 +377,17 @@ static PyObject *advance(PyObject *self, PyObject *args) {
     PyObject *it = PyObject_GetIter(tokens);
     if (it == NULL) return NULL;
     Py_INCREF(states);
-    PyObject *tok;
-    while ((tok = PyIter_Next(it)) != NULL) {
-        PyObject *t = PyNumber_Index(tok); /* int(t) for a numpy integer */
-        Py_DECREF(tok);
-        if (t == NULL) goto fail;
-        long long tv = PyLong_AsLongLong(t);
-        if (tv == -1 && PyErr_Occurred()) {
-            Py_DECREF(t);
-            goto fail;
-        }
+    PyObject *t;
+    long long tv;
+    int more;
+    while ((more = next_token(it, &t, &tv)) > 0) {
         PyObject *next = advance_one(states, t, tv, D, seqs, best, one, kids_of);
         Py_DECREF(t);
         if (next == NULL) goto fail;
         Py_DECREF(states);
         states = next;
     }
-    if (PyErr_Occurred()) goto fail;
+    if (more < 0) goto fail;
     Py_DECREF(it);
     return states;
 fail:

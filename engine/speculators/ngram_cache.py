@@ -459,11 +459,12 @@ def ngram_cache_draft_reference(
 ) -> np.ndarray:
     """`ngram_cache_draft` in pure Python: the reference the compiled walk is held to
     (tests/unit/test_spec_ngram_core.py), and what runs with a static table or where the core is not built.
+    With a static table, its 2-grams weigh the candidates and are the last resort:
 
-    >>> h = np.array([5, 1, 2, 3, 9, 1, 2, 3, 7, 1, 2], np.int32)
-    >>> ctx = NgramCountTable(); ctx.update(h)
-    >>> ngram_cache_draft_reference(h, 4, ctx)
-    array([3, 9, 1, 2], dtype=int32)
+    >>> static = NgramCountTable(); static.update(np.array([1, 2, 3] * 3, np.int32), ngram_min=2, ngram_max=2)
+    >>> h = np.array([7, 1, 2], np.int32); ctx = NgramCountTable(); ctx.update(h)
+    >>> ngram_cache_draft_reference(h, 3, ctx, None, static), ngram_cache_draft_reference(h, 3, ctx)
+    (array([3, 1, 2], dtype=int32), array([], dtype=int32))
     """
     h = as_tokens(history)
     L = len(h)
