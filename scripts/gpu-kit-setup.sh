@@ -3,7 +3,7 @@
 # folder ($SPECRAY_KIT, default /tmp/specray-kit, which outlives a device call while the machine stays warm);
 # once a group's parts are all there, checks their hash and unpacks them. When the core group is in, unzips
 # its wheels (no index, no build), lays out llama_cpp over the prebuilt libraries, exposes the checkout as the
-# `specray` namespace, builds the engine's compiled cores (two small C files) and writes $SPECRAY_KIT/env.sh: a few
+# `specray` namespace, builds the engine's compiled cores (small C files) and writes $SPECRAY_KIT/env.sh: a few
 # seconds.
 #
 #   bash scripts/gpu-kit-setup.sh .gpu/p1     # every part, in any order; then:

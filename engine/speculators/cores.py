@@ -1,17 +1,18 @@
 """The speculators' compiled cores (setup.py builds them): which run compiled here. A core that is not built, or
-whose class switch (`SuffixTrie.compiled`, `NgramCountTable.compiled`) is off, leaves its pure-Python reference
-running: the same results, more host time a round."""
+whose class switch (`SuffixTrie.compiled`, `NgramCountTable.compiled`, `NgramModPool.compiled`) is off, leaves its
+pure-Python reference running: the same results, more host time a round."""
 
 from __future__ import annotations
 
-from . import ngram_cache, suffix
+from . import ngram_cache, ngram_mod, suffix
 
 
 def cores_in_use() -> dict[str, bool]:
     """Per speculator with a compiled core: whether its core runs here (built, and switched on).
 
     >>> sorted(cores_in_use())
-    ['ngram_cache', 'suffix']
+    ['ngram_cache', 'ngram_mod', 'suffix']
     """
     return {"suffix": suffix.COMPILED_CORE and bool(suffix.SuffixTrie.compiled),
-            "ngram_cache": ngram_cache.COMPILED_CORE and bool(ngram_cache.NgramCountTable.compiled)}
+            "ngram_cache": ngram_cache.COMPILED_CORE and bool(ngram_cache.NgramCountTable.compiled),
+            "ngram_mod": ngram_mod.COMPILED_CORE and bool(ngram_mod.NgramModPool.compiled)}

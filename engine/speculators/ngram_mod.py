@@ -38,6 +38,15 @@ from specray.engine.speculator import DraftRequest, Speculator
 
 from ._util import EMPTY_DRAFT, HistoryCursor, as_tokens
 
+try:  # the compiled core of NgramModPool.add_range and .roll (setup.py builds it; _ngram_mod_core.c)
+    from ._ngram_mod_core import add as _core_add
+    from ._ngram_mod_core import roll as _core_roll
+except ImportError:  # not built: the references run, with the same results
+    _core_add = _core_roll = None
+
+#: whether NgramModPool.add_range and .roll run compiled here
+COMPILED_CORE = _core_add is not None
+
 HASH_MUL = 6364136223846793005
 MASK64 = (1 << 64) - 1
 EMPTY = -1
@@ -70,6 +79,9 @@ class NgramModPool:
     >>> pool.get(np.array([9, 9], np.int32)), pool.used
     (-1, 3)
     """
+
+    #: add_range and roll with the compiled core where it is built; False (on the class) runs the references
+    compiled = True
 
     def __init__(self, n: int, size: int, allocate: bool = False) -> None:
         """allocate: the table now (size int32 slots), not at the first add."""
@@ -111,7 +123,27 @@ class NgramModPool:
         return int(self.entries[self.hash(window) % self.size])
 
     def add_range(self, tokens: np.ndarray, start: int, stop: int) -> None:
-        """add(tokens[i:i+n] -> tokens[i+n]) for i in [start, stop), in order (later wins)."""
+        """add(tokens[i:i+n] -> tokens[i+n]) for i in [start, stop), in order (later wins). Runs the compiled core
+        (_ngram_mod_core.c) where it is built and `compiled` is on, else `add_range_reference`: the two write the
+        same slots with the same tokens and count the same slots newly used."""
+        if _core_add is None or not self.compiled:
+            self.add_range_reference(tokens, start, stop)
+            return
+        stop = min(stop, len(tokens) - self.n)
+        if stop <= start:
+            return
+        self.used += _core_add(self._alloc(), np.ascontiguousarray(tokens, dtype=np.int32), start, stop, self.n)
+
+    def add_range_reference(self, tokens: np.ndarray, start: int, stop: int) -> None:
+        """`add_range` in numpy: every window hashed afresh, the last write of each slot kept. The reference the
+        compiled core is held to (tests/unit/test_spec_ngram_mod_core.py), and what runs where it is not built.
+
+        >>> a, b = NgramModPool(n=2, size=7), NgramModPool(n=2, size=7)
+        >>> toks = np.array([3, 1, 4, 1, 5, 9, 2, 6], np.int32)
+        >>> a.add_range(toks, 0, 6); b.add_range_reference(toks, 0, 6)
+        >>> a.entries.tolist() == b.entries.tolist(), a.used == b.used
+        (True, True)
+        """
         n = self.n
         stop = min(stop, len(tokens) - n)
         if stop <= start:
@@ -134,9 +166,24 @@ class NgramModPool:
         return ((h - t_out * self._top) * HASH_MUL + t_in) & MASK64
 
     def roll(self, start_window, limit: int, n_min: int, h: int | None = None) -> list[int]:
-        """Draft by rolling the hash: up to `limit` tokens; [] on a miss before `n_min`.
+        """Draft by rolling the hash: up to `limit` tokens; [] on a miss before `n_min`. Runs the compiled core
+        (_ngram_mod_core.c) where it is built and `compiled` is on, which hashes the window itself; else
+        `roll_reference`, which uses `h`, the hash of `start_window`, where the caller has it. The two draft the
+        same tokens."""
+        if _core_roll is None or not self.compiled:
+            return self.roll_reference(start_window, limit, n_min, h)
+        if self.entries is None or limit <= 0:
+            return []
+        return _core_roll(self.entries, np.ascontiguousarray(start_window, dtype=np.int32), limit, n_min)
 
-        `h` may pass the hash of `start_window` if the caller already has it.
+    def roll_reference(self, start_window, limit: int, n_min: int, h: int | None = None) -> list[int]:
+        """`roll` in Python: the reference the compiled core is held to (tests/unit/test_spec_ngram_mod_core.py), and
+        what runs where it is not built. `h` may pass the hash of `start_window` if the caller already has it.
+
+        >>> pool = NgramModPool(n=2, size=97)
+        >>> pool.add_range(np.array([1, 2, 3, 4, 1, 2, 5], np.int32), 0, 5)
+        >>> pool.roll_reference([1, 2], 3, 1), pool.roll([1, 2], 3, 1)   # [1 2] -> 5 (the later add), [2 5]: none
+        ([5], [5])
         """
         entries = self.entries
         if entries is None or limit <= 0:
@@ -232,10 +279,17 @@ class NgramModSpeculator(Speculator):
         self.pool.add_range(prompt, 0, len(prompt) - n)
         info.i_last = len(prompt) - n
         info.cursor.advance(prompt)
-        info.hashes = [self.pool.hash(prompt[len(prompt) - n :])]
-        info.hbase = len(prompt)
+        if self._keeps_hashes():
+            info.hashes = [self.pool.hash(prompt[len(prompt) - n :])]
+            info.hbase = len(prompt)
         if self.pool.occupancy > OCCUPANCY_RESET:
             self._reset_pool()
+
+    def _keeps_hashes(self) -> bool:
+        """Whether each sequence keeps its windows' hashes up to date (_roll_hashes): the interpreted roll and
+        add read them instead of hashing again; the compiled core hashes a window in fewer steps than keeping
+        its hash costs."""
+        return _core_roll is None or not self.pool.compiled
 
     def _roll_hashes(self, info: _SeqInfo, h: np.ndarray) -> int:
         """Bring info.hashes up to the window ending at len(h); returns that window's hash."""
@@ -258,7 +312,7 @@ class NgramModSpeculator(Speculator):
         """Add n-grams i in [i_last, cur_len - n) of history[:cur_len] (llama.cpp's chunked add)."""
         pool, n = self.pool, self.pool.n
         lo, hi = info.i_last + n, cur_len  # window ends e = i + n, next token h[e]
-        if info.hbase <= lo and pool.entries is not None:
+        if self._keeps_hashes() and info.hbase <= lo and pool.entries is not None:
             entries, size, hs, base = pool.entries, pool.size, info.hashes, info.hbase
             nxt = h[lo:hi].tolist()
             used = 0
@@ -291,7 +345,7 @@ class NgramModSpeculator(Speculator):
         cur_len = L - 1  # llama.cpp's prompt = history[:-1]
         if cur_len < n:
             return EMPTY_DRAFT
-        hv = self._roll_hashes(info, h)
+        hv = self._roll_hashes(info, h) if self._keeps_hashes() else None
         if info.i_last + ADD_CHUNK < cur_len:
             self._add_new(info, h, cur_len)
         if pool.entries is None:

@@ -79,6 +79,7 @@ def test_setup_waits_for_every_part_then_lays_out_one_library_folder(kit):
     # the engine's compiled cores, built there for the kit's Python
     assert "built engine/speculators/_suffix_core.c" in kit["setups"][-1].stderr
     assert "built engine/speculators/_ngram_core.c" in kit["setups"][-1].stderr
+    assert "built engine/speculators/_ngram_mod_core.c" in kit["setups"][-1].stderr
 
 
 def test_measure_script_runs_every_step_with_small_counts(kit):
