@@ -195,6 +195,35 @@ class DecodeCostModel:
         on average (None: as many as at calibration)."""
         return self._speed * (self._table_cost(n) + self._attn(n, cells))
 
+    def costs(self, n0: int, n1: int, cells: float | None = None) -> list[float]:
+        """[cost(n, cells) for n in range(n0, n1)], each the same float, in one pass over the table: a round's
+        drafts are priced at a run of consecutive sizes, and a call per size cost more than its arithmetic.
+
+        >>> m = DecodeCostModel({1: 0.010, 4: 0.016}, attn_seconds=1e-7)
+        >>> m.costs(1, 7, 200.0) == [m.cost(n, 200.0) for n in range(1, 7)]
+        True
+        """
+        ns, secs, speed, attn = self._ns, self._secs, self._speed, self._attn_ref
+        beyond = 0.0 if cells is None else max(0.0, cells - self.ref_cells)
+        out = []
+        i = 0  # the first table size >= n, as _table_cost's bisect finds it (n only grows)
+        for n in range(n0, n1):
+            while i < len(ns) and ns[i] < n:
+                i += 1
+            if n <= ns[0]:
+                t = secs[0] * n / ns[0] if n > 0 else 0.0
+            elif i < len(ns) and ns[i] == n:
+                t = secs[i]
+            elif i >= len(ns):
+                if len(ns) == 1:
+                    t = secs[0] * n / ns[0]
+                else:
+                    t = secs[-1] + (secs[-1] - secs[-2]) / (ns[-1] - ns[-2]) * (n - ns[-1])
+            else:
+                t = secs[i - 1] + (secs[i] - secs[i - 1]) * (n - ns[i - 1]) / (ns[i] - ns[i - 1])
+            out.append(speed * (t + (attn * n * beyond if cells is not None and n > 0 else 0.0)))
+        return out
+
     def _attn(self, n: int, cells: float | None) -> float:
         """At the reference speed."""
         if cells is None or n <= 0:

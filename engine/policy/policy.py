@@ -65,6 +65,9 @@ from .tuning import ParamTuner, make_tuner, tuned_look_up
 
 log = logging.getLogger("specray.policy")
 
+#: sizes a round's price curve is extended by at a time (base_rows up): one plain row and a draft of up to 16 rows
+PRICE_RUN = 17
+
 
 @dataclass
 class Room:
@@ -188,10 +191,19 @@ class DraftPolicy:
 
     def round_price(self, base_rows: int, n_decoding: int, cells: float | None) -> Callable[[int], float]:
         """price(n): seconds of this round with n target rows (decode and host work), memoised for the round:
-        drafts are priced token by token, by every speculator that offers one."""
-        seen: dict[int, float] = {}
+        drafts are priced token by token, by every speculator that offers one. The sizes from base_rows up are
+        priced in runs (RoundPricer.prices), at least PRICE_RUN at a time."""
+        run: list[float] = []  # the prices of base_rows, base_rows + 1, ... so far
+        seen: dict[int, float] = {}  # of smaller sizes
 
         def price(n: int) -> float:
+            k = n - base_rows
+            if 0 <= k < len(run):
+                return run[k]
+            if k >= 0:
+                n0 = base_rows + len(run)
+                run.extend(self.pricer.prices(n0, max(n + 1, n0 + PRICE_RUN), base_rows, n_decoding, cells))
+                return run[k]
             v = seen.get(n)
             if v is None:
                 v = seen[n] = self.pricer.price(n, base_rows, n_decoding, cells)

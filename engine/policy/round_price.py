@@ -52,6 +52,31 @@ class RoundPricer:
                 decode += pen * self.cost.cost(n_rows, cells)
         return decode + self.host.round_seconds(n_decoding, max(0, n_rows - base_rows))
 
+    def prices(self, n0: int, n1: int, base_rows: int, n_decoding: int, cells: float | None) -> list[float]:
+        """[price(n, base_rows, n_decoding, cells) for n in range(n0, n1)], each the same float, in one pass
+        (DecodeCostModel.costs): the planner prices a round at a run of consecutive sizes.
+
+        >>> from specray.engine.cost import DecodeCostModel
+        >>> p = RoundPricer(DecodeCostModel({1: 0.0015, 4: 0.0017}, learn=False, shape_ratios=(1.8, 1.6)))
+        >>> p.last_shape = 2
+        >>> p.prices(1, 9, 2, 2, 300.0) == [p.price(n, 2, 2, 300.0) for n in range(1, 9)]
+        True
+        """
+        decodes = self.cost.costs(n0, n1, cells)
+        pen = self.cost.shape_change_penalty
+        if pen > 0:
+            first, last = self.cost.first_decode_penalty, self.last_shape
+            base = self.cost.cost(base_rows, cells)
+            for j, n in enumerate(range(n0, n1)):
+                if n != base_rows:
+                    own = first if n != last else 0.0
+                    decodes[j] += own * decodes[j] + pen * base
+                elif n != last:
+                    decodes[j] += pen * decodes[j]
+        a, b, c, _ = self.host.coefficients()
+        fixed = a + b * n_decoding
+        return [d + (fixed + c * max(0, n - base_rows)) for d, n in zip(decodes, range(n0, n1))]
+
     def _shape(self, size: int) -> int:
         """Record a decode of `size` rows; returns how many of that shape came right before it."""
         self.since_change = self.since_change + 1 if size == self.last_shape else 0

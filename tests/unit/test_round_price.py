@@ -125,3 +125,41 @@ def test_probes_are_per_sequence_back_off_and_start_at_once_for_a_new_sequence()
     assert g.ask("s", [0, 1], [3, 4], 0.0016) == [0, 1]
     g.won("s", 5)  # a probe finds it paying: asked for every sequence while it does
     assert all(g.ask("s", [0, 1], [3, 4], 0.0016) == [0, 1] for _ in range(20))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_run_of_prices_is_each_size_priced_alone(seed):
+    """DecodeCostModel.costs and RoundPricer.prices price a run of sizes in one pass: each the same float as a
+    call per size, over learnt tables of one to six sizes, sizes below, inside and past the table, contexts or
+    none, and GPU-like shape penalties; and the policy's memoised round price, asked in any order, gives them."""
+    from specray.engine.chain import Chain
+    from specray.engine.config import ChainConfig
+    from specray.engine.policy.policy import DraftPolicy
+    from specray.engine.speculators.registry import speculator_factory
+
+    rng = np.random.default_rng(seed)
+    penalised = 0
+    for _ in range(40):
+        sizes = sorted(rng.choice(np.arange(1, 70), int(rng.integers(1, 7)), replace=False).tolist())
+        m = DecodeCostModel({n: float(rng.uniform(0.001, 0.05)) for n in sizes},
+                            attn_seconds=float(rng.choice([0.0, 3e-7])),
+                            shape_ratios=(float(rng.choice([1.0, 1.8])), float(rng.choice([1.0, 1.6]))))
+        for _ in range(int(rng.integers(0, 30))):
+            m.observe(int(rng.integers(1, 40)), float(rng.uniform(0.001, 0.06)), rng.choice([None, 100.0, 900.0]),
+                      since_change=rng.choice([None, 0, 1, 2]))
+        p = RoundPricer(m)
+        p.last_shape = int(rng.integers(0, 10))
+        for _ in range(int(rng.integers(0, 40))):
+            p.host.observe(int(rng.integers(1, 8)), int(rng.integers(0, 30)), float(rng.uniform(0, 0.001)))
+        cells = rng.choice([None, 0.0, 64.0, 700.3])
+        base, n_dec, n0 = int(rng.integers(1, 9)), int(rng.integers(1, 8)), int(rng.integers(0, 12))
+        n1 = n0 + int(rng.integers(0, 60))
+        assert m.costs(n0, n1, cells) == [m.cost(n, cells) for n in range(n0, n1)]
+        assert p.prices(n0, n1, base, n_dec, cells) == [p.price(n, base, n_dec, cells) for n in range(n0, n1)]
+        penalised += m.shape_change_penalty > 0
+    assert penalised > 5  # the shape penalties were in play
+    policy = DraftPolicy(Chain(ChainConfig(speculators=["ngram_mod"]), speculator_factory()), m)
+    policy.pricer = p
+    price = policy.round_price(base, n_dec, cells)
+    asked = rng.integers(0, base + 50, 80).tolist()  # below base_rows, past the first run, repeated
+    assert [price(n) for n in asked] == [p.price(n, base, n_dec, cells) for n in asked]
