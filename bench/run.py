@@ -26,7 +26,7 @@ import time
 from specray.deployments.local_engine import LocalEngine
 from specray.engine.chain import Chain
 from specray.engine.config import ChainConfig, DraftModelConfig, EngineConfig, HiddenStateConfig
-from specray.engine.speculators.cores import cores_in_use
+from specray.engine.cores import cores_in_use
 from specray.engine.speculators.registry import flag_values
 from specray.native.lib import build_has_amx, verify_cols_enabled
 
@@ -202,7 +202,7 @@ def run_bench(
                    # hidden-state heads (eagle3, ...): file, taps, measured step cost by batch size
                    "hidden": engine.hidden_heads.info() if engine.hidden_heads is not None else None,
                    "verify_cols_kernel": verify_cols_enabled(),
-                   # speculators whose compiled core runs (engine/speculators/cores.py): else its Python reference
+                   # modules whose compiled core runs (engine/cores.py): else their Python reference
                    "compiled_cores": cores_in_use(),
                    "decode_cost_ms": {k: v * 1000 for k, v in engine.scheduler.cost.table().items()},
                    "attention_us_per_1k_token_cells": engine.scheduler.cost.attn_seconds * 1e9,

@@ -78,8 +78,8 @@ for src in sorted((repo / "engine").rglob("_*_core.c")):
     lib = str(src.with_suffix("")) + ext
     # built aside, then renamed over: a process that loaded the old one keeps its own copy
     try:
-        subprocess.run([(sysconfig.get_config_var("CC") or "cc").split()[0], "-O2", "-shared", "-fPIC", f"-I{inc}",
-                        "-o", lib + ".tmp", str(src)], check=True)
+        subprocess.run([(sysconfig.get_config_var("CC") or "cc").split()[0], "-O2", "-ffp-contract=off", "-shared",
+                        "-fPIC", f"-I{inc}", "-o", lib + ".tmp", str(src)], check=True)
         os.replace(lib + ".tmp", lib)
     finally:
         pathlib.Path(lib + ".tmp").unlink(missing_ok=True)

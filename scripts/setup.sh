@@ -48,4 +48,4 @@ if [[ -n "$extra" && -z "$wheelhouse" && "${SPECRAY_CUDA:-auto}" != on ]] && ! {
     .venv/bin/python -m pip install --quiet torch==2.13.0
 fi
 .venv/bin/python -m pip install --quiet -e ".$extra"
-.venv/bin/python -c "import specray.engine, specray.native.lib as l; from specray.engine.speculators.cores import cores_in_use; ok, why = l.exact_mode_available(); off = [k for k, v in cores_in_use().items() if not v]; print('specray installed; exact mode:', 'available' if ok else why, end='; '); print('compiled cores:', 'built' if not off else 'not built for ' + ', '.join(off) + ' (their Python references run)')"
+.venv/bin/python -c "import specray.engine, specray.native.lib as l; from specray.engine.cores import cores_in_use; ok, why = l.exact_mode_available(); off = [k for k, v in cores_in_use().items() if not v]; print('specray installed; exact mode:', 'available' if ok else why, end='; '); print('compiled cores:', 'built' if not off else 'not built for ' + ', '.join(off) + ' (their Python references run)')"

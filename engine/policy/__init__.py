@@ -7,7 +7,8 @@ round (policy.py). The modules, by what they decide:
 - pricing.py: a round's price curve in tokens, and a draft's net value (`Pricing`, `draft_value`);
 - round_price.py, host_cost.py, rollback_price.py: what a round costs, learnt from live rounds
   (the decode's model is engine/cost.py, shared with the speculators that price their own steps);
-- estimates.py, acceptance.py, calibration.py: each speculator's acceptance estimate;
+- estimates.py, acceptance.py, calibration.py: each speculator's acceptance estimate (estimates made in
+  _estimate_core.c where it is built);
 - lookup_gate.py: whether a speculator's look-ups pay for themselves;
 - model_drafts.py, catchup_price.py: model drafts priced before they are made;
 - tuning.py, tuning_shadow.py: online tuning of look-up parameters;

@@ -47,7 +47,8 @@ import math
 
 import numpy as np
 
-_EPS = 1e-3
+#: a conditional acceptance rate stays within [RATE_EPS, 1 - RATE_EPS] (and so does a logit's argument)
+RATE_EPS = 1e-3
 
 #: states of a sequence's previous judged draft (per speculator): none yet, then by how many of its
 #: tokens were accepted: 0, 1, 2-3, 4-7, 8+
@@ -60,7 +61,7 @@ CELL_CAP = 4096.0
 
 
 def _logit(p: float) -> float:
-    p = min(max(p, _EPS), 1 - _EPS)
+    p = min(max(p, RATE_EPS), 1 - RATE_EPS)
     return math.log(p / (1 - p))
 
 
@@ -143,6 +144,17 @@ class AcceptanceTracker:
         acc, trials = self._seq.get(seq_id, (0.0, 0.0))
         return (acc + g * self.seq_weight) / (trials + self.seq_weight)
 
+    def odds_factor(self, seq_id: int, g: float | None = None) -> float:
+        """exp(logit(rate(seq_id)) - logit(g)): the factor the sequence's own rate scales every position's odds by
+        (`conditional`); g: the global rate, where the caller has it.
+
+        >>> t = AcceptanceTracker()
+        >>> t.update(0, 4, 4)
+        >>> t.odds_factor(0) > 1.0 == t.odds_factor(1)   # seq 0 beats the global rate; an unseen one is it
+        True
+        """
+        return math.exp(_logit(self.rate(seq_id)) - _logit(self.global_rate() if g is None else g))
+
     def state(self, seq_id: int) -> int:
         return self._state.get(seq_id, STATE_NONE)
 
@@ -220,9 +232,9 @@ class AcceptanceTracker:
         b = pos_buckets(length)
         acc, trials = self.state_acc[st, ctx][b], self.state_trials[st, ctx][b]
         w = self.state_weight
-        cond = np.minimum(np.maximum((acc + w * prof) / (trials + w), _EPS), 1 - _EPS)
+        cond = np.minimum(np.maximum((acc + w * prof) / (trials + w), RATE_EPS), 1 - RATE_EPS)
         # sigmoid(logit(c) + shift) = c k / (c k + 1 - c), k = exp(shift)
-        ck = cond * math.exp(_logit(self.rate(seq_id)) - _logit(self.global_rate()))
+        ck = cond * self.odds_factor(seq_id)
         return ck / (ck + (1.0 - cond))
 
     def prefix_probs(self, seq_id: int, length: int, context: int = 0) -> np.ndarray:
@@ -247,14 +259,14 @@ class AcceptanceTracker:
         st = self.state(seq_id)
         cell_acc, cell_trials = self.state_acc[st, ctx].tolist(), self.state_trials[st, ctx].tolist()
         ws = self.state_weight
-        k = math.exp(_logit(self.rate(seq_id)) - _logit(g))
+        k = self.odds_factor(seq_id, g)
         buckets = pos_bucket_list(length)
         out = [0.0] * length
         run = 1.0
         for j in range(length):  # conditional's steps, in its order
             prof = (pos_acc[j] + wg) / (pos_trials[j] + w) if j < m else g
             b = buckets[j]
-            c = min(max((cell_acc[b] + ws * prof) / (cell_trials[b] + ws), _EPS), 1 - _EPS)
+            c = min(max((cell_acc[b] + ws * prof) / (cell_trials[b] + ws), RATE_EPS), 1 - RATE_EPS)
             ck = c * k
             run *= ck / (ck + (1.0 - c))
             out[j] = run

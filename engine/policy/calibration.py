@@ -50,7 +50,7 @@ from .acceptance import N_POS_BUCKETS, bucket_counts, pos_bucket_list, pos_bucke
 FACTOR_MIN, FACTOR_MAX = 0.05, 2.0
 #: predicted tokens a bucket remembers: old verdicts fade, so the factor follows the traffic
 BUCKET_CAP = 2048.0
-_P_MAX = 0.999
+P_MAX = 0.999
 
 
 class PrefixCalibration:
@@ -78,7 +78,7 @@ class PrefixCalibration:
         out = [0.0] * n
         low = math.inf
         for j, (r, b) in enumerate(zip(np.asarray(raw, dtype=np.float64).tolist(), pos_bucket_list(n))):
-            low = min(low, min(r * f[b], _P_MAX))
+            low = min(low, min(r * f[b], P_MAX))
             out[j] = low
         return np.array(out)
 

@@ -23,8 +23,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from .acceptance import AcceptanceTracker, judge
-from .calibration import PrefixCalibration
+from .acceptance import N_POS_BUCKETS, RATE_EPS, AcceptanceTracker, judge
+from .calibration import P_MAX, PrefixCalibration
+
+try:  # the compiled core of ValueEstimates.estimate (setup.py builds it; _estimate_core.c)
+    from ._estimate_core import CONSTANTS as _CORE_CONSTANTS
+    from ._estimate_core import estimate as _core_estimate
+except ImportError:  # not built: estimate_reference runs, with the same results
+    _CORE_CONSTANTS = _core_estimate = None
+
+if _core_estimate is not None and _CORE_CONSTANTS != (N_POS_BUCKETS, RATE_EPS, P_MAX):
+    raise ImportError(f"_estimate_core.c's constants {_CORE_CONSTANTS} are not acceptance.py's and calibration.py's "
+                      f"{(N_POS_BUCKETS, RATE_EPS, P_MAX)}: rebuild it (pip install -e .)")
+
+#: whether ValueEstimates.estimate runs compiled here
+COMPILED_CORE = _core_estimate is not None
 
 #: a speculator's own context buckets (Speculator.draft_context) kept apart by the acceptance estimate;
 #: each is split 3 ways by agreement with the other speculators' drafts
@@ -44,6 +57,9 @@ def draft_context(own: int, draft: np.ndarray, others: list[np.ndarray]) -> int:
 
 
 class ValueEstimates:
+    #: estimate with the compiled core where it is built; False (on the class) runs estimate_reference
+    compiled = True
+
     def __init__(self) -> None:
         self._trackers: dict[str, AcceptanceTracker] = {}
         self._calibrations: dict[str, PrefixCalibration] = {}
@@ -61,7 +77,24 @@ class ValueEstimates:
         return c
 
     def estimate(self, name: str, seq_id: int, length: int, context: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """(raw, calibrated) P(first j+1 tokens of name's next draft for seq_id all accepted), j < length."""
+        """(raw, calibrated) P(first j+1 tokens of name's next draft for seq_id all accepted), j < length. Runs the
+        compiled core (_estimate_core.c) where it is built and `compiled` is on, else `estimate_reference`: the
+        two give bitwise the same arrays."""
+        if _core_estimate is None or not self.compiled or length <= 0:
+            return self.estimate_reference(name, seq_id, length, context)
+        t = self.tracker(name)
+        g = t.global_rate()
+        ctx = min(max(int(context), 0), t.n_contexts - 1)
+        st = t.state(seq_id)
+        out = np.empty((2, length))
+        _core_estimate(out, t.pos_acc, t.pos_trials, t.state_acc[st, ctx], t.state_trials[st, ctx], g,
+                       t.position_weight, t.state_weight, t.odds_factor(seq_id, g), self.calibration(name).factor_list())
+        return out[0], out[1]
+
+    def estimate_reference(self, name: str, seq_id: int, length: int, context: int = 0) -> tuple[np.ndarray,
+                                                                                                 np.ndarray]:
+        """`estimate` in Python (AcceptanceTracker.prefix_probs, then PrefixCalibration.apply): the reference the
+        compiled core is held to (tests/unit/test_estimate_core.py), and what runs where it is not built."""
         raw = self.tracker(name).prefix_probs(seq_id, length, context)
         return raw, self.calibration(name).apply(raw)
 

@@ -7,6 +7,6 @@ eagle3, dflash): the engine-side halves only, written against a backend protocol
 or in the companion actor (deployments/actors/), which the registry's caller
 supplies. Imports nothing outside specray.engine. suffix's trie, ngram_cache's
 count tables and ngram_mod's pool have compiled cores (_suffix_core.c, _ngram_core.c,
-_ngram_mod_core.c, built by setup.py; cores.py says which run), each held equal to a
-pure-Python reference in its module.
+_ngram_mod_core.c, built by setup.py; engine/cores.py says which run), each held equal
+to a pure-Python reference in its module.
 """

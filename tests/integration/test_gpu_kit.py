@@ -80,6 +80,7 @@ def test_setup_waits_for_every_part_then_lays_out_one_library_folder(kit):
     assert "built engine/speculators/_suffix_core.c" in kit["setups"][-1].stderr
     assert "built engine/speculators/_ngram_core.c" in kit["setups"][-1].stderr
     assert "built engine/speculators/_ngram_mod_core.c" in kit["setups"][-1].stderr
+    assert "built engine/policy/_estimate_core.c" in kit["setups"][-1].stderr
 
 
 def test_measure_script_runs_every_step_with_small_counts(kit):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from specray.engine.policy.acceptance import AcceptanceTracker, pos_buckets
-from specray.engine.policy.calibration import _P_MAX, FACTOR_MAX, FACTOR_MIN, PrefixCalibration
+from specray.engine.policy.calibration import P_MAX, FACTOR_MAX, FACTOR_MIN, PrefixCalibration
 from specray.engine.policy.pricing import Pricing, draft_value
 
 
@@ -43,7 +43,7 @@ def test_calibration_apply_equals_its_numpy_formula():
     for step in range(60):
         raw = np.cumprod(rng.uniform(0.3, 1.0, int(rng.integers(1, 20))))
         assert np.array_equal(c.factors(), _numpy_factors(c)), step
-        want = np.minimum.accumulate(np.minimum(raw * _numpy_factors(c)[pos_buckets(len(raw))], _P_MAX))
+        want = np.minimum.accumulate(np.minimum(raw * _numpy_factors(c)[pos_buckets(len(raw))], P_MAX))
         assert np.array_equal(c.apply(raw), want), step
         c.update(raw, int(rng.integers(0, len(raw) + 1)))  # the factors move: the cached floats must follow
     assert len(c.apply(np.zeros(0))) == 0
