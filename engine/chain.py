@@ -62,6 +62,7 @@ class Chain:
         self._factory = factory
         self.instances: dict[str, Speculator] = {}
         self._needs_hidden: dict[tuple[str, ...], bool] = {}  # needs_hidden's answers
+        self._is_model: dict[str, bool] = {}  # is_model's answers: asked per speculator and sequence, every round
         # (speculator, setting) -> its parameters with the setting applied: made once, not per look-up (a
         # pydantic copy costs more than many look-ups, and tuning times the look-ups of each setting)
         self._settings: dict[tuple[str, tuple], object] = {}
@@ -76,11 +77,15 @@ class Chain:
 
     def is_model(self, name: str) -> bool:
         """Whether `name` drafts with a model (its drafts cost model time: the policy prices them first)."""
-        return isinstance(self.speculator(name), ModelSpeculator)
+        known = self._is_model.get(name)
+        if known is None:
+            known = self._is_model[name] = isinstance(self.speculator(name), ModelSpeculator)
+        return known
 
     def _install(self, name: str, spec: Speculator) -> Speculator:
         self.instances[name] = spec
         self._needs_hidden.clear()  # a new instance may read hidden rows where the old one did not
+        self._is_model.pop(name, None)
         self._settings = {k: v for k, v in self._settings.items() if k[0] != name}  # its new parameters
         return spec
 

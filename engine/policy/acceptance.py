@@ -111,7 +111,7 @@ def next_state(n_accepted: int) -> int:
     """
     if n_accepted <= 0:
         return 1
-    return min(2 + int(np.log2(n_accepted)), N_STATES - 1)
+    return min(1 + int(n_accepted).bit_length(), N_STATES - 1)  # bit_length - 1 = floor(log2), exactly
 
 
 class AcceptanceTracker:
