@@ -206,16 +206,17 @@ class DecodeCostModel:
         ns, secs, speed, attn = self._ns, self._secs, self._speed, self._attn_ref
         beyond = 0.0 if cells is None else max(0.0, cells - self.ref_cells)
         out = []
+        size = len(ns)
         i = 0  # the first table size >= n, as _table_cost's bisect finds it (n only grows)
         for n in range(n0, n1):
-            while i < len(ns) and ns[i] < n:
+            while i < size and ns[i] < n:
                 i += 1
             if n <= ns[0]:
                 t = secs[0] * n / ns[0] if n > 0 else 0.0
-            elif i < len(ns) and ns[i] == n:
+            elif i < size and ns[i] == n:
                 t = secs[i]
-            elif i >= len(ns):
-                if len(ns) == 1:
+            elif i == size:
+                if size == 1:
                     t = secs[0] * n / ns[0]
                 else:
                     t = secs[-1] + (secs[-1] - secs[-2]) / (ns[-1] - ns[-2]) * (n - ns[-1])
