@@ -1,13 +1,16 @@
-/* The compiled core of suffix.py's SuffixTrie.extend and .advance_through: the same algorithms over the same
- * Python lists and dicts, step for step, so a trie grown by either is the same trie and a context matched by
- * either has the same states. SuffixTrie.extend_reference and .advance_through_reference are the pure-Python
- * references the tests hold these to (tests/unit/test_spec_suffix_core.py).
+/* The compiled core of suffix.py's SuffixTrie.extend and .advance_through and of SuffixSpeculator's pick: the same
+ * algorithms over the same Python lists and dicts, step for step, so a trie grown by either is the same trie, a
+ * context matched by either has the same states and a look-up picks the same walk. SuffixTrie.extend_reference and
+ * .advance_through_reference and SuffixSpeculator._pick_reference are the pure-Python references the tests hold
+ * these to (tests/unit/test_spec_suffix_core.py).
  *
  * Why C: extending runs for every prompt token as the target prefills it and for every emitted token, on the
  * round thread, and costs O(suffixes ending at the token that occur twice or more) steps, up to max_depth each;
  * interpreted, those steps are most of a prompt's set-up. Advancing a sequence's matches in the global trie runs
  * for every emitted token, and for the last max_depth tokens of every running sequence each time the global
  * trie gains or loses a sequence: interpreted, those re-matches were most of the look-up of the round after.
+ * Every look-up then picks its walk among all the sequence's matches in both tries, up to max_depth of each:
+ * interpreted, that scan was most of a look-up where the text repeats.
  *
  * extend(seq, act, tokens, base, max_depth, seqs, actives, cnt, best, bestc, one, kids_of, free, rescan) -> act
  *   seq: the sequence's token list (appended to); act: its growing suffixes' node indices before the tokens;
@@ -18,6 +21,12 @@
  * advance(states, tokens, max_depth, seqs, best, one, kids_of) -> states
  *   SuffixTrie.advance for each token in turn: states[i] is the reference of the matched context's suffix of
  *   length i + 1 (a node ~i, or a leaf sid << 32 | pos); returns the states after the last token.
+ *
+ * draft(active, own_fields, gstates, global_fields, n_max, min_match, p_min, factor, offset) -> None or
+ *       (tokens, probs, score, match_len, from_global, state, budget)
+ *   suffix_draft over the candidates of one sequence, in its order: its own trie's growing suffixes (active: node
+ *   indices, match length i + 1) and then its states in the global trie (gstates, match length i + 1), with
+ *   SuffixTrie.walk for each walk it makes; *_fields: SuffixTrie.core_fields() of each trie.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -396,6 +405,233 @@ fail:
     return NULL;
 }
 
+/* ---- draft: suffix_draft over a sequence's candidates in its own trie and the global one, with their walks ---- */
+
+typedef struct {
+    PyObject *cnt, *best, *bestc, *one, *kids, *seqs, *rescan;
+    long long D;
+} Trie;
+
+static int read_trie(PyObject *fields, Trie *t) {
+    if (!PyTuple_Check(fields) || PyTuple_GET_SIZE(fields) != 8) {
+        PyErr_SetString(PyExc_TypeError, "suffix core draft: a trie's fields are SuffixTrie.core_fields()");
+        return -1;
+    }
+    t->cnt = PyTuple_GET_ITEM(fields, 0);
+    t->best = PyTuple_GET_ITEM(fields, 1);
+    t->bestc = PyTuple_GET_ITEM(fields, 2);
+    t->one = PyTuple_GET_ITEM(fields, 3);
+    t->kids = PyTuple_GET_ITEM(fields, 4);
+    t->seqs = PyTuple_GET_ITEM(fields, 5);
+    t->rescan = PyTuple_GET_ITEM(fields, 7);
+    t->D = PyLong_AsLongLong(PyTuple_GET_ITEM(fields, 6));
+    if (t->D == -1 && PyErr_Occurred()) return -1;
+    if (!PyList_Check(t->cnt) || !PyList_Check(t->best) || !PyList_Check(t->bestc) || !PyList_Check(t->one) ||
+        !PyList_Check(t->kids) || !PyDict_Check(t->seqs) || !PyCallable_Check(t->rescan)) {
+        PyErr_SetString(PyExc_TypeError, "suffix core draft: a trie's fields are SuffixTrie.core_fields()");
+        return -1;
+    }
+    return 0;
+}
+
+static int node_ll(PyObject *list, long long i, long long *out) {
+    if (check_index(list, (Py_ssize_t)i) < 0) return -1;
+    return get_ll(list, (Py_ssize_t)i, out);
+}
+
+/* SuffixTrie.count_of */
+static int count_of(Trie *t, long long ref, long long *out) {
+    if (ref >= 0) {
+        *out = 1;
+        return 0;
+    }
+    return node_ll(t->cnt, ~ref, out);
+}
+
+/* node i's best child's count, rescanned (SuffixTrie._rescan) where it is stale, as best_of and walk do */
+static int fresh_bestc(Trie *t, long long i, long long *bc) {
+    if (node_ll(t->bestc, i, bc) < 0) return -1;
+    if (*bc < 0) {
+        PyObject *r = PyObject_CallFunction(t->rescan, "L", i);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+        if (node_ll(t->bestc, i, bc) < 0) return -1;
+    }
+    return 0;
+}
+
+static int append_ll(PyObject *list, long long v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (o == NULL) return -1;
+    int r = PyList_Append(list, o);
+    Py_DECREF(o);
+    return r;
+}
+
+static int append_double(PyObject *list, double v) {
+    PyObject *o = PyFloat_FromDouble(v);
+    if (o == NULL) return -1;
+    int r = PyList_Append(list, o);
+    Py_DECREF(o);
+    return r;
+}
+
+/* SuffixTrie.walk: the greedy most-frequent-child path from `obj` at depth k into toks and probs */
+static int walk(Trie *t, long long k, long long obj, long long budget, double p_min, PyObject *toks, PyObject *probs) {
+    double prob = 1.0;
+    long long depth = k;
+    while (PyList_GET_SIZE(toks) < budget && depth < t->D) {
+        if (obj < 0) {
+            long long i = ~obj, c, bc, tok;
+            if (node_ll(t->cnt, i, &c) < 0) return -1;
+            if (c <= 0) break; /* taken out by a removal a state made before it still names */
+            if (node_ll(t->bestc, i, &bc) < 0) return -1;
+            if (bc <= 0) {
+                if (bc == 0 || fresh_bestc(t, i, &bc) < 0 || bc == 0) {
+                    if (PyErr_Occurred()) return -1;
+                    break;
+                }
+            }
+            prob *= (double)bc / (double)c;
+            if (prob < p_min) break;
+            if (node_ll(t->best, i, &tok) < 0 || append_ll(toks, tok) < 0 || append_double(probs, prob) < 0)
+                return -1;
+            depth++;
+            PyObject *kids = PyList_GET_ITEM(t->kids, (Py_ssize_t)i);
+            PyObject *next;
+            if (kids == Py_None) {
+                next = PyList_GET_ITEM(t->one, (Py_ssize_t)i);
+            } else {
+                PyObject *key = PyList_GET_ITEM(t->best, (Py_ssize_t)i);
+                next = PyDict_GetItemWithError(kids, key);
+                if (next == NULL) {
+                    if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "suffix core draft: a best child missing");
+                    return -1;
+                }
+            }
+            obj = PyLong_AsLongLong(next);
+            if (obj == -1 && PyErr_Occurred()) return -1;
+        } else { /* a single occurrence: the rest of the path is the sequence itself */
+            long long pos = obj & POS;
+            PyObject *sid = PyLong_FromLongLong(obj >> SHIFT);
+            if (sid == NULL) return -1;
+            PyObject *seq = PyDict_GetItemWithError(t->seqs, sid);
+            Py_DECREF(sid);
+            if (seq == NULL || !PyList_Check(seq)) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "suffix core draft: a leaf's sequence missing");
+                return -1;
+            }
+            long long m = budget - PyList_GET_SIZE(toks), rest = PyList_GET_SIZE(seq) - pos - 1;
+            if (rest < m) m = rest;
+            if (t->D - depth < m) m = t->D - depth;
+            for (long long j = 0; j < m; j++) {
+                if (PyList_Append(toks, PyList_GET_ITEM(seq, (Py_ssize_t)(pos + 1 + j))) < 0 ||
+                    append_double(probs, prob) < 0)
+                    return -1;
+            }
+            break;
+        }
+    }
+    return 0;
+}
+
+typedef struct {
+    long long budget, k, count, state;
+    int trie;        /* 0: the sequence's own, 1: the global one */
+    Py_ssize_t order; /* the candidate's index: own trie's first */
+} Group;
+
+static int by_length(const void *a, const void *b) { /* longest match first, then candidate order */
+    const Group *x = a, *y = b;
+    if (x->k != y->k) return x->k > y->k ? -1 : 1;
+    return (x->order > y->order) - (x->order < y->order);
+}
+
+static PyObject *draft(PyObject *self, PyObject *args) {
+    PyObject *active, *own_fields, *gstates, *glob_fields;
+    long long n_max, min_match;
+    double p_min, factor, offset;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!OO!OLLddd", &PyList_Type, &active, &own_fields, &PyList_Type, &gstates,
+                          &glob_fields, &n_max, &min_match, &p_min, &factor, &offset))
+        return NULL;
+    Trie tries[2];
+    if (read_trie(own_fields, &tries[0]) < 0 || read_trie(glob_fields, &tries[1]) < 0) return NULL;
+    Py_ssize_t n_own = PyList_GET_SIZE(active), n_all = n_own + PyList_GET_SIZE(gstates);
+    Group *groups = PyMem_Malloc((size_t)(n_all > 0 ? n_all : 1) * sizeof(Group));
+    if (groups == NULL) return PyErr_NoMemory();
+    PyObject *result = NULL, *best_toks = NULL, *best_probs = NULL, *toks = NULL, *probs = NULL;
+    Py_ssize_t n_groups = 0;
+    for (Py_ssize_t c = 0; c < n_all; c++) { /* suffix_draft's grouping: one walk per (trie, count), the longest */
+        int ti = c >= n_own;
+        long long k = (ti ? c - n_own : c) + 1, state;
+        if (k < min_match) continue;
+        if (!ti) {
+            if (get_ll(active, c, &state) < 0) goto done;
+            state = ~state;
+        } else if (get_ll(gstates, c - n_own, &state) < 0) {
+            goto done;
+        }
+        long long budget = (long long)((double)k * factor + offset + 1e-6);
+        if (n_max < budget) budget = n_max;
+        if (tries[ti].D - k < budget) budget = tries[ti].D - k;
+        if (budget <= 0) continue;
+        long long count;
+        if (count_of(&tries[ti], state, &count) < 0) goto done;
+        Py_ssize_t g = 0;
+        while (g < n_groups && (groups[g].trie != ti || groups[g].count != count)) g++;
+        if (g == n_groups) {
+            n_groups++;
+        } else if (!(budget > groups[g].budget || (budget == groups[g].budget && k > groups[g].k))) {
+            continue;
+        }
+        groups[g] = (Group){budget, k, count, state, ti, c};
+    }
+    qsort(groups, (size_t)n_groups, sizeof(Group), by_length);
+    double best_score = 0.0;
+    Group chosen = {0};
+    for (Py_ssize_t g = 0; g < n_groups; g++) {
+        Group *x = &groups[g];
+        Trie *t = &tries[x->trie];
+        if (x->state < 0) { /* skip what cannot beat the best: a path's score is at most budget x its first step */
+            long long bc, n;
+            if (fresh_bestc(t, ~x->state, &bc) < 0 || count_of(t, x->state, &n) < 0) goto done;
+            if (bc <= 0 || n <= 0 || (double)(x->budget * bc) / (double)n <= best_score) continue;
+        } else if ((double)x->budget <= best_score) {
+            continue;
+        }
+        toks = PyList_New(0);
+        probs = PyList_New(0);
+        if (toks == NULL || probs == NULL || walk(t, x->k, x->state, x->budget, p_min, toks, probs) < 0) goto done;
+        Py_ssize_t n = PyList_GET_SIZE(probs);
+        double score = 0.0;
+        for (Py_ssize_t j = 0; j < n; j++) score += PyFloat_AS_DOUBLE(PyList_GET_ITEM(probs, j));
+        if (n > 0 && score > best_score) {
+            best_score = score;
+            chosen = *x;
+            Py_XSETREF(best_toks, toks);
+            Py_XSETREF(best_probs, probs);
+        } else {
+            Py_DECREF(toks);
+            Py_DECREF(probs);
+        }
+        toks = probs = NULL;
+    }
+    if (best_toks == NULL) {
+        result = Py_NewRef(Py_None);
+    } else {
+        result = Py_BuildValue("(OOdLiLL)", best_toks, best_probs, best_score, chosen.k, chosen.trie, chosen.state,
+                               chosen.budget);
+    }
+done:
+    PyMem_Free(groups);
+    Py_XDECREF(toks);
+    Py_XDECREF(probs);
+    Py_XDECREF(best_toks);
+    Py_XDECREF(best_probs);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"advance", advance, METH_VARARGS,
      "advance(states, tokens, max_depth, seqs, best, one, kids_of) -> states: SuffixTrie.advance_through_reference's "
@@ -403,6 +639,9 @@ static PyMethodDef methods[] = {
     {"extend", extend, METH_VARARGS,
      "extend(seq, act, tokens, base, max_depth, seqs, actives, cnt, best, bestc, one, kids_of, free, rescan) -> "
      "act: SuffixTrie.extend_reference's loop, compiled"},
+    {"draft", draft, METH_VARARGS,
+     "draft(active, own_fields, gstates, global_fields, n_max, min_match, p_min, factor, offset) -> None or (tokens, "
+     "probs, score, match_len, from_global, state, budget): suffix_draft over a sequence's candidates, compiled"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -52,13 +52,14 @@ from specray.engine.speculator import DraftRequest, Speculator
 from ._util import EMPTY_DRAFT, HistoryCursor, as_tokens
 from .kept_states import KeptStates
 
-try:  # the compiled core of SuffixTrie.extend and .advance_through (setup.py builds it)
+try:  # the compiled core of SuffixTrie.extend and .advance_through and of the look-up's pick (setup.py builds it)
     from ._suffix_core import LEAF_SHIFT as _CORE_SHIFT
     from ._suffix_core import advance as _core_advance
+    from ._suffix_core import draft as _core_draft
     from ._suffix_core import extend as _core_extend
 except ImportError:  # a source tree that was never built: the references (extend_reference, ...) run instead
-    _CORE_SHIFT = _core_advance = _core_extend = None
-#: whether SuffixTrie.extend and .advance_through run compiled here
+    _CORE_SHIFT = _core_advance = _core_draft = _core_extend = None
+#: whether SuffixTrie.extend and .advance_through and SuffixSpeculator's pick run compiled here
 COMPILED_CORE = _core_extend is not None
 
 _SHIFT = 32
@@ -432,6 +433,15 @@ class SuffixTrie:
         times."""
         return [(i + 1, ~j) for i, j in enumerate(self._active.get(sid, ()))]
 
+    def core_fields(self) -> tuple:
+        """What the compiled pick (_suffix_core.c draft) reads of the trie: its node fields, sequences, depth and
+        its rescan (a node's stale best child)."""
+        return self._cnt, self._best, self._bestc, self._one, self._kids, self.seqs, self.max_depth, self._rescan
+
+    def active_nodes(self, sid: int) -> list[int]:
+        """The node indices of `active_states(sid)`, shortest suffix first (the list the trie keeps: not a copy)."""
+        return self._active.get(sid, [])
+
     def advance(self, states: list, t: int) -> list:
         """Matching states of a context after appending token t.
 
@@ -731,11 +741,7 @@ class SuffixSpeculator(Speculator):
         self._sync(st, h)
         if st.prompt_len < 0:
             st.prompt_len = len(h) - 1
-        cands = [(st.trie, "request", k, s) for k, s in st.trie.active_states(0)]
-        cands += [(self.global_trie, "global", i + 1, s) for i, s in enumerate(st.gstates)]
-        d = suffix_draft(
-            cands, min(req.n_max, p.max_draft), p.min_match, p.p_min, p.max_spec_factor, p.max_spec_offset
-        )
+        d = self._pick(st, min(req.n_max, p.max_draft))
         self._walks.pop(req.seq_id, None)
         if d is None:
             self.last_confidence[req.seq_id] = np.zeros(0)
@@ -746,6 +752,29 @@ class SuffixSpeculator(Speculator):
         self.last_match_len[req.seq_id] = d.match_len
         self._walks[req.seq_id] = d
         return np.array(d.tokens, dtype=np.int32)
+
+    def _pick(self, st: _ReqState, n_max: int) -> Draft | None:
+        """The sequence's best draft over its matches in its own trie and the global one (suffix_draft). Runs the
+        compiled core (_suffix_core.c draft) where it is built and both tries are compiled, else `_pick_reference`:
+        the two pick the same walk."""
+        g, p = self.global_trie, self.params
+        if _core_draft is None or not (st.trie.compiled and g.compiled):
+            return self._pick_reference(st, n_max)
+        got = _core_draft(st.trie.active_nodes(0), st.trie.core_fields(), st.gstates, g.core_fields(), n_max,
+                          p.min_match, p.p_min, p.max_spec_factor, p.max_spec_offset)
+        if got is None:
+            return None
+        tokens, probs, score, k, from_global, state, budget = got
+        trie, source = (g, "global") if from_global else (st.trie, "request")
+        return Draft(tokens, probs, score, k, source, trie, state, budget)
+
+    def _pick_reference(self, st: _ReqState, n_max: int) -> Draft | None:
+        """`_pick` in Python: suffix_draft over the candidates, the reference the compiled pick is held to
+        (tests/unit/test_spec_suffix_core.py)."""
+        p = self.params
+        cands = [(st.trie, "request", k, s) for k, s in st.trie.active_states(0)]
+        cands += [(self.global_trie, "global", i + 1, s) for i, s in enumerate(st.gstates)]
+        return suffix_draft(cands, n_max, p.min_match, p.p_min, p.max_spec_factor, p.max_spec_offset)
 
     def _branches(self, seq_id: int, main: list[int], width: int) -> list[Branch]:
         d = self._walks.pop(seq_id, None)

@@ -178,3 +178,61 @@ def test_the_core_leaks_nothing():
                 t.bump_version()
 
     assert memory_growth(grow_and_drop) < 4096
+
+
+def _picks_compared(spec: SuffixSpeculator, sid: int, n_max: int) -> tuple[int, int]:
+    """The compiled pick and the reference on one sequence's state: the same walk (tokens, probabilities, score,
+    match, trie, state, budget). Returns (1 if it drafted, 1 if the walk was the global trie's)."""
+    st = spec._seqs[sid]
+    mine, ref = spec._pick(st, n_max), spec._pick_reference(st, n_max)
+    if ref is None:
+        assert mine is None
+        return 0, 0
+    assert (mine.tokens, mine.probs, mine.score, mine.match_len, mine.source, mine.state, mine.budget) == (
+        ref.tokens, ref.probs, ref.score, ref.match_len, ref.source, ref.state, ref.budget)
+    assert mine.trie is ref.trie
+    return 1, int(ref.source == "global")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_core_picks_the_walk_the_reference_picks(seed):
+    """Sequences drafting beside a global trie that gains finished sequences and, kept small, evicts them (taken-out
+    nodes, stale best children the pick rescans), over min_match 1-6, draft budgets that the match length, the
+    trie's depth or n_max bounds, p_min 0-0.5 and vocabularies of 3 to 40 tokens: the compiled pick and the
+    reference pick the same walk, from the sequence's own trie and from the global one."""
+    rng = np.random.default_rng(60 + seed)
+    params = suffix.SuffixParams(min_match=int(rng.integers(1, 7)), max_depth=int(rng.choice([8, 16, 64])),
+                                 p_min=float(rng.choice([0.0, 0.1, 0.5])), max_draft=int(rng.choice([4, 32])),
+                                 max_spec_factor=float(rng.choice([0.5, 1.0, 2.0])),
+                                 max_spec_offset=float(rng.choice([-1.0, 0.0, 3.0])),
+                                 global_max_seqs=int(rng.choice([2, 1000])), global_work_per_call=0)
+    spec = SuffixSpeculator(params)
+    vocab = int(rng.choice([3, 12, 40]))
+    base = rng.integers(0, vocab, 120)
+    drafted = from_global = 0
+    for sid in range(10):
+        text = np.concatenate([base[: int(rng.integers(10, 120))], rng.integers(0, vocab, 30), base[:40]])
+        text = text.astype(np.int32)
+        spec.begin(sid % 3, text[:10])
+        for pos in range(10, len(text), int(rng.integers(1, 4))):
+            spec.draft([DraftRequest(sid % 3, text[:pos], 16)])
+            d, g = _picks_compared(spec, sid % 3, int(rng.choice([1, 5, 16])))
+            drafted, from_global = drafted + d, from_global + g
+        spec.end(sid % 3)
+    assert drafted > 20 and from_global > 0
+
+
+def test_the_compiled_pick_leaks_nothing():
+    rng = np.random.default_rng(9)
+    spec = SuffixSpeculator(suffix.SuffixParams(min_match=2, global_work_per_call=0))
+    text = np.tile(rng.integers(0, 8, 40), 4).astype(np.int32)
+    spec.begin(0, text[:100])
+    spec.draft([DraftRequest(0, text[:100], 16)])
+    st = spec._seqs[0]
+    assert spec._pick(st, 16) is not None
+
+    def picks() -> None:
+        for _ in range(50):
+            spec._pick(st, 16)
+
+    assert memory_growth(picks) < 4096

@@ -1,0 +1,37 @@
+#!/bin/bash
+# The host cuts after the compiled look-ups (benchmarks page, "ngram_mod's core, the estimates' core and price
+# runs"): `specray bench` of this checkout against BASE (the commit before them, built in a worktree of its own),
+# interleaved: the host replay at the H100 table at 4 and then 1 slot, in the order after, before, after, before,
+# after, before, with plain decoding and the n-gram chain, each with and without overlapped rounds; then the real
+# run, 4 and then 1 slot, in the order before, after, before, after. BASE runs from the worktree's sources through
+# PYTHONPATH, with the same venv.
+#   bash bench/results/2026-12-05-host-cuts-ab.sh OUTDIR [BASE]
+set -e
+OUT=${1:?usage: $0 OUTDIR [BASE]}
+BASE=${2:-c3e5b04}
+mkdir -p "$OUT"
+ROOT=$(pwd)
+source bench/results/2026-12-05-base-worktree.sh  # WT, PKG: BASE built in a worktree
+D=ngram_mod,suffix,ngram_cache
+B="--categories coding,math_reasoning,qa,rag,summarization,translation --per-category 2 --max-tokens 64
+   --no-llama-baseline"
+bench() {  # bench before|after ARGS...
+  if [ "$1" = before ]; then
+    (cd /tmp && PYTHONPATH="$PKG" "$ROOT/.venv/bin/python" -c \
+      'import sys, specray.cli.main as m; assert m.__file__.startswith(sys.argv[1]); sys.exit(m.main(sys.argv[2:]))' \
+      "$PKG" bench "${@:2}")
+  else
+    .venv/bin/specray bench "${@:2}"
+  fi
+}
+for S in 4 1; do
+  for v in after before after before after before; do
+    bench $v $B --slots $S --host-replay h100 --configs none none@overlap $D $D@overlap \
+      --json "$OUT/replay-s$S-$v-$(date +%H%M%S).json"
+  done
+done
+for S in 4 1; do
+  for v in before after before after; do
+    bench $v $B --slots $S --configs none $D --json "$OUT/inplace-s$S-$v-$(date +%H%M%S).json"
+  done
+done
