@@ -1,6 +1,7 @@
 #!/bin/bash
-# The host cuts after the compiled look-ups (benchmarks page, "ngram_mod's core, the estimates' core and price
-# runs"): `specray bench` of this checkout against BASE (the commit before them, built in a worktree of its own),
+# The host cuts after the compiled look-ups (benchmarks page, "More compiled cores: ngram_mod, the estimates,
+# suffix's pick"): `specray bench` of this checkout against BASE (the commit before them, built in a worktree of
+# its own),
 # interleaved: the host replay at the H100 table at 4 and then 1 slot, in the order after, before, after, before,
 # after, before, with plain decoding and the n-gram chain, each with and without overlapped rounds; then the real
 # run, 4 and then 1 slot, in the order before, after, before, after. BASE runs from the worktree's sources through
