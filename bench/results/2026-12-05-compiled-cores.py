@@ -1,6 +1,6 @@
-"""suffix and ngram_cache with their compiled cores (SuffixTrie.extend, NgramCountTable.update) against the same
-speculators running the cores' pure-Python references (benchmarks page, "Compiled cores for suffix's trie and
-ngram_cache's counts"), in one process, on Spec-Bench's 480 questions.
+"""suffix, ngram_cache and ngram_mod with their compiled cores against the same speculators running the cores'
+pure-Python references (benchmarks page, "Compiled cores for suffix's trie and ngram_cache's counts"; ngram_mod since
+"More compiled cores: ngram_mod, the estimates, suffix's pick"), in one process, on Spec-Bench's 480 questions.
 
 Each question is a sequence, as in 2026-12-05-ngram-cache-entries.py: its chat-templated prompt's first 80% is
 indexed as the target prefills it (`begin`, then `prefilling` in 256-token chunks), the rest is "generated": each
@@ -25,8 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specray.engine.speculators import ngram_cache, suffix
+from specray.engine.speculators import ngram_cache, ngram_mod, suffix
 from specray.engine.speculators.ngram_cache import NgramCacheSpeculator, NgramCountTable
+from specray.engine.speculators.ngram_mod import NgramModPool, NgramModSpeculator
 from specray.engine.speculators.suffix import SuffixSpeculator, SuffixTrie
 
 HERE = Path(__file__).resolve().parent
@@ -44,11 +45,13 @@ def load(name: str):
 
 # the prompts and one sequence's run: the same as the once-seen-ints measurement's
 entries = load("2026-12-05-ngram-cache-entries")
-SPECULATORS = {"suffix": (SuffixSpeculator, SuffixTrie), "ngram_cache": (NgramCacheSpeculator, NgramCountTable)}
+SPECULATORS = {"suffix": (SuffixSpeculator, SuffixTrie), "ngram_cache": (NgramCacheSpeculator, NgramCountTable),
+               "ngram_mod": (NgramModSpeculator, NgramModPool)}
 
 
 def main() -> None:
-    assert suffix.COMPILED_CORE and ngram_cache.COMPILED_CORE, "the compiled cores are not built: pip install -e ."
+    assert suffix.COMPILED_CORE and ngram_cache.COMPILED_CORE and ngram_mod.COMPILED_CORE, \
+        "the compiled cores are not built: pip install -e ."
     out_path = sys.argv[1]
     seqs = entries.prompts()
     print(f"{len(seqs)} sequences, {sum(map(len, seqs))} tokens", file=sys.stderr)
