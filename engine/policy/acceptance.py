@@ -150,8 +150,8 @@ class AcceptanceTracker:
 
         >>> t = AcceptanceTracker()
         >>> t.update(0, 4, 4)
-        >>> t.odds_factor(0) > 1.0 == t.odds_factor(1)   # seq 0 beats the global rate; an unseen one is it
-        True
+        >>> t.odds_factor(0) > 1.0, t.odds_factor(1)   # seq 0 beats the global rate; an unseen one is at it
+        (True, 1.0)
         """
         return math.exp(_logit(self.rate(seq_id)) - _logit(self.global_rate() if g is None else g))
 
