@@ -1,7 +1,8 @@
-# Sourced by the before/after scripts of the compiled look-ups (2026-12-05-compiled-lookups-*.sh): BASE (a commit)
+# Sourced by the before/after scripts (2026-12-05-compiled-lookups-*.sh, 2026-12-05-host-cuts-*.sh): BASE (a commit)
 # checked out in a worktree of its own, its compiled cores built there, and $PKG a folder whose `specray` package
 # is that worktree's sources (PYTHONPATH="$PKG" runs BASE with this checkout's venv). Both go at exit. Needs ROOT
-# (this checkout) and BASE set.
+# (this checkout) and BASE set. `bench before|after ARGS...` runs `specray bench ARGS...` from BASE or from this
+# checkout.
 WT=$(mktemp -d)/base
 git worktree add --detach "$WT" "$BASE" >/dev/null
 (cd "$WT" && "$ROOT/.venv/bin/python" setup.py -q build_ext --inplace >/dev/null 2>&1)
@@ -9,3 +10,12 @@ PKG=$(mktemp -d)
 mkdir "$PKG/specray"
 for d in engine native deployments cluster bench cli train; do ln -s "$WT/$d" "$PKG/specray/$d"; done
 trap 'git worktree remove --force "$WT"; rm -rf "$PKG"' EXIT
+bench() {  # bench before|after ARGS...
+  if [ "$1" = before ]; then
+    (cd /tmp && PYTHONPATH="$PKG" "$ROOT/.venv/bin/python" -c \
+      'import sys, specray.cli.main as m; assert m.__file__.startswith(sys.argv[1]); sys.exit(m.main(sys.argv[2:]))' \
+      "$PKG" bench "${@:2}")
+  else
+    .venv/bin/specray bench "${@:2}"
+  fi
+}

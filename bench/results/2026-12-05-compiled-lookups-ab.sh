@@ -9,19 +9,10 @@ OUT=${1:?usage: $0 OUTDIR [BASE]}
 BASE=${2:-a41b35e}
 mkdir -p "$OUT"
 ROOT=$(pwd)
-source bench/results/2026-12-05-base-worktree.sh  # WT, PKG: BASE built in a worktree
+source bench/results/2026-12-05-base-worktree.sh  # WT, PKG, bench(): BASE built in a worktree
 D=ngram_mod,suffix,ngram_cache
 B="--categories coding,math_reasoning,qa,rag,summarization,translation --per-category 2 --max-tokens 64
    --no-llama-baseline"
-bench() {  # bench before|after ARGS...
-  if [ "$1" = before ]; then
-    (cd /tmp && PYTHONPATH="$PKG" "$ROOT/.venv/bin/python" -c \
-      'import sys, specray.cli.main as m; assert m.__file__.startswith(sys.argv[1]); sys.exit(m.main(sys.argv[2:]))' \
-      "$PKG" bench "${@:2}")
-  else
-    .venv/bin/specray bench "${@:2}"
-  fi
-}
 for S in 4 1; do
   for v in after before after before; do
     bench $v $B --slots $S --host-replay h100 --configs none $D $D@overlap --json "$OUT/replay-s$S-$v-$(date +%H%M%S).json"

@@ -28,6 +28,29 @@
 #define HASH_MUL 6364136223846793005ULL
 #define EMPTY (-1)
 
+/* both buffers int32 (a TypeError naming them else) */
+static int int32_buffers(Py_buffer *a, Py_buffer *b, const char *names) {
+    if (a->itemsize == sizeof(int32_t) && b->itemsize == sizeof(int32_t)) return 0;
+    PyErr_Format(PyExc_TypeError, "ngram_mod core: %s must be int32 buffers", names);
+    return -1;
+}
+
+/* hash(w[0:n]) by Horner's rule, and C**(n-1), the weight of the token that leaves the window when it rolls */
+static uint64_t window_hash(const int32_t *w, Py_ssize_t n, uint64_t *top) {
+    uint64_t h = 0;
+    *top = 1;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        h = h * HASH_MUL + (uint64_t)(int64_t)w[j];
+        if (j + 1 < n) *top *= HASH_MUL;
+    }
+    return h;
+}
+
+/* the hash of the window shifted by one token: `leaving` goes, `entering` comes */
+static uint64_t rolled(uint64_t h, int32_t leaving, int32_t entering, uint64_t top) {
+    return (h - (uint64_t)(int64_t)leaving * top) * HASH_MUL + (uint64_t)(int64_t)entering;
+}
+
 static PyObject *add(PyObject *self, PyObject *args) {
     Py_buffer entries, tokens;
     Py_ssize_t start, stop, n;
@@ -36,10 +59,7 @@ static PyObject *add(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Py_ssize_t size = entries.len / (Py_ssize_t)sizeof(int32_t);
     Py_ssize_t len = tokens.len / (Py_ssize_t)sizeof(int32_t);
-    if (entries.itemsize != sizeof(int32_t) || tokens.itemsize != sizeof(int32_t)) {
-        PyErr_SetString(PyExc_TypeError, "ngram_mod core: entries and tokens must be int32 buffers");
-        goto done;
-    }
+    if (int32_buffers(&entries, &tokens, "entries and tokens") < 0) goto done;
     if (n < 1 || size < 1 || start < 0 || stop > len - n) {
         PyErr_SetString(PyExc_ValueError, "ngram_mod core: n >= 1, a pool, 0 <= start and stop <= len(tokens) - n");
         goto done;
@@ -48,17 +68,14 @@ static PyObject *add(PyObject *self, PyObject *args) {
     const int32_t *t = (const int32_t *)tokens.buf;
     long long used = 0;
     if (start < stop) {
-        uint64_t top = 1; /* C**(n-1): the weight of the token leaving the window */
-        for (Py_ssize_t j = 0; j + 1 < n; j++) top *= HASH_MUL;
-        uint64_t h = 0;
-        for (Py_ssize_t j = 0; j < n; j++) h = h * HASH_MUL + (uint64_t)(int64_t)t[start + j];
+        uint64_t top, h = window_hash(t + start, n, &top);
         const uint64_t usize = (uint64_t)size;
         for (Py_ssize_t i = start;; i++) {
             int32_t *slot = e + (h % usize);
             used += *slot == EMPTY;
             *slot = t[i + n];
             if (i + 1 == stop) break;
-            h = (h - (uint64_t)(int64_t)t[i] * top) * HASH_MUL + (uint64_t)(int64_t)t[i + n];
+            h = rolled(h, t[i], t[i + n], top);
         }
     }
     result = PyLong_FromLongLong(used);
@@ -77,10 +94,7 @@ static PyObject *roll(PyObject *self, PyObject *args) {
     int32_t *drafted = NULL;
     Py_ssize_t size = entries.len / (Py_ssize_t)sizeof(int32_t);
     Py_ssize_t n = window.len / (Py_ssize_t)sizeof(int32_t);
-    if (entries.itemsize != sizeof(int32_t) || window.itemsize != sizeof(int32_t)) {
-        PyErr_SetString(PyExc_TypeError, "ngram_mod core: entries and window must be int32 buffers");
-        goto done;
-    }
+    if (int32_buffers(&entries, &window, "entries and window") < 0) goto done;
     if (n < 1 || size < 1) {
         PyErr_SetString(PyExc_ValueError, "ngram_mod core: a window of at least one token and a pool");
         goto done;
@@ -89,9 +103,7 @@ static PyObject *roll(PyObject *self, PyObject *args) {
     if (out == NULL || limit <= 0) goto done;
     const int32_t *e = (const int32_t *)entries.buf;
     const int32_t *w = (const int32_t *)window.buf;
-    uint64_t top = 1, h = 0;
-    for (Py_ssize_t j = 0; j + 1 < n; j++) top *= HASH_MUL;
-    for (Py_ssize_t j = 0; j < n; j++) h = h * HASH_MUL + (uint64_t)(int64_t)w[j];
+    uint64_t top, h = window_hash(w, n, &top);
     const uint64_t usize = (uint64_t)size;
     if (e[h % usize] == EMPTY) goto done; /* the common case: no draft */
     drafted = PyMem_Malloc((size_t)limit * sizeof(int32_t));
@@ -105,8 +117,8 @@ static PyObject *roll(PyObject *self, PyObject *args) {
         int32_t tok = e[h % usize];
         if (tok == EMPTY) break;
         drafted[k] = tok;
-        int32_t leaving = k < n ? w[k] : drafted[k - n]; /* the window's first token, then the drafted ones */
-        h = (h - (uint64_t)(int64_t)leaving * top) * HASH_MUL + (uint64_t)(int64_t)tok;
+        /* the window's first token leaves, then the drafted ones */
+        h = rolled(h, k < n ? w[k] : drafted[k - n], tok, top);
     }
     if (k < limit && k < n_min) goto done; /* a miss before n_min tokens: no draft */
     for (Py_ssize_t j = 0; j < k; j++) {
