@@ -472,8 +472,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="with --queue-order cached, a request that has waited this long goes ahead of any that "
                         f"has not {d(EngineConfig, 'queue_max_wait_s')}")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=S,
-                   help="overlapped rounds: the last round's text and events are made and delivered, and "
-                        "model-free speculators set up new sequences and merge finished ones, while the "
+                   help="overlapped rounds: the last round's text and events are made and delivered, "
+                        "model-free speculators set up new sequences and merge finished ones, and the policy "
+                        "learns from the last round's verdicts, while the "
                         "target decodes (on a GPU, behind the device's work; on CPU on a helper thread, which "
                         "gains little: the decode's threads hold the cores; with a target actor, while it decodes) "
                         f"(default: {'on' if EngineConfig().overlap else 'off'})")

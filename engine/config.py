@@ -352,7 +352,8 @@ class EngineConfig(BaseModel):
     overlap: bool = Field(
         False, description="overlapped rounds: the host work of a round that needs no result of it (the last "
         "round's text decoded, its events made and delivered; model-free speculators' set-up of new sequences "
-        "and merge of finished ones) runs while the target decodes. A GPU's decode "
+        "and merge of finished ones; the policy's learning from the last round's verdicts, its stats and "
+        "prices) runs while the target decodes. A GPU's decode "
         "returns once queued, so that work is hidden behind the device's; on CPU the decode runs on a thread of "
         "its own, which exercises the overlap but gains little (the decode's threads hold the cores). With a "
         "target actor (distributed mode) the work runs while the actor decodes")

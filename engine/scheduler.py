@@ -281,6 +281,15 @@ def commit_round(verdict: Callable[[Proposal, int, int, np.ndarray], None], deco
     return emit, failed
 
 
+def _learn_verdict(policy: DraftPolicy, prop: Proposal, n_drafted: int, n_accepted: int, emitted: np.ndarray) -> None:
+    """An overlapped round's verdict into the policy (DraftPolicy.learn): a failure is logged, as the verdict's
+    telling is in commit_round, and the rounds go on."""
+    try:
+        policy.learn(prop, n_drafted, n_accepted, emitted)
+    except Exception:
+        log.exception("the policy's learning from a verdict failed")
+
+
 def _same(e: Event) -> Event:
     return e
 
@@ -340,7 +349,9 @@ class Scheduler:
         self._beside: ThreadPoolExecutor | None = None  # where that work runs while a CPU decode blocks
         self._later: list[Callable[[], Event]] = []  # the last round's events, not made yet
         self._chain_later: list[Callable[[], None]] = []  # speculators' set-ups and merges, not run yet
-        self._learn_later: list[Callable[[], None]] = []  # the last round's stats and price learning, not run yet
+        # the last round's learning, not run yet: the policy's from its verdicts (and the slots it forgets, in
+        # order with them), its stats and prices
+        self._learn_later: list[Callable[[], None]] = []
         self._made: list[Event] = []  # events made and delivered, not yet returned by step()
 
     # the target decode's price model (the policy's; settable)
@@ -417,7 +428,7 @@ class Scheduler:
             seq.slot, seq.state, seq.t_admit = plan.slot, SeqState.PREFILL, time.perf_counter()
             self.active[plan.slot] = seq
             self.reserved += seq.reserve
-            self.policy.forget_sequence(plan.slot, seq.chain)  # what it learnt of the slot's last sequence
+            self._forget(plan.slot, seq.chain)  # what the policy learnt of the slot's last sequence
             # its speculators' set-up: while this round decodes where the overlap may take it (it drafts after
             # its prefill, and its first prompt rows are mirrored after the decode)
             self._speculators(seq.chain, functools.partial(self._begin, seq, plan.slot, prompt, plan.reuse))
@@ -467,6 +478,25 @@ class Scheduler:
             self._run_chain_later()
         op()
 
+    def _verdict(self, prop: Proposal, n_drafted: int, n_accepted: int, emitted: np.ndarray) -> None:
+        """A sequence's verdict for its speculators and the policy (DraftPolicy.accept). The speculators hear it
+        now, before they draft for the sequence again; with overlapped rounds the policy learns from it while
+        the next round decodes (that round is planned on estimates one round older), in order with the
+        `_forget`s of its slots."""
+        if not self.overlap:
+            self.policy.accept(prop, n_drafted, n_accepted, emitted)
+            return
+        self.policy.tell(prop, n_drafted, n_accepted)
+        self._learn_later.append(functools.partial(_learn_verdict, self.policy, prop, n_drafted, n_accepted, emitted))
+
+    def _forget(self, slot: int, names: tuple[str, ...]) -> None:
+        """The policy forgets what it learnt of the sequence on `slot` (DraftPolicy.forget_sequence): now, or with
+        overlapped rounds after the verdicts still waiting to be learnt, the slot's last one among them."""
+        if self.overlap:
+            self._learn_later.append(functools.partial(self.policy.forget_sequence, slot, names))
+        else:
+            self.policy.forget_sequence(slot, names)
+
     def _run_chain_later(self) -> None:
         ops, self._chain_later = self._chain_later, []
         for op in ops:
@@ -504,7 +534,7 @@ class Scheduler:
             # cells but not in the history: cut; after a context shift, only the kept front): kept for a later
             # prompt, a failed state never
             self.target.release(slot, keep=self.prefix_cache.finished(seq))
-            self.policy.forget_sequence(slot, seq.chain)
+            self._forget(slot, seq.chain)
             if seq.chain:
                 self._speculators(seq.chain, functools.partial(self._end, slot, seq.chain))
 
@@ -521,6 +551,7 @@ class Scheduler:
         that runs step(): it ends and begins running sequences' speculators, which a round also calls."""
         old = self.config.chain
         self._run_chain_later()
+        self._run_learn_later()  # verdicts of the speculators being rebuilt, into the estimates they replace
         change = self.chain.reconfigure(new, {s.slot: (s.chain, s.history_view()) for s in self.active.values()})
         self.policy.chain_changed(change)
         # a fresh instance gets another chance (one that failed and was not rebuilt stays disabled)
@@ -588,7 +619,7 @@ class Scheduler:
         self.stats.target_seconds += out.decode_seconds
         self.stats.rollback.add(out.rollback)  # (None where a KV cache is trimmed)
 
-        emit, failed = commit_round(self.policy.accept, decoding, proposals, chunks, items, out.results, self._mirror)
+        emit, failed = commit_round(self._verdict, decoding, proposals, chunks, items, out.results, self._mirror)
         clock.lap("accept")
         if self.overlap:  # tokens kept and sequences finished now; text and events while the next round decodes
             taken = [(s, *self._take(s, res), s.finished) for s, res in emit]
@@ -782,7 +813,8 @@ class Scheduler:
     def _make_later(self) -> None:
         """The work left for the next decode: speculators' set-ups and merges, then the last round's events
         made (their text decoded now) and delivered (on_event), in order (step() returns them), then the last
-        round's stats and price learning (the next round was planned on prices one round older)."""
+        round's learning: the policy's from its verdicts and its stats and prices (the next round was planned
+        on estimates and prices one round older)."""
         self._run_chain_later()
         later, self._later = self._later, []
         for make in later:
@@ -792,8 +824,12 @@ class Scheduler:
                 self.on_event(e)
         if later and self.on_delivered:
             self.on_delivered()
-        learn, self._learn_later = self._learn_later, []
-        for op in learn:
+        self._run_learn_later()
+
+    def _run_learn_later(self) -> None:
+        """The learning left for the next decode, now: verdicts, forgotten slots, the rounds' stats and prices."""
+        ops, self._learn_later = self._learn_later, []
+        for op in ops:
             op()
 
     def _take_made(self) -> list[Event]:

@@ -291,12 +291,24 @@ class DraftPolicy:
     # ---- after the verify ------------------------------------------------------------
     def accept(self, prop: Proposal, n_drafted: int, n_accepted: int, emitted: np.ndarray | None = None) -> None:
         """One sequence's verdict: n_drafted tokens of `prop` sent, n_accepted of them accepted. The speculators
-        asked for it are told (Chain.accept), and the estimates, the gate and the catch-up shares learn.
+        asked for it are told (`tell`), and the estimates, the gate and the catch-up shares learn (`learn`).
 
         emitted: the tokens the target produced this round (accepted draft tokens + the next one). With
         them every asked speculator's whole draft is judged, sent or not (a draft the planner cut to
         nothing still learns from the one token every round emits); without, only the sent draft."""
+        self.tell(prop, n_drafted, n_accepted)
+        self.learn(prop, n_drafted, n_accepted, emitted)
+
+    def tell(self, prop: Proposal, n_drafted: int, n_accepted: int) -> None:
+        """`accept`'s first half: the speculators asked for the sequence hear the verdict (Chain.accept). Due
+        before they draft for it again: a speculator may credit the verdict to its last draft."""
         self.chain.accept(prop.seq_id, prop.asked, prop.speculator, n_drafted, n_accepted)
+
+    def learn(self, prop: Proposal, n_drafted: int, n_accepted: int, emitted: np.ndarray | None = None) -> None:
+        """`accept`'s second half: the policy's own learning from the verdict (trees, acceptance estimates,
+        calibration, the look-up gate, model speculators' sent shares). It reads only `prop` and the verdict, so
+        it may come a round late (overlapped rounds learn while the next round decodes), before the
+        `forget_sequence` of the sequence's slot."""
         if prop.tree is not None:
             self.trees.judge(prop, emitted)
         for name in prop.asked:

@@ -94,3 +94,63 @@ def test_a_rounds_stats_and_prices_are_learnt_inside_the_next_decode():
         last = max(j for j in range(i) if log[j] in (("launch",), ("collect",)))
         assert log[last] == ("launch",), log
     assert at[-1] > max(i for i, e in enumerate(log) if e == ("collect",))
+
+
+def test_the_policy_learns_each_verdict_inside_the_next_decode_before_its_slot_is_forgotten():
+    log: list = []
+    s = _scheduler(log)
+    policy = s.policy
+    tell, learn, forget = policy.tell, policy.learn, policy.forget_sequence
+    policy.tell = lambda prop, *a: log.append(("tell", prop.seq_id)) or tell(prop, *a)
+    policy.learn = lambda prop, *a: log.append(("learn", prop.seq_id)) or learn(prop, *a)
+    policy.forget_sequence = lambda slot, names: log.append(("forget", slot)) or forget(slot, names)
+    a = s.submit(GenerationRequest(np.arange(100, 120, dtype=np.int32), max_tokens=3))
+    b = s.submit(GenerationRequest(np.arange(200, 230, dtype=np.int32), max_tokens=2))
+    while s.has_work():
+        s.step()
+    assert a.finished and b.finished and not s.has_work()
+    tells = [i for i, e in enumerate(log) if e[0] == "tell"]
+    learns = [i for i, e in enumerate(log) if e[0] == "learn"]
+    assert len(tells) == len(learns) == 3  # a's rounds after its prefill (2), b's (1): one verdict each
+    for t, l in zip(tells, learns):
+        # the speculators hear it in its own round, before the next launch; the policy learns from it inside the
+        # next decode (between that launch and its collect) or, with no round left, after the last one
+        assert log[t - 1] == ("collect",) and t < l
+        opened = max(j for j in range(l) if log[j] in (("launch",), ("collect",)))
+        assert log[opened] == ("launch",) or l > max(i for i, e in enumerate(log) if e == ("collect",))
+    # slot 0 is forgotten as a is admitted and ends, then as b is admitted and ends: a's verdicts are learnt
+    # before its end is forgotten, b's after b's admission and before its end
+    forgets = [i for i, e in enumerate(log) if e == ("forget", 0)]
+    assert len(forgets) == 4
+    assert forgets[0] < learns[0] < learns[1] < forgets[1] < forgets[2] < learns[2] < forgets[3]
+
+
+def test_without_overlap_the_policy_learns_each_verdict_in_its_own_round():
+    log: list = []
+    config = EngineConfig(slots=1, calibrate=False, chain=ChainConfig(speculators=["suffix"]), cache_ram=0,
+                          prompt_cache=False)
+    s = Scheduler(config, LaunchedTarget(log), Tok(), RecordingChain(log), n_ctx=2048)
+    accept = s.policy.accept
+    s.policy.accept = lambda prop, *a: log.append(("accept", prop.seq_id)) or accept(prop, *a)
+    s.submit(GenerationRequest(np.arange(100, 120, dtype=np.int32), max_tokens=3))
+    while s.has_work():
+        s.step()
+    # each right after its round's decode, before the next one starts
+    assert [e for e in log if e[0] in ("launch", "collect", "accept")] == [
+        ("launch",), ("collect",), ("launch",), ("collect",), ("accept", 0), ("launch",), ("collect",),
+        ("accept", 0)]
+
+
+def test_a_verdict_the_policy_fails_to_learn_is_logged_and_the_rounds_go_on(caplog):
+    log: list = []
+    s = _scheduler(log)
+
+    def fail(*a):
+        raise RuntimeError("estimates broke")
+
+    s.policy.learn = fail
+    a = s.submit(GenerationRequest(np.arange(100, 120, dtype=np.int32), max_tokens=4))
+    while s.has_work():
+        s.step()
+    assert a.finished and a.generated == [5, 5, 5, 5]
+    assert "the policy's learning from a verdict failed" in caplog.text
