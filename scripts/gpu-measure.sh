@@ -230,7 +230,8 @@ lls lls_ngram_mod 4 --spec-type ngram-mod
 # 5. several slots
 bench s4 4 4 --configs "${CONFIGS[@]}" --verify-shape both
 bench s8 8 8 --configs "${CONFIGS[@]}" --verify-shape both
-# 5b. overlapped rounds (engine.overlap): the last round's text, events and speculator set-ups while the GPU decodes
+# 5b. overlapped rounds (engine.overlap): the last round's text, events, speculator set-ups and the policy's learning
+#     from its verdicts while the GPU decodes
 bench s4_overlap 4 4 --configs none none@overlap ngram_mod,suffix,ngram_cache ngram_mod,suffix,ngram_cache@overlap \
   --no-llama-baseline
 # 6. where the host time goes with the default chain (cProfile of the measured rounds)
