@@ -486,7 +486,7 @@ class Scheduler:
         if not self.overlap:
             self.policy.accept(prop, n_drafted, n_accepted, emitted)
             return
-        self.policy.tell(prop, n_drafted, n_accepted)
+        self.policy.tell(prop, n_drafted, n_accepted, emitted)
         self._learn_later.append(functools.partial(_learn_verdict, self.policy, prop, n_drafted, n_accepted, emitted))
 
     def _forget(self, slot: int, names: tuple[str, ...]) -> None:

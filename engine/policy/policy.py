@@ -296,21 +296,23 @@ class DraftPolicy:
         emitted: the tokens the target produced this round (accepted draft tokens + the next one). With
         them every asked speculator's whole draft is judged, sent or not (a draft the planner cut to
         nothing still learns from the one token every round emits); without, only the sent draft."""
-        self.tell(prop, n_drafted, n_accepted)
+        self.tell(prop, n_drafted, n_accepted, emitted)
         self.learn(prop, n_drafted, n_accepted, emitted)
 
-    def tell(self, prop: Proposal, n_drafted: int, n_accepted: int) -> None:
-        """`accept`'s first half: the speculators asked for the sequence hear the verdict (Chain.accept). Due
-        before they draft for it again: a speculator may credit the verdict to its last draft."""
+    def tell(self, prop: Proposal, n_drafted: int, n_accepted: int, emitted: np.ndarray | None = None) -> None:
+        """`accept`'s first half, due before the sequence's next draft: the speculators asked for it hear the
+        verdict (Chain.accept; one may credit it to its last draft), and a draft tree's branches are judged
+        (trees.judge reads what was last sent for the sequence)."""
         self.chain.accept(prop.seq_id, prop.asked, prop.speculator, n_drafted, n_accepted)
-
-    def learn(self, prop: Proposal, n_drafted: int, n_accepted: int, emitted: np.ndarray | None = None) -> None:
-        """`accept`'s second half: the policy's own learning from the verdict (trees, acceptance estimates,
-        calibration, the look-up gate, model speculators' sent shares). It reads only `prop` and the verdict, so
-        it may come a round late (overlapped rounds learn while the next round decodes), before the
-        `forget_sequence` of the sequence's slot."""
         if prop.tree is not None:
             self.trees.judge(prop, emitted)
+
+    def learn(self, prop: Proposal, n_drafted: int, n_accepted: int, emitted: np.ndarray | None = None) -> None:
+        """`accept`'s second half: the policy's own learning from the verdict (acceptance estimates,
+        calibration, the look-up gate, model speculators' sent shares). It reads only `prop`, the verdict and
+        state kept per speculator or per slot, never what a later draft replaces, so it may come a round late
+        (overlapped rounds learn while the next round decodes), before the `forget_sequence` of the sequence's
+        slot."""
         for name in prop.asked:
             winner = name == prop.speculator and n_drafted > 0
             if self.chain.is_model(name):

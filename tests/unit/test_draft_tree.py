@@ -261,6 +261,37 @@ def test_the_policy_sends_a_tree_where_rows_are_nearly_free_and_none_where_they_
     assert sent["dear"].tree is None
 
 
+
+def test_a_tree_verdict_is_judged_when_the_speculators_are_told_not_when_the_policy_learns():
+    """Overlapped rounds learn a verdict a round late (DraftPolicy.learn), after the next round's tree was sent:
+    a tree is judged in DraftPolicy.tell, against what was sent with it."""
+    from specray.engine.chain import Chain
+    from specray.engine.config import ChainConfig
+    from specray.engine.cost import DecodeCostModel
+    from specray.engine.policy import DraftPolicy, Room, SeqDraftRequest
+    from specray.engine.speculators.registry import speculator_factory
+
+    h = np.array([7, 1, 2, 7, 1, 2, 7, 1, 2, 7, 1, 2, 7, 3, 4, 0, 7, 1, 5, 7, 1], np.int32)
+    chain = Chain(ChainConfig(speculators=["suffix"], params={"suffix": {"min_match": 2, "p_min": 0.01}},
+                              trees=True), speculator_factory())
+    policy = DraftPolicy(chain, DecodeCostModel({1: 0.010, 64: 0.0101}, learn=False))
+    chain.begin(0, ("suffix",), h)
+    room = Room(free_rows=64, base_rows=1, tree_width=3, tree_seqs=3)
+    [p] = policy.plan_round([SeqDraftRequest(0, ("suffix",), h, 4, tree=True)], room)
+    assert p.tree is not None
+    emitted = np.array([9], np.int32)  # the target took none of it
+    policy.tell(p, len(p.tokens), 0, emitted)
+    judged = policy.trees.snapshot()["by_speculator"]["suffix"]
+    assert judged["drafts"] == 1 and judged["accepted_by_rank"] == [1]
+    # the next round sends a tree for the sequence again (the same history: any round that sends one), and only
+    # then does the policy learn from the first verdict
+    [p2] = policy.plan_round([SeqDraftRequest(0, ("suffix",), h, 4, tree=True)], room)
+    assert p2.tree is not None
+    policy.learn(p, len(p.tokens), 0, emitted)
+    assert policy.trees.snapshot()["by_speculator"]["suffix"] == judged  # judged once, in tell
+    policy.tell(p2, len(p2.tokens), 0, emitted)
+    assert policy.trees.snapshot()["by_speculator"]["suffix"]["drafts"] == 2
+
 def test_an_ab_arm_turns_trees_on_for_its_own_engine():
     from specray.deployments.ab.arms import ArmConfig
     from specray.deployments.builder import tree_seqs
