@@ -2,7 +2,8 @@
 # checked out in a worktree of its own, its compiled cores built there, and $PKG a folder whose `specray` package
 # is that worktree's sources (PYTHONPATH="$PKG" runs BASE with this checkout's venv). Both go at exit. Needs ROOT
 # (this checkout) and BASE set. `bench before|after ARGS...` runs `specray bench ARGS...` from BASE or from this
-# checkout.
+# checkout; `ab replay|inplace "ORDER" CONFIGS...` runs CONFIGS at 4 and then 1 slot, once per word of ORDER
+# (before/after), on the held-out categories (B), each run's JSON into $OUT.
 WT=$(mktemp -d)/base
 git worktree add --detach "$WT" "$BASE" >/dev/null
 (cd "$WT" && "$ROOT/.venv/bin/python" setup.py -q build_ext --inplace >/dev/null 2>&1)
@@ -18,4 +19,18 @@ bench() {  # bench before|after ARGS...
   else
     .venv/bin/specray bench "${@:2}"
   fi
+}
+D=ngram_mod,suffix,ngram_cache  # the n-gram chain
+B="--categories coding,math_reasoning,qa,rag,summarization,translation --per-category 2 --max-tokens 64
+   --no-llama-baseline"
+ab() {  # ab replay|inplace "ORDER" CONFIGS...: replay at the H100 table, or a real run
+  local kind=$1 order=$2 S v
+  shift 2
+  local table=()
+  [ "$kind" = replay ] && table=(--host-replay h100)
+  for S in 4 1; do
+    for v in $order; do
+      bench $v $B --slots $S "${table[@]}" --configs "$@" --json "$OUT/$kind-s$S-$v-$(date +%H%M%S).json"
+    done
+  done
 }

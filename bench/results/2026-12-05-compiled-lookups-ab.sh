@@ -9,17 +9,6 @@ OUT=${1:?usage: $0 OUTDIR [BASE]}
 BASE=${2:-a41b35e}
 mkdir -p "$OUT"
 ROOT=$(pwd)
-source bench/results/2026-12-05-base-worktree.sh  # WT, PKG, bench(): BASE built in a worktree
-D=ngram_mod,suffix,ngram_cache
-B="--categories coding,math_reasoning,qa,rag,summarization,translation --per-category 2 --max-tokens 64
-   --no-llama-baseline"
-for S in 4 1; do
-  for v in after before after before; do
-    bench $v $B --slots $S --host-replay h100 --configs none $D $D@overlap --json "$OUT/replay-s$S-$v-$(date +%H%M%S).json"
-  done
-done
-for S in 4 1; do
-  for v in before after before after; do
-    bench $v $B --slots $S --configs none $D --json "$OUT/inplace-s$S-$v-$(date +%H%M%S).json"
-  done
-done
+source bench/results/2026-12-05-base-worktree.sh  # bench(), ab(), D, B: BASE built in a worktree
+ab replay "after before after before" none $D $D@overlap
+ab inplace "before after before after" none $D
