@@ -101,6 +101,8 @@ class HostTier:
     def over_budget(self) -> list[int]:
         """Keys to drop, least recently used first, until the entries and the kept buffers fit the budget."""
         out, total = [], self.bytes + self.kept_bytes
+        if total <= self.budget_bytes:  # asked every round: most find the tier within its budget, with nothing to sort
+            return out
         for k in sorted(self.entries, key=lambda k: self.entries[k].last_used):
             if total <= self.budget_bytes:
                 break

@@ -204,7 +204,10 @@ class Sequence:
         if self._hist_len + n > len(self.history):
             grow = np.zeros(max(len(self.history), n + 64), dtype=np.int32)
             self.history = np.concatenate([self.history[: self._hist_len], grow])
-        self.history[self._hist_len : self._hist_len + n] = toks
+        if n == 1:  # most rounds keep one token: an item write runs far less of numpy than a slice of a list
+            self.history[self._hist_len] = toks[0]
+        else:
+            self.history[self._hist_len : self._hist_len + n] = toks
         self._hist_len += n
         self.generated.extend(toks.tolist() if isinstance(toks, np.ndarray) else toks)
 

@@ -5,7 +5,8 @@ target call (its llama_decode, its verification, and the rest: batch filling,
 KV rollback and, for a target actor, the hop), acceptance bookkeeping,
 emission (detokenising, finishing), delivery to the listeners and learning
 from the round (its timing into the price models, its stamps into the
-stats; with overlapped rounds that runs in the next round's decode). Every
+stats; with overlapped rounds that runs in the next round's decode, else
+every few rounds for the rounds since, in the last one's `learn`). Every
 second of `Scheduler.step` is in exactly one stage, so the stages add up to
 the round; everything but `decode` is host work, the part that does not shrink
 when the target runs on a faster device (on a GPU, where a small model's decode

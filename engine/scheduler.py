@@ -203,6 +203,11 @@ PREFILL_FLOOR = 32
 #: replay has gone through, so a run of rejections cannot grow it without bound
 MAX_REPLAY_TO_DRAFT = 16
 
+#: rounds whose timing is learnt together when rounds do not overlap: one round's learning, run after a decode,
+#: finds its code and the price models out of the CPU's caches, and the rounds after it in the same batch find
+#: them warm; prices a few rounds old plan as well (they move over hundreds of rounds)
+LEARN_BATCH = 8
+
 
 def draft_requests(decoding: list[Sequence], disabled: set[str], n_ctx: int,
                    buckets: tuple[int, ...] | None, cap: int | None = None,
@@ -397,7 +402,8 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether step() has anything to do: sequences running or queued, or (overlapped rounds) the last
-        round's events not yet returned, or its set-ups, merges or learning not yet done."""
+        round's events not yet returned, or its set-ups or merges not yet done, or rounds not yet learnt (the
+        last one with overlapped rounds, else a batch short of LEARN_BATCH)."""
         return bool(self.active or self.queue or self._later or self._made or self._chain_later or self._learn_later)
 
     def _admit(self) -> None:
@@ -647,7 +653,11 @@ class Scheduler:
                  any(it.tile_pad for it in items), quote)
         if self.overlap:  # the round's stats and prices are learnt while the next round decodes
             self._learn_later.append(functools.partial(self._learn, *learn))
+        elif len(self._learn_later) < LEARN_BATCH - 1:  # learnt with the rounds after it
+            self._learn_later.append(functools.partial(self._learn, *learn))
+            clock.lap("learn")
         else:
+            self._run_learn_later()
             self._learn(*learn, lap=True)
         return events
 
@@ -679,7 +689,8 @@ class Scheduler:
                padded: bool = False, quote: TileQuote | None = None, lap: bool = False) -> None:
         """A round's timing into the price models of the policy that planned it (decode, host work, rollbacks),
         whatever policy plans the next round, and its stamps into the stats; `lap`: the round is this one, just
-        ended, and the learning is its `learn` stage (an overlapped round learns in the next one's decode). A
+        ended, and the learning is its `learn` stage (an overlapped round learns in the next one's decode, others
+        in batches of LEARN_BATCH rounds, each batch in the `learn` stage of its last round). A
         round padded to the attention tile teaches the price of its shape only, as a prefill round does: its
         decode ran another kernel than the few-row one the table and the attention cost price drafts at."""
         share = prefill_share(lambda n: policy.cost.cost(n, cells), n_rows, n_prefill)  # at the prices it ran at
@@ -688,7 +699,7 @@ class Scheduler:
         if quote is not None and len(out.batch_sizes) == 1:
             self.tile_fit.observe(quote, out.decode_seconds)
         if lap:
-            clock.lap("learn")  # the stats' own folding below is the only work of the round left out
+            clock.lap("learn")  # this round's own stats folding below is the only work of a round left out
         self.stats.add_round(clock, share, emitted if loaded else None, n_decoding)
 
     def _prompt_chunks(self, prefilling: list[Sequence], room: int, beside: bool) -> list[tuple[Sequence, int]]:
@@ -827,7 +838,8 @@ class Scheduler:
         self._run_learn_later()
 
     def _run_learn_later(self) -> None:
-        """The learning left for the next decode, now: verdicts, forgotten slots, the rounds' stats and prices."""
+        """The learning left for later, now: verdicts and forgotten slots (overlapped rounds), the rounds' stats
+        and prices."""
         ops, self._learn_later = self._learn_later, []
         for op in ops:
             op()

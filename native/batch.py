@@ -52,6 +52,15 @@ class Batch:
         i = self.n_tokens
         if i + n > self.capacity:
             raise ValueError(f"batch overflow: {i + n} tokens > capacity {self.capacity}")
+        if n == 1:  # most rows (plain decoding, a sequence sent no draft): item writes run far less of numpy than slices
+            self.token[i] = tokens[0]
+            self.pos[i] = pos0
+            self.seq_ids[i] = seq_id
+            self.n_seq_id[i] = 1
+            self.logits[i] = 1 if n_logits else 0
+            self.n_tokens += 1
+            self.n_outputs += n_logits
+            return i
         self.token[i : i + n] = tokens
         self.pos[i : i + n] = np.arange(pos0, pos0 + n, dtype=np.int32)
         self.seq_ids[i : i + n] = seq_id

@@ -39,6 +39,12 @@ CTX_PAD = 256
 #: ggml_compute_forward_flash_attn_ext_f16)
 CPU_FA_TILE_ROWS = 64
 
+#: llama_get_logits, returning the output buffer's address as an int. The binding's own returns a new ctypes pointer
+#: object, which then takes a cast to compare: on the round thread, right after a decode, that machinery is out of
+#: the CPU's caches and cost several times this call
+_logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
+    ctypes.cast(llama_cpp.llama_get_logits, ctypes.c_void_p).value)
+
 
 def n_ctx_for_seq(cells: int, slots: int, kv_unified: bool) -> int:
     """The smallest n_ctx, as llama.cpp sizes a context, that gives one sequence `cells` KV cells: unified,
@@ -205,12 +211,14 @@ class Context:
         [n_outputs, n_vocab] float32 view into llama.cpp's buffer, valid until the next decode."""
         if n_outputs == 0:
             return np.zeros((0, self.model.n_vocab), dtype=np.float32)
-        ptr = llama_cpp.llama_get_logits(self.ptr)
+        addr = _logits_address(self.ptr)
         # a view of llama.cpp's output buffer, made again only when the buffer moved or grew: building it
         # (np.ctypeslib.as_array) is not free, and would be paid on every round
-        addr = ctypes.cast(ptr, ctypes.c_void_p).value
         view = self._logits_view
         if view is None or self._logits_addr != addr or len(view) < n_outputs:
+            if not addr:
+                raise DecodeError("llama.cpp returned no logits buffer")
+            ptr = ctypes.cast(addr, ctypes.POINTER(ctypes.c_float))
             view = self._logits_view = np.ctypeslib.as_array(ptr, shape=(n_outputs, self.model.n_vocab))
             self._logits_addr = addr
         return view[:n_outputs]

@@ -10,7 +10,8 @@ import numpy as np
 from specray.engine.chain import Chain
 from specray.engine.config import ChainConfig, EngineConfig
 from specray.engine.request import GenerationRequest
-from specray.engine.scheduler import Scheduler
+from specray.engine import scheduler
+from specray.engine.scheduler import LEARN_BATCH, Scheduler
 from specray.engine.speculators.registry import speculator_factory
 
 from .standin_target import LaunchedTarget, Tok
@@ -139,6 +140,39 @@ def test_without_overlap_the_policy_learns_each_verdict_in_its_own_round():
     assert [e for e in log if e[0] in ("launch", "collect", "accept")] == [
         ("launch",), ("collect",), ("launch",), ("collect",), ("accept", 0), ("launch",), ("collect",),
         ("accept", 0)]
+
+
+def test_without_overlap_rounds_are_learnt_in_batches_in_their_order_and_all_by_the_end(monkeypatch):
+    clocks: list = []  # each round's clock as it starts
+
+    class Clock(scheduler.RoundClock):
+        def __init__(self, *a):
+            super().__init__(*a)
+            clocks.append(self)
+
+    monkeypatch.setattr(scheduler, "RoundClock", Clock)
+    log: list = []
+    config = EngineConfig(slots=1, calibrate=False, chain=ChainConfig(speculators=["suffix"]), cache_ram=0,
+                          prompt_cache=False)
+    s = Scheduler(config, LaunchedTarget(log), Tok(), RecordingChain(log), n_ctx=2048)
+    learnt: list = []  # the clocks of the rounds learnt, as they are
+    add_round = s.stats.add_round
+    s.stats.add_round = lambda clock, *a: learnt.append(clock) or add_round(clock, *a)
+    observed = []
+    observe = s.policy.observe
+    s.policy.observe = lambda *a: observed.append(a) or observe(*a)
+    s.submit(GenerationRequest(np.arange(100, 120, dtype=np.int32), max_tokens=2 * LEARN_BATCH + 3))
+    waiting = []  # after each step: rounds run and not yet learnt
+    while s.has_work():
+        s.step()
+        waiting.append(log.count(("launch",)) - len(learnt))
+    rounds = log.count(("launch",))
+    assert rounds == 2 * LEARN_BATCH + 3 and s.stats.rounds == rounds and len(observed) == rounds
+    assert learnt == clocks[:rounds]  # every round's, in order (the last step ran no round)
+    # a batch waits until it has LEARN_BATCH rounds, the last one's own included; what is left is learnt once no
+    # round runs
+    assert waiting[: 2 * LEARN_BATCH] == [*range(1, LEARN_BATCH), 0] * 2
+    assert waiting[2 * LEARN_BATCH :] == [1, 2, 3, 0]
 
 
 def test_a_verdict_the_policy_fails_to_learn_is_logged_and_the_rounds_go_on(caplog):
