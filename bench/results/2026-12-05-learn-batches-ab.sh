@@ -1,0 +1,16 @@
+#!/bin/bash
+# Rounds learnt eight at a time without overlapped rounds, the logits' address read without a pointer object, and
+# one-row runs written with item writes (benchmarks page, "Learning in batches, and the round's smaller cuts"):
+# `specray bench` of this checkout against BASE (the commit before, built in a worktree of its own), interleaved:
+# real runs at 4 and then 1 slot in the order before, after, before, after, with plain decoding and the n-gram
+# chain; then the host replay at the H100 table, the same way. BASE runs from the worktree's sources through
+# PYTHONPATH, with the same venv.
+#   bash bench/results/2026-12-05-learn-batches-ab.sh OUTDIR [BASE]
+set -e
+OUT=${1:?usage: $0 OUTDIR [BASE]}
+BASE=${2:-95025f9}
+mkdir -p "$OUT"
+ROOT=$(pwd)
+source bench/results/2026-12-05-base-worktree.sh  # bench(), ab(), D, B: BASE built in a worktree
+ab inplace "before after before after" none $D
+ab replay "after before after before" none $D
