@@ -121,6 +121,11 @@ class _Session:
     window: np.ndarray  # last tokens of the sequence (for the repetition penalty)
     prompt: np.ndarray | None = None  # kept where the request reports its prompt's logprobs (echo)
     constraint: TokenConstraint | None = None  # the request's grammar state (SamplingParams.grammar)
+    # whether the penalties read `window` (push keeps it): asked for every verified item, so decided once
+    windowed: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.windowed = self.params.repeat_last_n > 0 and self.params.penalty_active
 
     def position_rngs(self, pos0: int, n: int) -> list[np.random.Generator]:
         """One generator per sequence position: a sampled token depends only on
@@ -128,10 +133,8 @@ class _Session:
         return [np.random.default_rng((self.seed, p)) for p in range(pos0, pos0 + n)]
 
     def push(self, tokens: np.ndarray) -> None:
-        n = self.params.repeat_last_n
-        if n <= 0 or not self.params.penalty_active or len(tokens) == 0:
-            return
-        self.window = np.concatenate([self.window, tokens])[-n:]
+        if self.windowed and len(tokens):
+            self.window = np.concatenate([self.window, tokens])[-self.params.repeat_last_n :]
 
 
 def top2_margin(rows: np.ndarray) -> np.ndarray:
@@ -595,7 +598,8 @@ class TargetRunner:
         draft and then the target's own token, with their top-2 margins (record_margins) and logprobs where asked.
         A grammar with no allowed token, or a state that cannot be rolled back, ends the sequence (error)."""
         sess = self.sessions[it.seq_id]
-        sess.push(it.tokens[it.n_replay : it.n_commit])
+        if sess.windowed:
+            sess.push(it.tokens[it.n_replay : it.n_commit])
         plp = None
         if echo:  # row j predicts the prompt token after it
             p0 = it.pos0 + 1
@@ -622,9 +626,11 @@ class TargetRunner:
         error = self.rollback.undo(self.ctx, it, n_acc, pad)
         if error is not None:  # nothing may decode on this state: the sequence ends here
             return StepResult(it.seq_id, np.zeros(0, dtype=np.int32), error=error)
-        sess.push(draft[:n_acc])
         out = np.empty(n_acc + 1, dtype=np.int32)
-        out[:n_acc] = draft[:n_acc]
+        if n_acc:  # most rows have no accepted draft: no slices to make
+            out[:n_acc] = draft[:n_acc]
+            if sess.windowed:
+                sess.push(out[:n_acc])
         out[n_acc] = verdict.next_token
         margins = self._margins(rows[: n_acc + 1], masked) if self.record_margins else None
         # each emitted token's own row: what target-only decoding would have reported for it
