@@ -1,7 +1,8 @@
 """What a call costs on the round thread right after a decode, against the same call repeated at once: the
 logits' address through llama-cpp-python's binding (a pointer object, then a cast) and through Context.logits;
-a one-row batch run written with slices and with Batch.add_seq (item writes); numpy's argmax over the logits row
-and over an array of the same size touched only before the decode. SmolLM2, one slot, decoding its own greedy
+a one-row batch run written with slices and with Batch.add_seq (item writes); numpy's argmax method over the
+logits row and over an array of the same size touched only before the decode; then np.argmax (numpy's Python
+wrapper around that method) over the row the method has just read. SmolLM2, one slot, decoding its own greedy
 tokens; the variants alternate round by round. Medians in microseconds, into OUT.json.
     .venv/bin/python bench/results/2026-12-05-cold-calls.py OUT.json [ROUNDS]"""
 import ctypes, json, sys, time
@@ -58,6 +59,7 @@ def main(out, rounds=600):
         row = ctx.logits(1)[0]
         timed(["argmax: the logits row", "argmax: an array touched before the decode"][k],
               (lambda: row.argmax()) if k == 0 else (lambda: other.argmax()))
+        timed("np.argmax(the logits row), after the method", lambda: np.argmax(row))
         tok, pos = int(row.argmax()), pos + 1
     res = {k: round(1e6 * float(np.median(v)), 1) for k, v in times.items()}
     for k, v in res.items():
