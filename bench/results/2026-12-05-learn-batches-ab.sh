@@ -1,10 +1,11 @@
 #!/bin/bash
-# Rounds learnt eight at a time without overlapped rounds, the logits' address read without a pointer object, and
-# one-row runs written with item writes (benchmarks page, "Learning in batches, and the round's smaller cuts"):
+# Rounds learnt eight at a time without overlapped rounds, the logits' address read without a pointer object,
+# one-row runs written with item writes and the verification's slices skipped (benchmarks page, "Learning in
+# batches, and what a call costs after a decode"):
 # `specray bench` of this checkout against BASE (the commit before, built in a worktree of its own), interleaved:
 # real runs at 4 and then 1 slot in the order before, after, before, after, with plain decoding and the n-gram
-# chain; then the host replay at the H100 table, the same way. BASE runs from the worktree's sources through
-# PYTHONPATH, with the same venv.
+# chain; then the host replay at the H100 table in the order after, before, after, before. BASE runs from the
+# worktree's sources through PYTHONPATH, with the same venv.
 #   bash bench/results/2026-12-05-learn-batches-ab.sh OUTDIR [BASE]
 set -e
 OUT=${1:?usage: $0 OUTDIR [BASE]}
