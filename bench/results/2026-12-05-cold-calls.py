@@ -1,13 +1,12 @@
 """What a call costs on the round thread right after a decode, against the same call repeated at once: the
-logits' address through llama-cpp-python's binding (a pointer object, then a cast) and through Context.logits;
-a one-row batch run written with slices and with Batch.add_seq (item writes); numpy's argmax method over the
-logits row and over an array of the same size touched only before the decode; then np.argmax (numpy's Python
-wrapper around that method) over the row the method has just read. SmolLM2, one slot, decoding its own greedy
-tokens; the variants alternate round by round. Medians in microseconds, into OUT.json.
+logits' address (Context.logits); a one-row batch run written with slices and with Batch.add_seq (item
+writes); numpy's argmax method over the logits row and over an array of the same size touched only before the
+decode; then np.argmax (numpy's Python wrapper around that method) over the row the method has just read.
+SmolLM2, one slot, decoding its own greedy tokens; the variants alternate round by round. Medians in
+microseconds, into OUT.json.
     .venv/bin/python bench/results/2026-12-05-cold-calls.py OUT.json [ROUNDS]"""
-import ctypes, json, sys, time
+import json, sys, time
 
-import llama_cpp
 import numpy as np
 
 from specray.native.context import Context
@@ -24,10 +23,6 @@ def slices(b, seq_id, tokens, pos0, n_logits):  # a run written as Batch.add_seq
     b.logits[i + n - n_logits:i + n] = 1
     b.n_tokens += n
     b.n_outputs += n_logits
-
-
-def binding(ctx):  # the logits' address as the binding gives it
-    return ctypes.cast(llama_cpp.llama_get_logits(ctx.ptr), ctypes.c_void_p).value
 
 
 def main(out, rounds=600):
@@ -54,8 +49,7 @@ def main(out, rounds=600):
             timed("one-row run: Batch.add_seq", lambda: (b.clear(), b.add_seq(0, run, pos, 1)))
         other.argmax()
         ctx.launch(b)
-        timed(["logits address: the binding and a cast", "logits address: Context.logits"][k],
-              (lambda: binding(ctx)) if k == 0 else (lambda: ctx.logits(1)))
+        timed("logits address: Context.logits", lambda: ctx.logits(1))
         row = ctx.logits(1)[0]
         timed(["argmax: the logits row", "argmax: an array touched before the decode"][k],
               (lambda: row.argmax()) if k == 0 else (lambda: other.argmax()))
