@@ -56,5 +56,7 @@ def run_in_process(engine: LocalEngine, prompts: list[Prompt], concurrency: int,
                                 "speculative": {"drafts": st.drafts, "drafted_tokens": st.drafted,
                                                 "accepted_tokens": st.accepted}})
     wall = time.perf_counter() - t0
+    while engine.scheduler.has_work():  # rounds not yet learnt into the stats (Scheduler.has_work)
+        engine.step()
     return {"url": None, "mode": "in-process"} | aggregate(results, [], wall, concurrency) | \
         window_figures(before, snapshot(engine))

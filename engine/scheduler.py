@@ -341,6 +341,7 @@ class Scheduler:
         self.reserved = 0  # KV cells reserved by active sequences (without sharing: prefix_cache counts shares)
         self.awaited: set[int] = set()  # slots of prefilling sequences whose prefix queued ones wait to copy
         self.stats = RoundStats()
+        self.rounds_run = 0  # rounds step() has run, counted as each starts (stats.rounds: as each is learnt)
         # how far the attention kernels' start-up prices miss where rounds run (tile_pads.py)
         self.tile_fit = KernelFit()
         self.disabled_speculators: set[str] = set()
@@ -577,6 +578,7 @@ class Scheduler:
         if not self.active:
             self._make_later()
             return self._take_made()
+        self.rounds_run += 1
         clock.lap("admit")
         if self.shared_cells is not None and not self.config.flash_attn_on:
             # every cell in use is computed for every token, masked or not: idle caches slow the running sequences

@@ -52,7 +52,7 @@ class Batch:
         i = self.n_tokens
         if i + n > self.capacity:
             raise ValueError(f"batch overflow: {i + n} tokens > capacity {self.capacity}")
-        if n == 1:  # most rows (plain decoding, a sequence sent no draft): item writes run far less of numpy than slices
+        if n == 1:  # most runs (plain decoding, no draft sent): item writes run far less of numpy than slices
             self.token[i] = tokens[0]
             self.pos[i] = pos0
             self.seq_ids[i] = seq_id

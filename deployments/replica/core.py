@@ -150,7 +150,7 @@ class RouterCore:
         return seq, sink
 
     def cancel(self, seq: Sequence) -> None:
-        self._post(Op("cancel", seq=seq, round_posted=self.scheduler.stats.rounds))
+        self._post(Op("cancel", seq=seq, round_posted=self.scheduler.rounds_run))
 
     def call(self, fn, timeout: float | None = 30.0):
         """Run fn() on the round thread between rounds (thread-safe scheduler access)."""

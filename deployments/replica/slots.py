@@ -89,7 +89,7 @@ class Slots:
         if op.seq.finished:
             return
         self.rel.cancelled += 1
-        self.rel.cancel_rounds_max = max(self.rel.cancel_rounds_max, self.scheduler.stats.rounds - op.round_posted)
+        self.rel.cancel_rounds_max = max(self.rel.cancel_rounds_max, self.scheduler.rounds_run - op.round_posted)
         try:
             self.scheduler.cancel(op.seq)
         except Exception:

@@ -167,7 +167,7 @@ def test_without_overlap_rounds_are_learnt_in_batches_in_their_order_and_all_by_
         s.step()
         waiting.append(log.count(("launch",)) - len(learnt))
     rounds = log.count(("launch",))
-    assert rounds == 2 * LEARN_BATCH + 3 and s.stats.rounds == rounds and len(observed) == rounds
+    assert rounds == 2 * LEARN_BATCH + 3 and s.rounds_run == s.stats.rounds == rounds and len(observed) == rounds
     assert learnt == clocks[:rounds]  # every round's, in order (the last step ran no round)
     # a batch waits until it has LEARN_BATCH rounds, the last one's own included; what is left is learnt once no
     # round runs
