@@ -1,9 +1,14 @@
-# Sourced by the before/after scripts (2026-12-05-compiled-lookups-*.sh, 2026-12-05-host-cuts-*.sh): BASE (a commit)
-# checked out in a worktree of its own, its compiled cores built there, and $PKG a folder whose `specray` package
-# is that worktree's sources (PYTHONPATH="$PKG" runs BASE with this checkout's venv). Both go at exit. Needs ROOT
-# (this checkout) and BASE set. `bench before|after ARGS...` runs `specray bench ARGS...` from BASE or from this
-# checkout; `ab replay|inplace "ORDER" CONFIGS...` runs CONFIGS at 4 and then 1 slot, once per word of ORDER
+# Sourced, with the script's own arguments (OUTDIR [BASE]), by the before/after scripts (2026-12-05-*-ab.sh,
+# 2026-12-05-*-alone.sh), each of which sets BASE_DEFAULT, the commit it compares against: OUT (made) and BASE from
+# those arguments, ROOT this checkout; BASE checked out in a worktree of its own, its compiled cores built there,
+# and $PKG a folder whose `specray` package is that worktree's sources (PYTHONPATH="$PKG" runs BASE with this
+# checkout's venv). Both go at exit. `bench before|after ARGS...` runs `specray bench ARGS...` from BASE or from
+# this checkout; `ab replay|inplace "ORDER" CONFIGS...` runs CONFIGS at 4 and then 1 slot, once per word of ORDER
 # (before/after), on the held-out categories (B), each run's JSON into $OUT.
+OUT=${1:?usage: $0 OUTDIR [BASE]}
+BASE=${2:-$BASE_DEFAULT}
+mkdir -p "$OUT"
+ROOT=$(pwd)
 WT=$(mktemp -d)/base
 git worktree add --detach "$WT" "$BASE" >/dev/null
 (cd "$WT" && "$ROOT/.venv/bin/python" setup.py -q build_ext --inplace >/dev/null 2>&1)

@@ -5,10 +5,7 @@
 # before, after, before, after. BASE runs from the worktree's sources through PYTHONPATH, with the same venv.
 #   bash bench/results/2026-12-05-compiled-lookups-ab.sh OUTDIR [BASE]
 set -e
-OUT=${1:?usage: $0 OUTDIR [BASE]}
-BASE=${2:-a41b35e}
-mkdir -p "$OUT"
-ROOT=$(pwd)
-source bench/results/2026-12-05-base-worktree.sh  # bench(), ab(), D, B: BASE built in a worktree
+BASE_DEFAULT=a41b35e
+source bench/results/2026-12-05-base-worktree.sh "$@"  # OUT, BASE, ROOT, bench(), ab(), D, B
 ab replay "after before after before" none $D $D@overlap
 ab inplace "before after before after" none $D

@@ -5,11 +5,8 @@
 # core off), which both commits share.
 #   bash bench/results/2026-12-05-compiled-lookups-alone.sh OUTDIR [BASE]
 set -e
-OUT=${1:?usage: $0 OUTDIR [BASE]}
-BASE=${2:-a41b35e}
-mkdir -p "$OUT"
-ROOT=$(pwd)
-source bench/results/2026-12-05-base-worktree.sh  # WT, PKG: BASE built in a worktree
+BASE_DEFAULT=a41b35e
+source bench/results/2026-12-05-base-worktree.sh "$@"  # OUT, BASE, ROOT, WT, PKG
 SCRIPT=bench/results/2026-12-05-compiled-cores.py
 for i in 1 2 3; do
   (cd /tmp && PYTHONPATH="$PKG" "$ROOT/.venv/bin/python" "$WT/$SCRIPT" "$OUT/before-$i.json")

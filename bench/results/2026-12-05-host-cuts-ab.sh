@@ -8,10 +8,7 @@
 # PYTHONPATH, with the same venv.
 #   bash bench/results/2026-12-05-host-cuts-ab.sh OUTDIR [BASE]
 set -e
-OUT=${1:?usage: $0 OUTDIR [BASE]}
-BASE=${2:-c3e5b04}
-mkdir -p "$OUT"
-ROOT=$(pwd)
-source bench/results/2026-12-05-base-worktree.sh  # bench(), ab(), D, B: BASE built in a worktree
+BASE_DEFAULT=c3e5b04
+source bench/results/2026-12-05-base-worktree.sh "$@"  # OUT, BASE, ROOT, bench(), ab(), D, B
 ab replay "after before after before after before" none none@overlap $D $D@overlap
 ab inplace "before after before after" none $D

@@ -5,11 +5,8 @@
 # ngram_mod's core against its reference), alternately, twice each; then 2026-12-05-estimate-alone.py.
 #   bash bench/results/2026-12-05-host-cuts-alone.sh OUTDIR [BASE]
 set -e
-OUT=${1:?usage: $0 OUTDIR [BASE]}
-BASE=${2:-c3e5b04}
-mkdir -p "$OUT"
-ROOT=$(pwd)
-source bench/results/2026-12-05-base-worktree.sh  # WT, PKG: BASE built in a worktree
+BASE_DEFAULT=c3e5b04
+source bench/results/2026-12-05-base-worktree.sh "$@"  # OUT, BASE, ROOT, WT, PKG
 SCRIPT=bench/results/2026-12-05-compiled-cores.py
 for i in 1 2; do
   (cd /tmp && PYTHONPATH="$PKG" "$ROOT/.venv/bin/python" "$WT/$SCRIPT" "$OUT/before-$i.json")

@@ -8,10 +8,7 @@
 # worktree's sources through PYTHONPATH, with the same venv.
 #   bash bench/results/2026-12-05-learn-batches-ab.sh OUTDIR [BASE]
 set -e
-OUT=${1:?usage: $0 OUTDIR [BASE]}
-BASE=${2:-95025f9}
-mkdir -p "$OUT"
-ROOT=$(pwd)
-source bench/results/2026-12-05-base-worktree.sh  # bench(), ab(), D, B: BASE built in a worktree
+BASE_DEFAULT=95025f9
+source bench/results/2026-12-05-base-worktree.sh "$@"  # OUT, BASE, ROOT, bench(), ab(), D, B
 ab inplace "before after before after" none $D
 ab replay "after before after before" none $D

@@ -7,11 +7,8 @@
 # run. BASE runs from the worktree's sources through PYTHONPATH, with the same venv.
 #   bash bench/results/2026-12-05-overlap-verdicts-ab.sh OUTDIR [BASE]
 set -e
-OUT=${1:?usage: $0 OUTDIR [BASE]}
-BASE=${2:-7cd4e26}
-mkdir -p "$OUT"
-ROOT=$(pwd)
-source bench/results/2026-12-05-base-worktree.sh  # bench(), ab(), D, B: BASE built in a worktree
+BASE_DEFAULT=7cd4e26
+source bench/results/2026-12-05-base-worktree.sh "$@"  # OUT, BASE, ROOT, bench(), ab(), D, B
 ab replay "after before after before after before" none none@overlap $D $D@overlap
 # then a real run (on CPU the overlapped work runs on a helper thread while the round thread decodes)
 ab inplace "before after before after" none none@overlap $D $D@overlap
