@@ -1,4 +1,4 @@
-"""Four things tried against the round's host time in place, each a hook around `specray bench` run in this process
+"""Five things tried against the round's host time in place, each a hook around `specray bench` run in this process
 (experiments page, "The round's host time in place, probed"):
 - `base`: none (the control);
 - `prefetch`: after every decode, a prefetch of libpython's whole code mapping into the L2 cache, from a few lines
@@ -8,10 +8,13 @@
   3000th decode; the model's weights stay in llama.cpp's file mapping, which MADV_COLLAPSE refuses (EINVAL);
 - `objects`: after every decode, a prefetch of the engine's own objects: breadth first from the scheduler and the
   modules of specray.engine and specray.native through gc.get_referents, level by level up to the level that
-  reaches 1,500 objects ($OBJECTS_LIMIT) (classes and modules are not walked through, arrays over 4 KiB are not walked), each
-  object's first 256 bytes, a dict's key table
-  and a list's item array (their pointers read at CPython 3.11's offsets) and a small array's data; the set made
-  again every 300 rounds, from the 50th; its time added by the reader (`probe.prefetch_seconds`);
+  reaches 1,500 objects ($OBJECTS_LIMIT; classes and modules are not walked through, arrays over 4 KiB are not
+  walked): each object's first 256 bytes, a dict's key table and a list's item array (their pointers read at
+  CPython 3.11's offsets) and a small array's data; the set made again every 300 rounds of the run, from the 50th;
+  its time added by the reader (`probe.prefetch_seconds`);
+- `objects-in-wait`: the same prefetch in the host replay (`--host-replay`), inside its wait for the simulated
+  decode, 0.2 ms before the wait ends, as a host waiting on a GPU could run it (no time of the round's own); each
+  scheduler's set made from its own 50th round, and only the running scheduler's prefetched;
 - `gc`: the garbage collector's collections, by generation, inside the scheduler's rounds and outside them.
 The bench's own JSON goes to the path given with --json; the probe's counters to OUT.json.
     .venv/bin/python bench/results/2026-12-05-inplace-probes.py MODE OUT.json BENCH_ARGS..."""
@@ -123,31 +126,46 @@ if MODE == "prefetch":
         probe["prefetch_seconds"] += time.perf_counter() - t0
         probe["prefetches"] += 1
     hook_launch(prefetch)
-elif MODE == "objects":
+elif MODE in ("objects", "objects-in-wait"):
     lib = built_prefetch()
-    ranges: list = []
+    ranges: list = []  # [addresses, lengths, the scheduler they were taken from]
     probe.update(objects=0, cache_lines=0, sets_made=0, prefetches=0, prefetch_seconds=0.0)
     step = scheduler.Scheduler.step
-    rounds = [0]
+    # rounds counted over every scheduler of the run (`objects`), or each scheduler's own (`objects-in-wait`: the
+    # replay runs a scheduler per configuration after the real run's, and prefetches only the running one's set)
+    rounds: dict = {}
+    current = [0]  # the scheduler running
 
     def remade(self):
-        rounds[0] += 1
-        if rounds[0] % 300 == 50:
-            mods = [m for n, m in sys.modules.items() if n.startswith(("specray.engine", "specray.native"))]
-            addr, length, n = engine_objects([self, *mods], int(os.environ.get("OBJECTS_LIMIT", "1500")))
-            ranges[:] = [addr, length]
-            probe.update(objects=n, cache_lines=int(((length.astype("int64") + 63) // 64).sum()),
+        key = id(self) if MODE == "objects-in-wait" else 0
+        n = rounds[key] = rounds.get(key, 0) + 1
+        if n % 300 == 50:
+            mods = [m for k, m in sys.modules.items() if k.startswith(("specray.engine", "specray.native"))]
+            addr, length, n_objects = engine_objects([self, *mods], int(os.environ.get("OBJECTS_LIMIT", "1500")))
+            ranges[:] = [addr, length, id(self)]
+            probe.update(objects=n_objects, cache_lines=int(((length.astype("int64") + 63) // 64).sum()),
                          sets_made=probe["sets_made"] + 1)
+        current[0] = id(self)
         return step(self)
     scheduler.Scheduler.step = remade
 
     def prefetch_objects():
-        if ranges:
+        if ranges and (MODE == "objects" or ranges[2] == current[0]):
             t0 = time.perf_counter()
             lib.prefetch_ranges(ranges[0].ctypes.data, ranges[1].ctypes.data, len(ranges[0]))
             probe["prefetch_seconds"] += time.perf_counter() - t0
             probe["prefetches"] += 1
-    hook_launch(prefetch_objects)
+    if MODE == "objects":
+        hook_launch(prefetch_objects)
+    else:
+        from specray.bench import host_replay
+
+        def logits(self, n_outputs):
+            host_replay.spin(self._until - 0.0002 - time.perf_counter())
+            prefetch_objects()
+            host_replay.spin(self._until - time.perf_counter())
+            return self.buf[:n_outputs]
+        host_replay.ReplayDecode.logits = logits
 elif MODE == "hugepages":
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -191,7 +209,7 @@ elif MODE == "gc":
             in_round[0] = False
     scheduler.Scheduler.step = counted
 elif MODE != "base":
-    sys.exit(f"unknown MODE {MODE!r}: base, prefetch, objects, hugepages or gc")
+    sys.exit(f"unknown MODE {MODE!r}: base, prefetch, objects, objects-in-wait, hugepages or gc")
 
 atexit.register(lambda: json.dump(probe, open(OUT, "w"), indent=1))
 from specray.cli.main import main  # noqa: E402  (after the hooks)
