@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from specray.bench.host_replay import H100_MS
+from specray.bench.host_replay import H100_MS, spin
 from specray.bench.prompts import default_prompts_path, load_prompts
 from specray.native.context import Context
 from specray.native.model import Model
@@ -82,9 +82,7 @@ def run(ctx: Context, model: Model, prompts: list[np.ndarray], slots: int, token
         if way == "decode" or step == 0:
             ctx.launch(b)
         else:  # the last decode's logits stay in llama.cpp's buffer: the spin replaces the decode, not its output
-            end = t0 + (last_decode if way == "spin" else H100_MS[min(r for r in H100_MS if r >= slots)] / 1e3)
-            while time.perf_counter() < end:
-                pass
+            spin(last_decode if way == "spin" else H100_MS[min(r for r in H100_MS if r >= slots)] / 1e3)
         t1 = time.perf_counter()
         nxt = [p + step + 1 for p in pos]
         host_work(ctx, model, slots, nxt, out, text, ended)
